@@ -1,0 +1,330 @@
+"""``hpcasync bench allreduce``: MPI_Allreduce vs ours (flat, hierarchical) vs Horovod, with memcpy.
+
+Run with several ranks (the committed table uses 4)::
+
+    mpiexec -n 4 hpcasync bench allreduce [--sizes 4K 64K 1M 64M] [--iters 50] [--out FILE]
+
+Per message size (float32 elements, sum, in place) it measures:
+
+* ``memcpy``: one process copying the same number of bytes (``torch.Tensor.copy_``) while the other
+  ranks sleep — this machine's single-core copy bandwidth, measured in the same run;
+* ``MPI``: ``MPI_Allreduce`` through mpi4py;
+* ``ours``: :func:`hpcasync.comm.allreduce` (``algorithm="auto"``: the shared-memory window from
+  8 KiB, MPI below);
+* ``hier``: :func:`hpcasync.comm.hierarchical_allreduce` on 2 virtual nodes of size/2 ranks;
+* ``hvd``: ``horovod.torch.allreduce_`` (Sum), when ``import horovod.torch`` works.
+
+Bandwidth is *algorithm bandwidth*: message bytes / time of one allreduce (no bus-bandwidth
+correction), in GB/s = 1e9 bytes/s. An iteration's time is the slowest rank's (each iteration
+starts after a barrier); a cell is the median over ``--iters`` iterations after 3 warm-up ones,
+fewer for big messages (at most ``--budget-mb`` MiB moved per cell, and at least 5). Before
+timing, each method's result on random data is checked against MPI_Allreduce's. Torch runs
+single-threaded: the ranks share the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, TopologyError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
+WARMUP = 3
+TARGET_FROM = 64 << 10            # the goal: ours >= MPI_Allreduce from this size up
+# Open MPI variables that mpiexec itself sets in every process (not the user's settings)
+_LAUNCHER_SET = {"OMPI_MCA_PREFIXES", "OMPI_MCA_num_procs", "OMPI_MCA_initial_wdir",
+                 "OMPI_MCA_cpu_type"}
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 bytes (K, M, G = KiB, MiB, GiB); a positive multiple of 4 bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        value = int(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else int(raw)
+    except ValueError:
+        raise ConfigError(f"--sizes: cannot read {text!r} (use e.g. 4K, 64K, 1M, 64M)") from None
+    if value < 4 or value % 4:
+        raise ConfigError(f"--sizes: {text!r} is not a positive multiple of 4 bytes")
+    return value
+
+
+def human(nbytes: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, metavar="SIZE",
+                        help="message sizes, e.g. 4K 64K 1M 64M (default: 4K 16K ... 64M)")
+    parser.add_argument("--iters", type=int, default=50,
+                        help="timed iterations per cell, fewer for big messages (default 50)")
+    parser.add_argument("--budget-mb", type=int, default=512,
+                        help="at most this many MiB moved per timed cell (default 512)")
+    parser.add_argument("--no-horovod", action="store_true", help="skip Horovod even if installed")
+    parser.add_argument("--out", default=None, help="also write the markdown report to FILE")
+
+
+# -- timing ------------------------------------------------------------------------------------
+def _idle_barrier(comm, poll: float = 0.001) -> None:
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, float]:
+    """Median over iterations of the slowest rank's seconds per method.
+
+    The methods take turns inside every iteration (each call after a barrier), so a burst of
+    background load hits all of them alike instead of whichever happened to be running.
+    """
+    from mpi4py import MPI
+
+    tensors = {name: torch.zeros(nbytes // 4) for name in methods}   # zeros: no overflow
+    times = np.empty((len(methods), WARMUP + iters))
+    for i in range(WARMUP + iters):
+        for k, (name, fn) in enumerate(methods.items()):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(tensors[name])
+            times[k, i] = time.perf_counter() - t0
+    slowest = np.ascontiguousarray(times[:, WARMUP:])
+    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    return {name: float(np.median(slowest[k])) for k, name in enumerate(methods)}
+
+
+def time_memcpy(comm, nbytes: int, iters: int) -> float:
+    """Rank 0 copies ``nbytes`` while the other ranks sleep; every rank gets the median seconds."""
+    median = 0.0
+    if comm.Get_rank() == 0:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(WARMUP + iters):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        median = statistics.median(times[WARMUP:])
+    _idle_barrier(comm)
+    return comm.bcast(median, root=0)
+
+
+def verify(comm, methods: dict, numel: int) -> None:
+    """Each method's sum of random data must equal MPI_Allreduce's in float64 (to rounding)."""
+    from mpi4py import MPI
+
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(1234 + comm.Get_rank()))
+    ref = data.double()
+    comm.Allreduce(MPI.IN_PLACE, ref.numpy(), op=MPI.SUM)
+    bad = []
+    for name, fn in methods.items():
+        t = data.clone()
+        fn(t)
+        if not torch.allclose(t.double(), ref, rtol=1e-5, atol=1e-4):
+            bad.append(name)
+    bad = sorted(set(comm.allreduce(bad)))
+    if bad:
+        raise RuntimeError(f"allreduce benchmark: wrong results from {', '.join(bad)}")
+
+
+def load_horovod(comm, skip: bool):
+    """``horovod.torch`` if it imports on every rank, else None (not initialised yet)."""
+    from mpi4py import MPI
+
+    hvd = None
+    if not skip:
+        try:
+            import horovod.torch as hvd
+        except Exception as exc:  # ImportError, or a Horovod built against another MPI/torch
+            log.info("horovod unavailable: %s", exc)
+            hvd = None
+    return hvd if comm.allreduce(hvd is not None, op=MPI.LAND) else None
+
+
+def measure(comm, sizes: list[int], *, iters: int, budget_bytes: int, hvd=None) -> list[dict]:
+    """One row per size: ``bytes``, ``iters``, ``layout`` and seconds per method.
+
+    Horovod is measured last, in its own pass: once initialised, its background thread runs a
+    coordination cycle every few milliseconds and would slow every other method down.
+    """
+    from mpi4py import MPI
+
+    from ..comm import allreduce, hierarchical_allreduce
+    from ..topology import Topology
+
+    n = comm.Get_size()
+    topo = Topology.build(comm, ranks_per_node=n // 2) if n % 2 == 0 else None
+    methods = {
+        "mpi": lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
+        "ours": lambda t: allreduce(comm, t),
+    }
+    if topo is not None:
+        methods["hier"] = lambda t: hierarchical_allreduce(topo, t)
+    layout = f"{topo.num_nodes}×{topo.local_size}" if topo is not None else ""
+    rows = []
+    try:
+        for nbytes in sizes:
+            cell_iters = max(5, min(iters, budget_bytes // nbytes))
+            verify(comm, methods, nbytes // 4)
+            row = {"bytes": nbytes, "iters": cell_iters, "layout": layout,
+                   "memcpy": time_memcpy(comm, nbytes, cell_iters)}
+            row.update(time_interleaved(comm, methods, nbytes, cell_iters))
+            rows.append(row)
+            log.info("allreduce bench: %s done", human(nbytes))
+    finally:
+        if topo is not None:
+            topo.free()
+    if hvd is not None:
+        hvd.init(comm=comm)
+        try:
+            horovod = {"hvd": lambda t: hvd.allreduce_(t, op=hvd.Sum, name=f"bench.{t.numel()}")}
+            for row in rows:
+                verify(comm, horovod, row["bytes"] // 4)
+                row.update(time_interleaved(comm, horovod, row["bytes"], row["iters"]))
+        finally:
+            hvd.shutdown()
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------
+def _gbps(nbytes: int, seconds: float | None) -> float | None:
+    return None if not seconds else nbytes / seconds / 1e9
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: GB/s per method (× memcpy in parentheses), ratios ours/MPI, ours/hvd."""
+    has_hier = any("hier" in r for r in rows)
+    has_hvd = any("hvd" in r for r in rows)
+    head = ["size", "iters", "memcpy GB/s", "MPI_Allreduce GB/s", "ours flat GB/s"]
+    head += [f"ours hier {rows[0]['layout']} GB/s"] * has_hier + ["Horovod GB/s"] * has_hvd
+    head += ["ours/MPI"] + ["hier/MPI"] * has_hier + ["ours/Horovod"] * has_hvd
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        b, mem = r["bytes"], _gbps(r["bytes"], r["memcpy"])
+
+        def cell(key):
+            g = _gbps(b, r.get(key))
+            return "–" if g is None else f"{g:.3f} ({g / mem:.2f}×)"
+
+        cells = [human(b), str(r["iters"]), f"{mem:.2f}", cell("mpi"), cell("ours")]
+        cells += [cell("hier")] * has_hier + [cell("hvd")] * has_hvd
+        cells.append(f"{r['mpi'] / r['ours']:.2f}")
+        if has_hier:
+            cells.append(f"{r['mpi'] / r['hier']:.2f}")
+        if has_hvd:
+            cells.append(f"{r['hvd'] / r['ours']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    """Facts about the target (ours >= MPI_Allreduce from 64 KiB; ours > Horovod)."""
+    big = [r for r in rows if r["bytes"] >= TARGET_FROM]
+    out = []
+    if big:
+        worst = min(big, key=lambda r: r["mpi"] / r["ours"])
+        verdict = "met" if worst["mpi"] / worst["ours"] >= 1.0 else "NOT met"
+        out.append(f"ours >= MPI_Allreduce from 64 KiB up: {verdict} (lowest ours/MPI "
+                   f"{worst['mpi'] / worst['ours']:.2f} at {human(worst['bytes'])}).")
+    hv = [r for r in rows if "hvd" in r]
+    if hv:
+        worst = min(hv, key=lambda r: r["hvd"] / r["ours"])
+        out.append(f"ours vs Horovod: lowest ours/Horovod {worst['hvd'] / worst['ours']:.2f} "
+                   f"at {human(worst['bytes'])}.")
+    else:
+        out.append("Horovod: not measured (`import horovod.torch` failed or --no-horovod).")
+    return " ".join(out)
+
+
+def machine(comm) -> str:
+    from mpi4py import MPI
+
+    cores = os.cpu_count() or 0
+    ranks = comm.Get_size()
+    over = " (oversubscribed: more ranks than cores)" if ranks > cores else ""
+    lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    return (f"{ranks} ranks on {cores} cores{over}, {platform.machine()}, {lib}, "
+            f"mpi4py {__import__('mpi4py').__version__}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def report(comm, rows: list[dict], command: str) -> str:
+    return "\n".join([
+        "# Allreduce benchmark", "",
+        f"Command: `{command}`", "",
+        f"Machine: {machine(comm)}.", "",
+        "Algorithm bandwidth = message bytes / time of one in-place float32 sum allreduce "
+        "(slowest rank, median of the timed iterations); in parentheses: the ratio to the "
+        "single-process memcpy bandwidth of the same size measured in the same run. "
+        "Ratios X/Y = time(Y) / time(X) (> 1: X is faster).", "",
+        format_table(rows), "",
+        summary(rows), ""])
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace, comm=None) -> int:
+    """``hpcasync bench allreduce`` (every rank calls it); rank 0 prints the table."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    sizes = [parse_size(s) for s in args.sizes]
+    if args.iters < 1:
+        raise ConfigError(f"--iters must be >= 1, got {args.iters}")
+    if comm.Get_size() < 2:
+        raise TopologyError("the allreduce benchmark needs at least 2 ranks "
+                            "(mpiexec -n 4 hpcasync bench allreduce)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hvd = load_horovod(comm, args.no_horovod)
+        rows = measure(comm, sizes, iters=args.iters, budget_bytes=args.budget_mb << 20, hvd=hvd)
+    finally:
+        torch.set_num_threads(threads)
+    if comm.Get_rank() == 0:
+        text = report(comm, rows, command_line(comm, args))
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if args.out:
+            _write_atomic(args.out, text)
+    return 0
+
+
+def command_line(comm, args: argparse.Namespace) -> str:
+    """The command that reproduces this run, with the Open MPI settings of its environment."""
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                   if k.startswith("OMPI_MCA_") and k not in _LAUNCHER_SET)
+    argv = ["--sizes", *args.sizes, "--iters", str(args.iters), "--budget-mb", str(args.budget_mb)]
+    argv += ["--no-horovod"] * bool(args.no_horovod)
+    return (f"{env + ' ' if env else ''}mpiexec --oversubscribe -n {comm.Get_size()} "
+            f"hpcasync bench allreduce {' '.join(argv)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone: ``mpiexec -n 4 python -m hpcasync.bench.allreduce [options]``."""
+    parser = argparse.ArgumentParser(prog="hpcasync bench allreduce",
+                                     description="allreduce benchmark (see module docstring)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""``hpcasync bench ps``: how many pushes per second the parameter server handles.
+
+Run with 4 ranks (rank 0 serves, up to 3 workers push)::
+
+    mpiexec -n 4 hpcasync bench ps [--params 1M 10M] [--workers 1 2 3] [--rules asgd dcasgd]
+                                   [--transports rma rma-put p2p] [--seconds 1.5] [--out FILE]
+
+Per (model size, workers, rule, transport), the workers push a fixed random gradient back to back
+(no compute) for ``--seconds``; the PS runs the training loop itself (``PSServer``: validate, the
+rule's ``on_push``, the reply) over the transport. Pushes/s = accepted pushes / the PS's time
+from its first reply to the last worker's stop.
+
+The *bound* is measured in the same run by one process doing what one push needs, without any
+communication: copy the gradient into a slot (the worker's Put), ``rule.validate``,
+``rule.on_push``, copy θ into a reply slot (the PS), copy the reply into the local model (the
+worker's Get). The ratio pushes/s ÷ bound says how much of that budget the real PS reaches; the
+copies of a real push are spread over the PS and the workers, so more cores than ranks could take
+it above 1. Transports: ``rma`` (Put in, Get out), ``rma-put`` (Put in, the PS Puts replies),
+``p2p`` (two-sided Isend/Recv). Torch runs one thread per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from ..errors import ConfigError, TopologyError
+
+log = logging.getLogger(__name__)
+
+
+def parse_count(text: str) -> int:
+    """``"1M"`` -> 1_000_000, ``"10M"``, ``"500K"``, ``"123"`` (decimal units)."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    raw = text.strip().upper()
+    try:
+        value = int(float(raw[:-1]) * units[raw[-1]]) if raw[-1:] in units else int(raw)
+    except (ValueError, IndexError):
+        raise ConfigError(f"--params: cannot read {text!r} (use e.g. 1M, 10M)") from None
+    if value < 1:
+        raise ConfigError(f"--params: {text!r} must be >= 1")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", nargs="+", default=["1M", "10M"], help="model sizes")
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--rules", nargs="+", default=["asgd", "dcasgd"])
+    parser.add_argument("--transports", nargs="+", default=["rma", "rma-put", "p2p"])
+    parser.add_argument("--seconds", type=float, default=1.5, help="pushing time per cell")
+    parser.add_argument("--out", default=None, help="also write the markdown report to FILE")
+
+
+def _idle(comm, poll: float = 0.002) -> None:
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def measure_bound(rule_name: str, numel: int, workers: int, seconds: float) -> float:
+    """Pushes/s of one process doing a push's rule math and copies (see the module docstring)."""
+    from ..rules import PushMeta, make_rule
+
+    gen = torch.Generator().manual_seed(1)
+    grad = torch.randn(numel, generator=gen) * 1e-3
+    rule = make_rule(rule_name, torch.zeros(numel), workers, lr=0.01)
+    for w in range(workers):
+        rule.initial_reply(w)
+    slot, out, local = torch.empty(numel), torch.empty(numel), torch.empty(numel)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        w = n % workers
+        slot.copy_(grad)
+        meta = PushMeta(version=rule.version)
+        assert rule.validate(w, slot, meta) is None
+        reply = rule.on_push(w, slot, meta)
+        out.copy_(reply.params)
+        local.copy_(out)
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and n >= 3:
+            return n / elapsed
+
+
+def measure_cell(comm, rule_name: str, numel: int, workers: int, transport: str,
+                 seconds: float) -> dict | None:
+    """One cell on ranks 0..workers (rank 0 serves); the others wait. Returns the row on rank 0."""
+    from mpi4py import MPI
+
+    from ..rules import make_rule
+    from ..runtime.ps_server import PSServer
+    from ..runtime.ps_transport import make_transport
+
+    rank = comm.Get_rank()
+    sub = comm.Split(0 if rank <= workers else MPI.UNDEFINED, rank)
+    row = None
+    if sub != MPI.COMM_NULL:
+        t = make_transport(transport, sub, 0, numel)
+        if t.is_ps:
+            rule = make_rule(rule_name, torch.zeros(numel), workers, lr=0.01)
+            server = PSServer(t, rule, pushes_per_epoch=10**12, epochs=0, keep_log=False)
+            t0 = time.perf_counter()
+            stats = server.serve()
+            elapsed = time.perf_counter() - t0
+            row = {"params": numel, "workers": workers, "rule": rule_name,
+                   "transport": transport, "pushes": stats.accepted,
+                   "pushes_per_s": stats.accepted / elapsed,
+                   "mb_per_s": (t.bytes_in + t.bytes_out) / elapsed / 1e6,
+                   "ps_busy": server.apply_time / elapsed}
+        else:
+            gen = torch.Generator().manual_seed(rank)
+            grad = torch.randn(numel, generator=gen) * 1e-3
+            local = torch.empty(numel)
+            head = t.recv_reply(local)
+            t0 = time.perf_counter()
+            while True:
+                last = time.perf_counter() - t0 >= seconds
+                t.push(grad, version=head.version, loss=0.0, last=last)
+                head = t.recv_reply(local)
+                if last:
+                    break
+        t.close()
+        sub.Free()
+    _idle(comm)
+    return row
+
+
+def measure(comm, sizes, workers, rules, transports, seconds) -> list[dict]:
+    rows = []
+    for numel in sizes:
+        for rule_name in rules:
+            bound = measure_bound(rule_name, numel, 1, seconds) if comm.Get_rank() == 0 else None
+            _idle(comm)
+            for w in workers:
+                for tr in transports:
+                    row = measure_cell(comm, rule_name, numel, w, tr, seconds)
+                    if row is not None:
+                        row["bound"] = bound
+                        row["ratio"] = row["pushes_per_s"] / bound
+                        rows.append(row)
+                        log.info("%s", row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| params | workers | rule | transport | pushes/s | bound pushes/s | ratio | "
+            "MB/s moved | PS busy in rule |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['params'] / 1e6:g} M | {r['workers']} | {r['rule']} | "
+                     f"{r['transport']} | {r['pushes_per_s']:.1f} | {r['bound']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['mb_per_s']:.0f} | {100 * r['ps_busy']:.0f} % |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    out = []
+    for numel in sorted({r["params"] for r in rows}):
+        for rule in sorted({r["rule"] for r in rows}):
+            cell = {(r["transport"], r["workers"]): r["pushes_per_s"] for r in rows
+                    if r["params"] == numel and r["rule"] == rule}
+            wmax = max(w for _, w in cell)
+            parts = [f"{tr} {cell[(tr, wmax)]:.1f}" for tr in ("rma", "rma-put", "p2p")
+                     if (tr, wmax) in cell]
+            out.append(f"{numel / 1e6:g} M {rule}, {wmax} workers: " + ", ".join(parts) + " pushes/s")
+    return "; ".join(out) + "."
+
+
+def machine(comm) -> str:
+    from mpi4py import MPI
+
+    cores = os.cpu_count() or 0
+    ranks = comm.Get_size()
+    over = " (oversubscribed)" if ranks > cores else ""
+    lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    return (f"{ranks} ranks on {cores} cores{over}, {platform.machine()}, {lib}, "
+            f"torch {torch.__version__}, 1 torch thread per rank")
+
+
+def run(args: argparse.Namespace, comm=None) -> int:
+    """``hpcasync bench ps`` (every rank calls it); rank 0 prints the markdown report."""
+    from ..rules import RULES
+    from ..runtime.ps_transport import TRANSPORTS, quiet_osc_ucx
+
+    sizes = [parse_count(s) for s in args.params]
+    for r in args.rules:
+        if r not in RULES:
+            raise ConfigError(f"--rules: unknown rule {r!r} (choose from {', '.join(RULES)})")
+    for tr in args.transports:
+        if tr not in TRANSPORTS:
+            raise ConfigError(f"--transports: {tr!r} is not one of {', '.join(TRANSPORTS)}")
+    if not args.seconds > 0:
+        raise ConfigError(f"--seconds must be > 0, got {args.seconds}")
+    quiet_osc_ucx()
+    from ..topology import init_mpi
+
+    MPI = init_mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    size = comm.Get_size()
+    bad = [w for w in args.workers if not 1 <= w < size]
+    if bad:
+        raise TopologyError(f"--workers {bad}: with {size} ranks at most {size - 1} workers "
+                            f"(mpiexec -n 4 hpcasync bench ps)")
+    torch.set_num_threads(1)
+    rows = measure(comm, sizes, args.workers, args.rules, args.transports, args.seconds)
+    if comm.Get_rank() == 0:
+        cmd = ("mpiexec --oversubscribe -n {n} hpcasync bench ps --params {p} --workers {w} "
+               "--rules {r} --transports {t} --seconds {s:g}").format(
+            n=size, p=" ".join(args.params), w=" ".join(map(str, args.workers)),
+            r=" ".join(args.rules), t=" ".join(args.transports), s=args.seconds)
+        text = "\n".join(["# Parameter-server benchmark", "", f"Command: `{cmd}`", "",
+                          f"Machine: {machine(comm)}.", "", format_table(rows), "",
+                          summary(rows), ""])
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if args.out:
+            tmp = f"{args.out}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, args.out)
+    return 0

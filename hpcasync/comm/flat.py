@@ -1,0 +1,174 @@
+"""A model's parameters, gradients and buffers as flat contiguous float32 vectors.
+
+``FlatModel(module)`` moves every parameter into ONE 1-D float32 tensor ``params`` and re-binds each
+``p.data`` to a view of it; the matching ``grads`` tensor provides each ``p.grad`` as a view, so
+``loss.backward()`` accumulates straight into ``grads`` (autograd adds into an existing ``.grad`` in
+place). Floating-point module buffers (BatchNorm running mean/var) become views of a third flat
+tensor, ``buffers``; integer buffers (``num_batches_tracked``) stay as they are and are listed in
+``int_buffers``. A whole model then travels as one message (one allreduce, one RMA Put), with no
+packing step (PyTorch's ``parameters_to_vector`` / Horovod's fusion buffer copy on every call).
+
+Layout: parameters in ``module.named_parameters()`` order (shared parameters once), each at
+``offsets[k]`` with ``numel`` elements; θ = params, ∇θ = grads.
+
+Rules that keep the views alive:
+
+* zero gradients with ``flat.zero_grad()`` (= ``grads.zero_()``), or ``optimizer.zero_grad(
+  set_to_none=False)``; the default ``set_to_none=True`` drops the views (the next backward then
+  allocates fresh, unshared ``.grad`` tensors). :meth:`check` finds that, :meth:`rebind_grads`
+  repairs it.
+* build the FlatModel after moving the module to its device and before creating the optimizer; never
+  ``module.to(...)`` afterwards.
+
+Example::
+
+    flat = FlatModel(net)
+    flat.zero_grad(); loss_fn(net(x), y).backward()
+    allreduce(comm, flat.grads, average=True)
+    opt.step()                       # updates the views, hence flat.params
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def flatten(tensors, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenate ``tensors`` into one new 1-D tensor (optionally cast to ``dtype``)."""
+    tensors = list(tensors)
+    if not tensors:
+        return torch.empty(0, dtype=dtype or torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors) -> None:
+    """Copy consecutive slices of 1-D ``flat`` into ``tensors`` (in order; sizes must add up)."""
+    tensors = list(tensors)
+    need = sum(t.numel() for t in tensors)
+    if flat.dim() != 1 or flat.numel() != need:
+        raise ConfigError(f"flat tensor has {flat.numel()} elements, the tensors need {need}")
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _layout(tensors) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += t.numel()
+    return offsets, total
+
+
+class FlatModel:
+    """Flat float32 views of a module's parameters, gradients and floating buffers.
+
+    Args:
+        module: the model (its parameters are re-bound in place; keep using the module as before).
+        device: where the flat tensors live (default: the device of the first parameter, else CPU).
+
+    Attributes: ``params``, ``grads``, ``buffers`` (1-D float32), ``names`` / ``shapes`` /
+    ``offsets`` (parameter layout), ``buffer_names``, ``int_buffers`` (names of integer buffers,
+    not flattened), ``numel``, ``nbytes``.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device | str | None = None):
+        named = list(module.named_parameters())
+        if device is None:
+            device = named[0][1].device if named else torch.device("cpu")
+        self.module = module
+        self.device = torch.device(device)
+        self.names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.shapes = [tuple(p.shape) for p in self._params]
+        self.offsets, self.numel = _layout(self._params)
+        self.params = flatten(self._params, dtype=torch.float32).to(self.device)
+        self.grads = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for p, view in zip(self._params, self._slices(self.params)):
+                p.data = view
+        self.rebind_grads()
+
+        float_bufs, int_bufs = [], []
+        for name, buf in module.named_buffers():
+            (float_bufs if buf.is_floating_point() else int_bufs).append((name, buf))
+        self.int_buffers = [n for n, _ in int_bufs]
+        for name, buf in int_bufs:                      # not flattened, but on the same device
+            if buf.device != self.device:
+                owner, attr = _owner(module, name)
+                owner._buffers[attr] = buf.to(self.device)
+        self.buffer_names = [n for n, _ in float_bufs]
+        self._buffer_offsets, self.buffer_numel = _layout([b for _, b in float_bufs])
+        self.buffers = flatten([b for _, b in float_bufs], dtype=torch.float32).to(self.device)
+        for (name, buf), off in zip(float_bufs, self._buffer_offsets):
+            owner, attr = _owner(module, name)
+            owner._buffers[attr] = self.buffers[off: off + buf.numel()].view(buf.shape)
+
+    # -- layout ---------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one flat parameter vector."""
+        return self.params.numel() * self.params.element_size()
+
+    def _slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o: o + p.numel()].view(s)
+                for o, p, s in zip(self.offsets, self._params, self.shapes)]
+
+    def views(self, which: str = "params") -> list[tuple[str, torch.Tensor]]:
+        """``(name, view)`` per parameter of ``params`` or ``grads``, or per floating buffer."""
+        if which == "params":
+            return list(zip(self.names, self._slices(self.params)))
+        if which == "grads":
+            return list(zip(self.names, self._slices(self.grads)))
+        if which == "buffers":
+            return [(n, self.buffers[o: o + t.numel()].view(t.shape)) for n, o, t in
+                    zip(self.buffer_names, self._buffer_offsets, self._buffer_tensors())]
+        raise ConfigError(f"views() takes params, grads or buffers, got {which!r}")
+
+    def _buffer_tensors(self) -> list[torch.Tensor]:
+        return [dict(self.module.named_buffers())[n] for n in self.buffer_names]
+
+    # -- state ----------------------------------------------------------------------------------
+    def load_flat(self, tensor: torch.Tensor) -> None:
+        """Copy a flat parameter vector into ``params`` (and so into the module)."""
+        if tensor.dim() != 1 or tensor.numel() != self.numel:
+            raise ConfigError(f"flat parameter vector has {tensor.numel()} elements "
+                              f"(shape {tuple(tensor.shape)}), the model has {self.numel}")
+        self.params.copy_(tensor)
+
+    def zero_grad(self) -> None:
+        """Zero all gradients, keeping them views of ``grads``."""
+        self.rebind_grads()
+        self.grads.zero_()
+
+    def rebind_grads(self) -> None:
+        """Make every ``p.grad`` a view of ``grads`` again, keeping any gradient already there."""
+        for p, view in zip(self._params, self._slices(self.grads)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def check(self) -> list[str]:
+        """Names of parameters, grads or buffers that are no longer views of the flat tensors."""
+        bad = []
+        for name, p, pv, gv in zip(self.names, self._params, self._slices(self.params),
+                                   self._slices(self.grads)):
+            if p.data_ptr() != pv.data_ptr():
+                bad.append(name)
+            elif p.grad is None or p.grad.data_ptr() != gv.data_ptr():
+                bad.append(f"{name}.grad")
+        for (name, view), buf in zip(self.views("buffers"), self._buffer_tensors()):
+            if buf.data_ptr() != view.data_ptr():
+                bad.append(name)
+        return bad
+
+
+def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, attr = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, attr

@@ -1,0 +1,136 @@
+"""One config object for every run, validated before MPI starts.
+
+Common options live in :class:`TrainConfig`; each runtime adds its own argument group (see
+``hpcasync.runtime.RUNTIMES``) whose values arrive in ``TrainConfig.options``. A config file
+(``--config run.toml`` or ``.json``) gives defaults that the command line overrides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+DATASETS = ("fashion-mnist", "fashion-mnist-mini", "mnist", "cifar10")
+MODELS = ("mlp", "lenet", "resnet20")
+
+
+@dataclass
+class TrainConfig:
+    algorithm: str = "ssgd"
+    backend: str = "mpi"                 # ssgd/daso: own MPI collectives or "horovod"
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    train_limit: int | None = None       # use the first N training images (quick runs, tests)
+    test_limit: int | None = None
+    model: str = "lenet"
+    epochs: int = 2
+    batch_size: int = 32                 # per worker
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    metrics: str | None = None           # JSONL path (rank 0 writes)
+    ranks_per_node: int | None = None
+    device: str = "auto"
+    ps_rank: int = 0
+    threads: int = 0                     # torch intra-op threads per rank; 0 = cores / ranks on node
+    progress: str = "auto"               # auto (bar on a TTY) | on | off
+    log_every: int = 0                   # batches between log lines (0 = per epoch only)
+    checkpoint_dir: str | None = None
+    resume: str | None = None            # None | "auto" | path
+    options: dict[str, Any] = field(default_factory=dict)   # the runtime's own options
+
+    def validate(self, algorithms: tuple[str, ...]) -> "TrainConfig":
+        _choice("--algorithm", self.algorithm, algorithms)
+        _choice("--backend", self.backend, ("mpi", "horovod"))
+        _choice("--dataset", self.dataset, DATASETS)
+        _choice("--model", self.model, MODELS)
+        _choice("--device", self.device, ("auto", "cpu", "cuda"))
+        _choice("--progress", self.progress, ("auto", "on", "off"))
+        _positive("--epochs", self.epochs)
+        _positive("--batch-size", self.batch_size)
+        _finite_nonneg("--lr", self.lr, strict=True)
+        _finite_nonneg("--weight-decay", self.weight_decay)
+        if not (0.0 <= self.momentum < 1.0):
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        for name, value in (("--train-limit", self.train_limit), ("--test-limit", self.test_limit),
+                            ("--ranks-per-node", self.ranks_per_node)):
+            if value is not None:
+                _positive(name, value)
+        if self.ps_rank < 0:
+            raise ConfigError(f"--ps-rank must be >= 0, got {self.ps_rank}")
+        if self.threads < 0 or self.log_every < 0:
+            raise ConfigError("--threads and --log-every must be >= 0")
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            raise ConfigError(f"--data-dir {self.data_dir}: no such directory")
+        if self.metrics is not None:
+            parent = Path(self.metrics).resolve().parent
+            if not parent.is_dir():
+                raise ConfigError(f"--metrics {self.metrics}: directory {parent} does not exist")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"--metrics {self.metrics}: directory {parent} is not writable")
+        if self.backend == "horovod" and self.algorithm not in ("ssgd", "daso"):
+            raise ConfigError(f"--backend horovod applies to ssgd and daso, not {self.algorithm}")
+        return self
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _choice(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _positive(flag: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _finite_nonneg(flag: str, value, strict: bool = False) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise ConfigError(f"{flag} must be a finite number {'>' if strict else '>='} 0, got {value!r}")
+
+
+COMMON_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name != "options")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML or JSON file of option defaults (keys use - or _)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a table of options")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the file's values the parser's defaults, refusing keys the parser does not know."""
+    values = load_config_file(path)
+    known = {a.dest for a in parser._actions}  # noqa: SLF001 - argparse has no public accessor
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown option(s): {', '.join(unknown)}")
+    parser.set_defaults(**values)
+
+
+def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    values = vars(ns)
+    common = {k: values[k] for k in COMMON_FIELDS if k in values}
+    options = {k: v for k, v in values.items() if k not in COMMON_FIELDS
+               and k not in ("command", "config", "func")}
+    return TrainConfig(**common, options=options)

@@ -1,0 +1,259 @@
+"""``DASO``: a wrapper around the user's torch optimizer that runs DASO around each ``step()``.
+
+DASO (Coquelin, Debus, Götz, von der Lehr, Kahn, Siggel, Streit: "Accelerating neural network
+training with distributed asynchronous and selective optimization", arXiv 2104.05588; reference code
+Heat ``heat/optim/dp_optimizer.py``) trains with P nodes of L ranks. Per batch, after backward:
+
+1. gradient sync: node-local average (cycling epochs, every ``local_skip`` batches) or average over
+   all ranks (blocking epochs);
+2. the user's optimizer step;
+3. receive: the global group whose send is due waits for the sum S and merges
+   x ← (2B·x + S)/(2B + P) (parameters and float buffers), then broadcasts x inside its node;
+4. send: every ``global_skip`` batches one global group (round-robin) starts a nonblocking sum of
+   its parameters and buffers, cast to bf16 by default;
+5. last batch of a cycling epoch: blocking average over all ranks of the parameters, buffers and
+   the optimizer's state (momentum), so every replica ends the epoch identical and the next epoch
+   (blocking ones too) starts from one common state; a blocking epoch averages the buffers.
+
+Which batch does what is :mod:`.schedule`; the collectives are :mod:`.comm`; the formula is
+:mod:`.merge`. This class only strings them together and keeps the messages in flight.
+
+Args:
+    optimizer: the user's optimizer over the parameters of ``flat``'s module (any torch optimizer).
+    flat: the :class:`~hpcasync.comm.FlatModel` of the model (build it before the optimizer).
+    topo: a uniform :class:`~hpcasync.topology.Topology`.
+    total_epochs: epochs of the run (the cool-down counts back from it).
+    batches_per_epoch: batches (``step()`` calls) per epoch, a count.
+    warmup_epochs=4, cooldown_epochs=4, global_skip=4, local_skip=1, batches_to_wait=1,
+    max_global_skips=8, plateau_patience=3, plateau_threshold=0.05: see :class:`DasoSchedule`.
+    cast="bf16": wire format of every message between nodes ("bf16", "fp16", None/"none").
+    chunk_elems=DASO_CHUNK_ELEMS: largest piece of a global send (10 M elements).
+    local_backend="mpi": node-local gradient averages with own allreduce, or ``"horovod"``.
+    link_delay_us_per_mb=0: emulated inter-node link (see :mod:`.comm`).
+
+Example (the user's loop stays as it is, plus ``epoch_end``)::
+
+    flat = FlatModel(model)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), flat, topo,
+               total_epochs=E, batches_per_epoch=n)
+    opt.broadcast_parameters()
+    for epoch in range(E):
+        for x, y in loader:                # n batches
+            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+        opt.epoch_end(epoch_loss)          # rank-averaged inside; drives the plateau schedule
+
+Differences from the paper / Heat (see also :mod:`.schedule` and :mod:`.merge`):
+
+* float buffers (BatchNorm statistics) travel and merge with the parameters;
+* the end-of-epoch average includes the optimizer's per-parameter state (momentum): blocking
+  epochs average gradients (see :mod:`.schedule`), which keeps replicas identical only if the
+  momentum is identical too. Heat instead averages parameters after every blocking step;
+* the cast applies to every message between nodes (Heat casts only in the blocking phases);
+* initial parameters and buffers are broadcast from one rank (:meth:`broadcast_parameters`), not
+  left to identical seeds;
+* node-local averaging is on gradients (as Heat's DDP), but through our own allreduce or Horovod
+  rather than ``torch.distributed``; the momentum and other optimizer state stay per rank;
+* no AMP/LR-scheduler plumbing: the wrapper forwards ``param_groups``/``state`` so torch LR
+  schedulers work on it directly. ``backward_passes_per_step`` is not offered.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections import deque
+
+import torch
+
+from ..comm import DASO_CHUNK_ELEMS, flatten, unflatten_into
+from ..comm.broadcast import broadcast
+from ..errors import ConfigError
+from .comm import DasoComm, InFlight, pack_state, unpack_state
+from .merge import merge_
+from .schedule import BatchPlan, DasoSchedule
+
+log = logging.getLogger(__name__)
+
+
+class DASO:
+    """See the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, flat, topo, *, total_epochs: int,
+                 batches_per_epoch: int, warmup_epochs: int = 4, cooldown_epochs: int = 4,
+                 global_skip: int = 4, local_skip: int = 1, batches_to_wait: int = 1,
+                 max_global_skips: int = 8, cast: str | None = "bf16",
+                 chunk_elems: int = DASO_CHUNK_ELEMS, plateau_patience: int = 3,
+                 plateau_threshold: float = 0.05, local_backend: str = "mpi",
+                 link_delay_us_per_mb: float = 0.0):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"DASO wraps a torch optimizer, got {type(optimizer).__name__}")
+        if not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+            raise ConfigError(f"DASO batches_per_epoch must be an integer >= 1, "
+                              f"got {batches_per_epoch!r}")
+        self.optimizer, self.flat, self.topo = optimizer, flat, topo
+        self.batches_per_epoch = batches_per_epoch
+        self.schedule = DasoSchedule(
+            total_epochs=total_epochs, num_groups=topo.local_size, warmup_epochs=warmup_epochs,
+            cooldown_epochs=cooldown_epochs, global_skip=global_skip, local_skip=local_skip,
+            batches_to_wait=batches_to_wait, max_global_skips=max_global_skips,
+            plateau_patience=plateau_patience, plateau_threshold=plateau_threshold)
+        self.comm = DasoComm(topo, cast=cast, chunk_elems=chunk_elems, local_backend=local_backend,
+                             link_delay_us_per_mb=link_delay_us_per_mb)
+        self.inflight: deque[InFlight] = deque()   # this rank's global sends, oldest first
+        self.steps = 0
+        self.last_plan: BatchPlan | None = None
+        self._synced_plan: BatchPlan | None = None  # set by synchronize(), used by step()
+        self._skip = False
+        n = flat.params.numel() + flat.buffers.numel()
+        self._scratch = torch.empty(n, dtype=flat.params.dtype, device=flat.params.device)
+        if self.schedule.degenerate and topo.rank == 0:
+            log.warning("DASO: %d epoch(s) with %d warm-up + %d cool-down epochs leave no cycling "
+                        "epoch; DASO degenerates to blocking averaging (SSGD). Lower "
+                        "--daso-warmup-epochs/--daso-cooldown-epochs to see DASO",
+                        total_epochs, warmup_epochs, cooldown_epochs)
+
+    # -- the wrapped optimizer ----------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient buffer (``set_to_none`` would detach ``p.grad`` from it)."""
+        self.flat.grads.zero_()
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Make every replica start from world rank ``root``'s parameters and buffers."""
+        for tensor in (self.flat.params, self.flat.buffers):
+            if tensor.numel():
+                broadcast(self.topo.world, tensor, root=root)
+
+    # -- one batch ----------------------------------------------------------------------------
+    def synchronize(self) -> BatchPlan:
+        """Do this batch's gradient sync now (e.g. to clip averaged gradients), then
+        ``with opt.skip_synchronize(): opt.step()``. Returns the batch's plan."""
+        if self._synced_plan is not None:
+            raise ConfigError("DASO synchronize() called twice for one batch")
+        plan = self.schedule.advance(self.batches_per_epoch)
+        self.comm.progress(self.inflight)
+        if plan.grad_sync == "global":
+            self.comm.global_average(self.flat.grads)
+        elif plan.grad_sync == "local":
+            self.comm.local_average(self.flat.grads)
+        self._synced_plan = plan
+        return plan
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        if self._synced_plan is None:
+            raise ConfigError("DASO skip_synchronize() without synchronize() first")
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure=None):
+        """Gradient sync, the user's step, then this batch's global receive / send / average."""
+        if closure is not None:
+            raise ConfigError("DASO.step does not take a closure")
+        if self._synced_plan is None:
+            self.synchronize()
+        elif not self._skip:
+            log.warning("DASO: step() after synchronize() without skip_synchronize(): "
+                        "the batch is not synced twice")
+        plan, self._synced_plan = self._synced_plan, None
+        result = self.optimizer.step()
+        with torch.no_grad():
+            if plan.receive_group is not None:
+                self._receive(plan)
+            if plan.send_group is not None:
+                self._send(plan)
+            if plan.average == "all":
+                self._average_everything()
+            elif plan.average == "buffers":
+                self.comm.global_average(self.flat.buffers)
+        self.steps += 1
+        self.last_plan = plan
+        return result
+
+    def _send(self, plan: BatchPlan) -> None:
+        due = plan.batch + self.schedule.knobs.batches_to_wait
+        snapshot = pack_state(self.flat.params, self.flat.buffers)      # a fresh tensor per send
+        msg = self.comm.start(snapshot, group=plan.send_group, batch=plan.batch, due=due)
+        if msg is not None:
+            self.inflight.append(msg)
+
+    def _receive(self, plan: BatchPlan) -> None:
+        group, state = plan.receive_group, self._scratch
+        if self.topo.local_rank == group:
+            if not self.inflight or self.inflight[0].due_batch != plan.batch:
+                raise RuntimeError(f"DASO: no global message due at batch {plan.batch} "
+                                   f"(in flight: {list(m.due_batch for m in self.inflight)})")
+            msg = self.inflight.popleft()
+            total = self.comm.complete(msg)
+            pack_state(self.flat.params, self.flat.buffers, out=state)
+            merge_(state, total, batches_to_wait=msg.due_batch - msg.sent_batch,
+                   num_nodes=self.topo.num_nodes)
+        self.comm.node_broadcast(state, root=group)
+        unpack_state(state, self.flat.params, self.flat.buffers)
+
+    def _average_everything(self) -> None:
+        """Blocking average over all ranks of parameters, buffers and the optimizer's state."""
+        extra = optimizer_state_tensors(self.optimizer)
+        state = flatten([self.flat.params, self.flat.buffers, *extra])
+        self.comm.global_average(state)
+        unflatten_into(state, [self.flat.params, self.flat.buffers, *extra])
+
+    # -- epochs -------------------------------------------------------------------------------
+    def epoch_end(self, train_loss: float) -> dict:
+        """Close the epoch: average ``train_loss`` over all ranks, adapt the schedule.
+
+        Returns the epoch's record: ``train_loss`` (rank-averaged), ``daso_phase``,
+        ``daso_global_skip``/``daso_local_skip``/``daso_batches_to_wait`` (the knobs this epoch
+        ran with), ``daso_plateau``, and this rank's seconds waiting on global messages
+        (``daso_global_wait_s``), in blocking global averages (``daso_blocking_global_s``), in
+        node-local communication (``daso_local_s``), ``daso_global_bytes`` and ``daso_sends``.
+        """
+        if self.inflight:
+            raise RuntimeError(f"DASO: {len(self.inflight)} global message(s) still in flight "
+                               f"at the end of an epoch")
+        loss = self.topo.world.allreduce(float(train_loss)) / self.topo.size
+        record = {"train_loss": loss, **self.schedule.end_epoch(loss)}
+        for key, value in self.comm.counters().items():
+            record[f"daso_{key}"] = round(value, 4) if isinstance(value, float) else value
+        self.comm.reset_counters()
+        return record
+
+    def checksum(self) -> str:
+        """SHA-256 of this replica's parameters and float buffers (bitwise identity check)."""
+        state = pack_state(self.flat.params, self.flat.buffers).cpu().contiguous()
+        return hashlib.sha256(state.numpy().tobytes()).hexdigest()
+
+    def state_dict(self) -> dict:
+        if self.inflight:
+            raise ConfigError("DASO state can only be saved between epochs (messages in flight)")
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.steps = int(state["steps"])
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter floating state shaped like its parameter (SGD's
+    ``momentum_buffer``, Adam's ``exp_avg``/``exp_avg_sq``), in parameter order, keys sorted."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            for key in sorted(st):
+                v = st[key]
+                if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
+                    out.append(v)
+    return out

@@ -1,0 +1,171 @@
+"""Deterministic sharding and batching, identical on every rank without any communication.
+
+For epoch e, every process computes the same permutation π_e of ``0 .. L-1`` (``torch.randperm``
+with a ``torch.Generator`` seeded with :func:`mix_seed` (seed, e)), then cuts it into S equal
+contiguous parts of ``m = ⌊L / S⌋`` indices; shard s gets ``π_e[s·m : (s+1)·m]``::
+
+    shard(s, e) = π_e[s·m : (s+1)·m],   m = ⌊L / S⌋
+
+The last ``L mod S`` entries of π_e are dropped, so every shard has exactly m examples and hence
+every rank the same number of batches (no rank runs out while the others still wait for it in a
+collective); as π_e changes each epoch, a different few examples are left out each time. Shards of
+one epoch are disjoint and together hold ``S·m`` distinct indices.
+
+Shards are numbered, not tied to MPI ranks: a parameter-server runtime passes the worker's index
+among the workers (``shard_index``) and the number of workers (``num_shards``), leaving the PS rank
+out. This module imports no MPI.
+
+Batches are consecutive slices of a shard; ``start_batch`` resumes an interrupted epoch at batch k
+and yields exactly the batches k, k+1, ... an uninterrupted pass would have yielded.
+
+The permutation depends only on (L, seed, epoch) and the torch version; all ranks of a job run the
+same installation.
+
+Example::
+
+    sharder = Sharder(len(train), shard_index=rank, num_shards=world, seed=42)
+    for epoch in range(epochs):
+        for x, y in sharder.batches(train, epoch, batch_size=128):
+            ...
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from hpcasync.errors import ConfigError
+
+__all__ = ["mix_seed", "epoch_permutation", "shard_indices", "num_batches", "batches", "Sharder"]
+
+_U32 = 2 ** 32
+_MASK64 = 2 ** 64 - 1
+
+
+def _check_int(value, what: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low \
+            or (high is not None and value >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ConfigError(f"{what} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def mix_seed(seed: int, epoch: int) -> int:
+    """Fold (seed, epoch) into the 32-bit seed of a torch CPU generator.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so ``seed·2³² + e``
+    would give every seed the same permutations. Instead the 64-bit word ``seed·2³² + e`` goes
+    through SplitMix64's finaliser (Steele, Lea, Flood, OOPSLA 2014), a bijection with full
+    avalanche, and its high 32 bits are the seed: two different pairs collide with probability 2⁻³².
+    """
+    z = (seed * _U32 + epoch + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 32
+
+
+def epoch_permutation(length: int, *, seed: int, epoch: int) -> torch.Tensor:
+    """π_e: a permutation of ``range(length)`` (int64), a function of (length, seed, epoch) only."""
+    _check_int(length, "dataset length", 0)
+    _check_int(seed, "seed", 0, _U32)
+    _check_int(epoch, "epoch", 0, _U32)
+    gen = torch.Generator(device="cpu").manual_seed(mix_seed(seed, epoch))
+    return torch.randperm(length, generator=gen, dtype=torch.int64)
+
+
+def shard_indices(length: int, *, shard_index: int, num_shards: int, seed: int, epoch: int,
+                  ) -> torch.Tensor:
+    """The indices of shard ``shard_index`` of ``num_shards`` in epoch ``epoch`` (see module doc).
+
+    Args:
+        length: data set size L (at least ``num_shards``).
+        shard_index: this shard, ``0 <= shard_index < num_shards``.
+        num_shards: number of equal shards S (the world size, or the number of PS workers).
+        seed: shared seed, ``0 <= seed < 2**32``.
+        epoch: epoch number, ``0 <= epoch < 2**32``.
+
+    Returns:
+        int64 tensor of ``L // S`` indices.
+    """
+    _check_int(num_shards, "number of shards", 1)
+    _check_int(shard_index, "shard index", 0, num_shards)
+    if length < num_shards:
+        raise ConfigError(f"a data set of {length} examples cannot be split into "
+                          f"{num_shards} shards")
+    per = length // num_shards
+    perm = epoch_permutation(length, seed=seed, epoch=epoch)
+    return perm[shard_index * per:(shard_index + 1) * per].clone()
+
+
+def num_batches(num_examples: int, batch_size: int, drop_last: bool = True) -> int:
+    """Batches in a pass over ``num_examples``: ⌊n/b⌋ with ``drop_last``, else ⌈n/b⌉."""
+    _check_int(batch_size, "batch size", 1)
+    return num_examples // batch_size if drop_last else -(-num_examples // batch_size)
+
+
+def batches(dataset, indices: torch.Tensor, batch_size: int, drop_last: bool = True, *,
+            start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(x, y)`` for consecutive slices of ``indices``, from batch ``start_batch`` on.
+
+    Args:
+        dataset: anything with ``images`` and ``labels`` tensors (an ArrayDataset).
+        indices: int64 index tensor, e.g. from :func:`shard_indices`.
+        batch_size: examples per batch.
+        drop_last: drop a final short batch (default True).
+        start_batch: first batch to yield, ``0 <= start_batch <= num_batches`` (default 0).
+    """
+    indices = torch.as_tensor(indices, dtype=torch.int64)
+    total = num_batches(len(indices), batch_size, drop_last)
+    _check_int(start_batch, "start batch", 0, total + 1)   # checked now, not at the first next()
+    return _iter_batches(dataset, indices, batch_size, start_batch, total)
+
+
+def _iter_batches(dataset, indices, batch_size, start, stop):
+    for b in range(start, stop):
+        idx = indices[b * batch_size:(b + 1) * batch_size]
+        yield dataset.images.index_select(0, idx), dataset.labels.index_select(0, idx)
+
+
+class Sharder:
+    """One shard of a data set across epochs: :func:`shard_indices` + :func:`batches` with the
+    length, shard and seed fixed.
+
+    Args:
+        length: data set size.
+        shard_index, num_shards: which of how many equal shards (validated here, once).
+        seed: shared seed (default 0).
+    """
+
+    def __init__(self, length: int, *, shard_index: int, num_shards: int, seed: int = 0):
+        _check_int(length, "dataset length", 0)
+        _check_int(num_shards, "number of shards", 1)
+        _check_int(shard_index, "shard index", 0, num_shards)
+        _check_int(seed, "seed", 0, _U32)
+        if length < num_shards:
+            raise ConfigError(f"a data set of {length} examples cannot be split into "
+                              f"{num_shards} shards")
+        self.length, self.shard_index, self.num_shards, self.seed = \
+            length, shard_index, num_shards, seed
+
+    @property
+    def shard_size(self) -> int:
+        return self.length // self.num_shards
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        return shard_indices(self.length, shard_index=self.shard_index,
+                             num_shards=self.num_shards, seed=self.seed, epoch=epoch)
+
+    def num_batches(self, batch_size: int, drop_last: bool = True) -> int:
+        """The same on every shard, since all shards have ``shard_size`` examples."""
+        return num_batches(self.shard_size, batch_size, drop_last)
+
+    def batches(self, dataset, epoch: int, batch_size: int, drop_last: bool = True, *,
+                start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if len(dataset) != self.length:
+            raise ConfigError(f"sharder made for {self.length} examples, data set has "
+                              f"{len(dataset)}")
+        return batches(dataset, self.indices(epoch), batch_size, drop_last, start_batch=start_batch)
+
+    def __repr__(self) -> str:
+        return (f"Sharder(length={self.length}, shard_index={self.shard_index}, "
+                f"num_shards={self.num_shards}, seed={self.seed})")

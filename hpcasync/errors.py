@@ -1,0 +1,105 @@
+"""Errors and the one place that turns them into an exit.
+
+Two kinds of failure, two behaviours:
+
+* :class:`HpcasyncError` (and subclasses) is *bad input or environment*: a config value, a missing
+  data file, a world size that does not fit, a corrupt checkpoint. It is shown as one line,
+  ``hpcasync: error: <what>``, without a traceback.
+* Anything else is a bug or a crash: it is shown with its traceback, prefixed by the rank.
+
+Either way, once MPI is running, the failing rank calls ``MPI_Abort`` on ``COMM_WORLD`` so the whole
+job ends within seconds instead of leaving the other ranks blocked in a collective (invariant 2).
+Before MPI is initialised (option validation happens there) every rank sees the same error, so only
+rank 0 prints it and every rank exits with status 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+
+class HpcasyncError(Exception):
+    """Bad input or environment; reported as a single line."""
+
+
+class ConfigError(HpcasyncError):
+    """An invalid option or config file value."""
+
+
+class DataError(HpcasyncError):
+    """A missing, truncated or malformed data set."""
+
+
+class TopologyError(HpcasyncError):
+    """The MPI world does not fit the requested layout."""
+
+
+class CheckpointError(HpcasyncError):
+    """A missing, corrupt or incompatible checkpoint."""
+
+
+PRE_MPI_FOLLOWER_WAIT_S = 15.0
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it, readable before MPI is initialised."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def _mpi_world():
+    """COMM_WORLD if MPI is initialised and still running, else None (never initialises MPI)."""
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    if mpi_mod is None:
+        return None
+    try:
+        if mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
+            return mpi_mod.COMM_WORLD
+    except Exception:  # pragma: no cover - a broken MPI is reported by the caller
+        return None
+    return None
+
+
+def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
+    """Report ``exc`` and end the job: ``MPI_Abort`` when MPI runs with >1 rank, else ``exit``."""
+    world = _mpi_world()
+    user_error = isinstance(exc, HpcasyncError)
+    if code is None:
+        code = 2 if user_error else 1
+    rank = world.Get_rank() if world is not None else launcher_rank()
+    size = world.Get_size() if world is not None else 1
+    if user_error:
+        # Before MPI every rank raises the same error: let rank 0 speak for all of them.
+        if world is not None or rank == 0:
+            where = f" (rank {rank})" if world is not None and size > 1 else ""
+            print(f"hpcasync: error{where}: {exc}", file=sys.stderr, flush=True)
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        print(f"hpcasync: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+    if world is not None and size > 1:
+        world.Abort(code)
+    if world is None and rank != 0:
+        # Before MPI, rank 0 speaks for everyone. If this rank exited first, the launcher would end
+        # the job and could kill rank 0 before it printed. So wait: rank 0's exit ends the job (and
+        # this sleep) as soon as it has printed; the cap only matters under launchers that do not
+        # kill the remaining tasks (plain srun without --kill-on-bad-exit).
+        time.sleep(PRE_MPI_FOLLOWER_WAIT_S)
+    sys.stdout.flush()
+    os._exit(code) if world is not None else sys.exit(code)
+
+
+def run_guarded(main, *args, **kwargs):
+    """Run ``main`` and turn any exception into :func:`fail_fast`; returns ``main``'s result."""
+    try:
+        return main(*args, **kwargs)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt as exc:
+        fail_fast(exc, code=130)
+    except BaseException as exc:  # noqa: BLE001 - this *is* the last-resort handler
+        fail_fast(exc)

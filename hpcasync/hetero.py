@@ -1,0 +1,209 @@
+"""Heterogeneity and delay models, shared by the real runtimes and the simulator.
+
+One :class:`DelayModel` answers "how long does worker w's step s take, relative to its natural
+time, and how long does its push travel?"::
+
+    factor(w, s) = k_w · m(w, s)          k_w: straggler factor (1 unless set)
+                                           m(w, s) ~ Gamma(shape, scale 1/shape)  (mean 1), or 1
+    step time    = natural · factor(w, s)
+    push delay   = d  (a fixed extra latency per push, in ms)
+
+``m`` is drawn from a generator seeded with (seed, w, s), so it depends on nothing else: the same
+configuration gives the same delays in any order of evaluation, in any runtime.
+
+In a real run a worker *sleeps* for the extra time ``natural · (factor − 1)`` after its measured
+compute (never less than 0: a factor below 1 cannot make a step faster), and for ``d`` before each
+push, so wall-clock effects are real. The simulator adds the same quantities to its clock, with a
+nominal natural step time.
+
+Command-line forms (one flag each, validated with a one-line ConfigError):
+
+* ``--hetero HO|HE0|HE1|HE2``: SHAT's settings (Ko & Kim 2022): homogeneous, or ONE worker
+  2× / 10× / 100× slower. Decision: the slow worker is the last one (highest rank).
+* ``--straggler RANK:FACTOR[,RANK:FACTOR...]``: rank RANK's steps take FACTOR × their natural time.
+  RANK is a world rank of a real job; the simulator numbers its virtual ranks as a real job of the
+  same shape would (PS algorithms: the PS is ``--ps-rank``, the workers are the other ranks).
+* ``--compute-time gamma:SHAPE``: per-step multiplier ~ Gamma(SHAPE, mean 1) (SMEGA2's simulator
+  uses shape 100: nearly homogeneous). ``--compute-time fixed`` (default): always 1.
+* ``--push-delay MS``: fixed extra latency per push.
+
+Example::
+
+    delay = DelayModel.from_options({"hetero": "HE1"}, worker_ranks=[1, 2, 3], seed=0)
+    delay.factor(2, step=0)        # 10.0: the last worker is 10x slower
+    delay.sleep_extra(2, 0, natural=0.01)    # sleeps 0.09 s
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HETERO_SETTINGS = {"HO": 1.0, "HE0": 2.0, "HE1": 10.0, "HE2": 100.0}
+
+
+def parse_straggler(spec: str | None) -> dict[int, float]:
+    """``"RANK:FACTOR[,RANK:FACTOR...]"`` -> ``{rank: factor}``; ConfigError on bad input."""
+    if spec is None or spec == "":
+        return {}
+    out: dict[int, float] = {}
+    for item in spec.split(","):
+        rank_s, sep, factor_s = item.strip().partition(":")
+        try:
+            rank, factor = int(rank_s), float(factor_s)
+        except ValueError:
+            rank, factor = -1, math.nan
+        if not sep or rank < 0 or not math.isfinite(factor) or factor <= 0:
+            raise ConfigError(f"--straggler {spec!r}: each entry must be RANK:FACTOR with RANK >= 0 "
+                              f"and FACTOR > 0, got {item.strip()!r}")
+        if rank in out:
+            raise ConfigError(f"--straggler {spec!r}: rank {rank} is given twice")
+        out[rank] = factor
+    return out
+
+
+def parse_compute_time(spec: str | None) -> float | None:
+    """``"fixed"`` -> None; ``"gamma:SHAPE"`` -> SHAPE (> 0); ConfigError otherwise."""
+    if spec is None or spec == "fixed":
+        return None
+    kind, _, shape_s = spec.partition(":")
+    try:
+        shape = float(shape_s)
+    except ValueError:
+        shape = math.nan
+    if kind != "gamma" or not math.isfinite(shape) or shape <= 0:
+        raise ConfigError(f"--compute-time must be 'fixed' or 'gamma:SHAPE' with SHAPE > 0, "
+                          f"got {spec!r}")
+    return shape
+
+
+@dataclass
+class DelayModel:
+    """Per-worker step-time factors and push latency (see the module docstring).
+
+    Args:
+        factors: straggler factor k_w per worker index (missing: 1).
+        gamma_shape: shape of the Gamma(shape, mean 1) per-step multiplier, or None (always 1).
+        push_delay_s: extra latency per push, seconds.
+        seed: seeds the per-(worker, step) multipliers.
+    """
+
+    factors: dict[int, float] = field(default_factory=dict)
+    gamma_shape: float | None = None
+    push_delay_s: float = 0.0
+    seed: int = 0
+
+    @property
+    def trivial(self) -> bool:
+        """No delay at all (every factor 1, no Gamma, no push delay)."""
+        return (all(f == 1.0 for f in self.factors.values()) and self.gamma_shape is None
+                and self.push_delay_s == 0.0)
+
+    def multiplier(self, worker: int, step: int) -> float:
+        """m(w, s): 1, or a Gamma(shape, 1/shape) draw that depends only on (seed, w, s)."""
+        if self.gamma_shape is None:
+            return 1.0
+        rng = np.random.default_rng([self.seed, worker, step])
+        return float(rng.gamma(self.gamma_shape, 1.0 / self.gamma_shape))
+
+    def factor(self, worker: int, step: int) -> float:
+        """k_w · m(w, s): how many natural step times worker ``worker``'s step ``step`` takes."""
+        return self.factors.get(worker, 1.0) * self.multiplier(worker, step)
+
+    def step_time(self, worker: int, step: int, natural: float) -> float:
+        """Duration of the step when its undisturbed compute takes ``natural`` seconds."""
+        return natural * self.factor(worker, step)
+
+    def extra(self, worker: int, step: int, natural: float) -> float:
+        """Seconds to add after a measured compute of ``natural`` seconds (>= 0)."""
+        return max(0.0, natural * (self.factor(worker, step) - 1.0))
+
+    def sleep_extra(self, worker: int, step: int, natural: float) -> float:
+        """Real runtimes: sleep for :meth:`extra`; returns the seconds slept."""
+        t = self.extra(worker, step, natural)
+        if t > 0:
+            time.sleep(t)
+        return t
+
+    def sleep_push(self) -> None:
+        """Real runtimes: sleep for the push latency before a push."""
+        if self.push_delay_s > 0:
+            time.sleep(self.push_delay_s)
+
+    def describe(self) -> str:
+        parts = [f"worker {w} x{f:g}" for w, f in sorted(self.factors.items()) if f != 1.0]
+        if self.gamma_shape is not None:
+            parts.append(f"gamma(shape {self.gamma_shape:g}) step times")
+        if self.push_delay_s:
+            parts.append(f"push delay {1000 * self.push_delay_s:g} ms")
+        return ", ".join(parts) or "homogeneous"
+
+    def to_record(self) -> dict[str, Any]:
+        return {"factors": {str(w): f for w, f in sorted(self.factors.items())},
+                "gamma_shape": self.gamma_shape, "push_delay_s": self.push_delay_s}
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], *, worker_ranks: Sequence[int],
+                     seed: int = 0) -> "DelayModel":
+        """Build from the parsed options (``hetero``, ``straggler``, ``compute_time``,
+        ``push_delay``) for a job whose workers are ``worker_ranks`` (world ranks, in worker
+        order); the model is keyed by worker index. ConfigError names a bad value or a straggler
+        rank that is not a worker."""
+        check_options(options)
+        ranks = list(worker_ranks)
+        factors: dict[int, float] = {}
+        hetero = options.get("hetero") or "HO"
+        if HETERO_SETTINGS[hetero] != 1.0 and ranks:
+            factors[len(ranks) - 1] = HETERO_SETTINGS[hetero]
+        for rank, f in parse_straggler(options.get("straggler")).items():
+            if rank not in ranks:
+                raise ConfigError(f"--straggler: rank {rank} is not a worker of this job "
+                                  f"(workers: {_ranges(ranks)})")
+            w = ranks.index(rank)
+            factors[w] = factors.get(w, 1.0) * f
+        push_ms = float(options.get("push_delay") or 0.0)
+        return cls(factors=factors, gamma_shape=parse_compute_time(options.get("compute_time")),
+                   push_delay_s=push_ms / 1000.0, seed=seed)
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Validate the heterogeneity options without knowing the job size (pre-MPI)."""
+    hetero = options.get("hetero") or "HO"
+    if hetero not in HETERO_SETTINGS:
+        raise ConfigError(f"--hetero {hetero!r} is not one of: {', '.join(HETERO_SETTINGS)}")
+    parse_straggler(options.get("straggler"))
+    parse_compute_time(options.get("compute_time"))
+    push = options.get("push_delay") or 0.0
+    if not isinstance(push, (int, float)) or not math.isfinite(push) or push < 0:
+        raise ConfigError(f"--push-delay must be a finite number of ms >= 0, got {push!r}")
+
+
+def add_arguments(parser) -> None:
+    """The heterogeneity option group (idempotent: a second call adds nothing)."""
+    if "--hetero" in getattr(parser, "_option_string_actions", {}):
+        return
+    g = parser.add_argument_group("heterogeneity (real runs and the simulator)")
+    g.add_argument("--hetero", default="HO", metavar="HO|HE0|HE1|HE2",
+                   help="SHAT's settings: homogeneous, or the last worker 2x/10x/100x slower")
+    g.add_argument("--straggler", default=None, metavar="RANK:FACTOR[,...]",
+                   help="these ranks' steps take FACTOR x their natural time")
+    g.add_argument("--compute-time", default="fixed", metavar="fixed|gamma:SHAPE",
+                   help="per-step time multiplier ~ Gamma(SHAPE, mean 1), seeded per worker/step")
+    g.add_argument("--push-delay", type=float, default=0.0, metavar="MS",
+                   help="extra latency per push (ms)")
+
+
+def _ranges(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ", ".join(map(str, ranks))

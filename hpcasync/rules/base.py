@@ -1,0 +1,367 @@
+"""What every parameter-server update rule shares: the push/reply records, the :class:`Rule` base
+class, hyperparameter checks, state-dict helpers and the learning-rate schedules.
+
+A rule is the math of one asynchronous algorithm, with no MPI in it. Both runtimes (the MPI
+parameter server and the one-process simulator) drive the same object::
+
+    rule = make_rule("asgd", theta0, num_workers=4, lr=0.1)
+    local.copy_(rule.initial_reply(w).params)                # worker w starts here
+    reason = rule.validate(w, grad, PushMeta(version=v))     # PS: reject bad pushes ...
+    reply = rule.on_push(w, grad, PushMeta(version=v))       # ... apply good ones
+    rule.on_reply(local, reply, grad)                        # worker side, in place
+
+Contract shared by every rule:
+
+* Workers are numbered ``0 .. num_workers-1`` (not MPI ranks). All start alive. ``retire(w)`` drops
+  a dead worker's per-worker state and makes its later pushes invalid; ``initial_reply(w)`` (re)joins
+  a worker and records what it was sent. Call ``initial_reply(w)`` for each worker before its first
+  push: DC-ASGD's backup of the sent parameters is taken there.
+* ``version`` counts accepted pushes. ``PushMeta.version`` is the version of the parameters the
+  gradient was computed on; staleness ``τ = version - meta.version``.
+* ``on_push`` assumes ``validate`` returned ``None``; it never modifies ``grad``.
+* ``Reply.params`` may alias rule state (θ): the runtime copies it out before the next push.
+* ``on_reply`` depends only on the reply and the rule's hyperparameters, so a worker-side instance of a
+  rule never touches its own PS state. PS-side per-worker state is allocated lazily (on
+  ``initial_reply`` / first push), so a worker-side instance does not hold N model copies.
+* ``state_dict()`` returns clones (tensors, ints, lists, dicts) loadable with
+  ``torch.load(weights_only=True)``; loading it into a fresh rule built with the same arguments
+  continues bitwise identically.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from ..errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushMeta:
+    """What a worker sends with its gradient."""
+    version: int                       # PS version of the parameters the gradient was computed on
+    loss: float = math.nan             # mini-batch loss at those parameters (LC-ASGD)
+    oracle_loss: float = math.nan      # LC-ASGD oracle: loss at the current θ on the same batch
+
+
+@dataclass
+class Reply:
+    """What the PS sends back: parameters (θ, or an estimate θ̂), its version, fixed-length extras."""
+    params: Tensor
+    version: int
+    scalars: tuple[float, ...] = ()
+
+
+# ----------------------------------------------------------------------------------------------
+# hyperparameter checks (ConfigError naming the value)
+
+def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite float inside the given bounds, else ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    value = float(value)
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ConfigError(f"{name} must be {'>' if low_open else '>='} {low:g}, got {value!r}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ConfigError(f"{name} must be {'<' if high_open else '<='} {high:g}, got {value!r}")
+    return value
+
+
+def check_int(name: str, value: Any, *, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# state-dict helpers
+
+def clone_tree(obj: Any) -> Any:
+    """Deep copy of nested dicts/lists/tuples whose leaves are tensors or plain values."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tree(v) for v in obj)
+    return obj
+
+
+def tree_bytes(obj: Any) -> int:
+    """Bytes held by the tensors in a nested structure."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tree_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_bytes(v) for v in obj)
+    return 0
+
+
+def need(d: dict, key: str) -> Any:
+    """``d[key]``, or CheckpointError naming the missing key."""
+    try:
+        return d[key]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"rule state is missing {key!r}") from None
+
+
+def load_tensor(d: dict, key: str, like: Tensor) -> Tensor:
+    """``d[key]`` as a fresh tensor with ``like``'s shape, dtype and device."""
+    value = need(d, key)
+    if not isinstance(value, Tensor) or value.shape != like.shape:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise CheckpointError(f"rule state {key!r} has shape {shape}, expected {tuple(like.shape)}")
+    return value.detach().to(dtype=like.dtype, device=like.device).clone()
+
+
+def load_worker_tensors(d: dict, key: str, like: Tensor, num_workers: int) -> dict[int, Tensor]:
+    """A ``{worker: tensor}`` entry of a state dict, each tensor shaped like ``like``."""
+    value = need(d, key)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"rule state {key!r} is not a per-worker mapping")
+    out = {}
+    for w, t in value.items():
+        if not isinstance(w, int) or not 0 <= w < num_workers:
+            raise CheckpointError(f"rule state {key!r} names unknown worker {w!r}")
+        out[w] = load_tensor({key: t}, key, like)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Rule:
+    """Base class: θ, version, lr, weight decay, alive workers, validation and state handling.
+
+    Subclasses implement ``_update`` (the math, in place) and, where the reply is not plain θ,
+    ``_make_reply``; they extend ``_state``/``_load`` with their own state and
+    ``_join``/``_leave`` with per-worker bookkeeping.
+
+    Args:
+        theta0: initial parameters, a 1-D floating tensor (float32 in practice); copied.
+        num_workers: N, the number of workers (>= 1).
+        lr: learning rate η (> 0). Settable later (``rule.lr = x``) by LR schedules (>= 0).
+        weight_decay: L2 factor added to the gradient, ``g + wd·θ`` (default 0).
+    """
+
+    name: str = "rule"
+    reply_scalars: int = 0
+
+    def __init__(self, theta0: Tensor, num_workers: int, *, lr: float, weight_decay: float = 0.0):
+        if not isinstance(theta0, Tensor) or theta0.dim() != 1 or not theta0.is_floating_point():
+            what = (f"a {theta0.dim()}-D {theta0.dtype} tensor" if isinstance(theta0, Tensor)
+                    else type(theta0).__name__)
+            raise ConfigError(f"theta0 must be a flat (1-D) floating tensor, got {what}")
+        self.num_workers = check_int("num_workers", num_workers, low=1)
+        self._theta = theta0.detach().clone().contiguous()
+        self._version = 0
+        self.lr = check_real("lr", lr, low=0.0, low_open=True)
+        self.weight_decay = check_real("weight_decay", weight_decay, low=0.0)
+        self._alive = [True] * self.num_workers
+
+    # -- basic properties ---------------------------------------------------------------------
+    @property
+    def theta(self) -> Tensor:
+        """The PS's parameters (what is evaluated). Read-only by convention: do not modify."""
+        return self._theta
+
+    @property
+    def version(self) -> int:
+        """Number of accepted pushes."""
+        return self._version
+
+    @property
+    def numel(self) -> int:
+        return self._theta.numel()
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = check_real("lr", value, low=0.0)
+
+    @property
+    def num_active(self) -> int:
+        """Workers not retired."""
+        return sum(self._alive)
+
+    def is_alive(self, worker: int) -> bool:
+        return 0 <= worker < self.num_workers and self._alive[worker]
+
+    def staleness(self, meta: PushMeta) -> int:
+        """τ = version − meta.version: updates applied since the pushed gradient's parameters."""
+        return self._version - int(meta.version)
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def initial_reply(self, worker: int) -> Reply:
+        """What worker ``worker`` starts from; (re)joins it and records what was sent."""
+        worker = self._worker_index(worker)
+        if not self._alive[worker]:
+            self._alive[worker] = True
+            log.info("%s: worker %d rejoined", self.name, worker)
+        self._join(worker)
+        return self._make_reply(worker, pushed=False)
+
+    def on_push(self, worker: int, grad: Tensor, meta: PushMeta) -> Reply:
+        """Apply worker ``worker``'s gradient (assumed valid: see :meth:`validate`), reply to it."""
+        self._update(worker, grad, meta)
+        self._version += 1
+        return self._make_reply(worker, pushed=True)
+
+    def on_reply(self, local: Tensor, reply: Reply, grad: Tensor | None) -> None:
+        """Worker side, in place on its flat parameters: by default take the reply's parameters."""
+        local.copy_(reply.params)
+
+    def retire(self, worker: int) -> None:
+        """Worker ``worker`` died: drop its per-worker state; its later pushes are rejected."""
+        worker = self._worker_index(worker)
+        if self._alive[worker]:
+            self._alive[worker] = False
+            self._leave(worker)
+            log.info("%s: worker %d retired (%d active)", self.name, worker, self.num_active)
+
+    def validate(self, worker: Any, grad: Any, meta: Any) -> str | None:
+        """Why this push must be rejected, or None: unknown/retired worker, a gradient that is not a
+        flat tensor of the right length and dtype, NaN/Inf, a version from the future or negative,
+        or missing metadata the rule needs."""
+        try:
+            w = operator.index(worker)
+        except TypeError:
+            return f"worker id {worker!r} is not an integer"
+        if not 0 <= w < self.num_workers:
+            return f"unknown worker {w} (workers are 0..{self.num_workers - 1})"
+        if not self._alive[w]:
+            return f"worker {w} was retired"
+        if not isinstance(grad, Tensor):
+            return f"gradient is a {type(grad).__name__}, not a tensor"
+        if grad.dim() != 1 or grad.numel() != self.numel:
+            return f"gradient has shape {tuple(grad.shape)}, expected ({self.numel},)"
+        if grad.dtype != self._theta.dtype:
+            return f"gradient dtype {grad.dtype}, expected {self._theta.dtype}"
+        if not isinstance(meta, PushMeta):
+            return f"metadata is a {type(meta).__name__}, not a PushMeta"
+        try:
+            version = operator.index(meta.version)
+        except TypeError:
+            return f"version {meta.version!r} is not an integer"
+        if version < 0:
+            return f"negative version {version}"
+        if version > self._version:
+            return f"version {version} is from the future (PS is at {self._version})"
+        if not bool(torch.isfinite(grad).all()):
+            return "gradient contains NaN or Inf"
+        return self._validate_meta(meta)
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """A deep copy of the PS state (tensors, ints, lists, dicts; ``weights_only``-safe)."""
+        return clone_tree(self._state())
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore from :meth:`state_dict` of a rule built with the same arguments."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"rule state must be a dict, got {type(d).__name__}")
+        if need(d, "num_workers") != self.num_workers:
+            raise CheckpointError(f"rule state is for {d['num_workers']} workers, "
+                                  f"this run has {self.num_workers}")
+        self._theta = load_tensor(d, "theta", self._theta)
+        self._version = int(need(d, "version"))
+        self._lr = float(need(d, "lr").item())
+        alive = list(need(d, "alive"))
+        if len(alive) != self.num_workers:
+            raise CheckpointError("rule state 'alive' does not list every worker")
+        self._alive = [bool(a) for a in alive]
+        self._load(d)
+
+    def state_bytes(self) -> int:
+        """Bytes of PS-side state, θ included (the PS memory figure to report)."""
+        return tree_bytes(self._state())
+
+    # -- hooks for subclasses --------------------------------------------------------------------
+    def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
+        raise NotImplementedError
+
+    def _make_reply(self, worker: int, *, pushed: bool) -> Reply:
+        return Reply(self._theta, self._version)
+
+    def _join(self, worker: int) -> None:
+        pass
+
+    def _leave(self, worker: int) -> None:
+        pass
+
+    def _validate_meta(self, meta: PushMeta) -> str | None:
+        return None
+
+    def _state(self) -> dict:
+        """The live state (no copies); subclasses add their entries."""
+        return {"num_workers": self.num_workers, "version": self._version, "theta": self._theta,
+                "lr": torch.tensor(self._lr, dtype=torch.float64),
+                "alive": [int(a) for a in self._alive]}
+
+    def _load(self, d: dict) -> None:
+        pass
+
+    def _worker_index(self, worker: Any) -> int:
+        w = operator.index(worker)
+        if not 0 <= w < self.num_workers:
+            raise ValueError(f"unknown worker {w} (workers are 0..{self.num_workers - 1})")
+        return w
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(numel={self.numel}, num_workers={self.num_workers}, "
+                f"lr={self._lr:g}, version={self._version})")
+
+
+# ----------------------------------------------------------------------------------------------
+# learning-rate schedules (the runtime applies them by setting ``rule.lr``)
+
+def warmup_lr(base_lr: float, epoch_float: float, warmup_epochs: float, start_lr: float) -> float:
+    """Linear warm-up from ``start_lr`` at epoch 0 to ``base_lr`` at ``warmup_epochs``; then
+    ``base_lr``. ``epoch_float`` is fractional (``epoch + batch / batches_per_epoch``).
+
+    Example (SMEGA2's warm-up from lr/N over 5 epochs)::
+
+        rule.lr = warmup_lr(0.1, epoch + b / nb, 5, 0.1 / num_workers)
+    """
+    if warmup_epochs <= 0 or epoch_float >= warmup_epochs:
+        return base_lr
+    frac = max(epoch_float, 0.0) / warmup_epochs
+    return start_lr + (base_lr - start_lr) * frac
+
+
+def step_decay_lr(base_lr: float, epoch: float, milestones: Iterable[float] = (80, 120),
+                  gamma: float = 0.1) -> float:
+    """``base_lr · gamma^k`` where k is the number of milestones already reached (epoch >= m)."""
+    k = sum(1 for m in milestones if epoch >= m)
+    return base_lr * gamma ** k
+
+
+def smega2_lr(epoch_float: float, *, base_lr: float = 0.1, num_workers: int,
+              warmup_epochs: float = 5, milestones: Iterable[float] = (80, 120),
+              gamma: float = 0.1) -> float:
+    """SMEGA2's reference schedule: linear warm-up from ``base_lr/N`` over ``warmup_epochs`` (per
+    batch), step decay ×``gamma`` at ``milestones`` (whole epochs)."""
+    lr = step_decay_lr(base_lr, math.floor(epoch_float), milestones, gamma)
+    return warmup_lr(lr, epoch_float, warmup_epochs, base_lr / num_workers)

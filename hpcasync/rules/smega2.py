@@ -1,0 +1,141 @@
+"""SMEGA2: asynchronous momentum SGD with a single momentum buffer (Cohen, Hakimi, Schuster,
+"SMEGA2: Distributed Asynchronous Deep Neural Network Training With a Single Momentum Buffer",
+ICPP 2022; reference code rafi-cohen/SMEGA2).
+
+PS state: θ, ONE momentum buffer v, a cycle accumulator a, a counter c (mod N). Workers keep no
+optimizer state. On push(i, g)::
+
+    g ← g + wd·θ
+    c ← (c + 1) mod N ;  a ← a + g ;  θ ← θ − η·(g + γ·v)
+    if c == 0:  v ← γ·v + a/N ;  a ← 0
+
+The reply is not θ but an estimate of θ N updates ahead, future gradients taken as zero::
+
+    advanced (default):  θ̂ = θ − ηγ·[(N + c(γ − 1))·v + (c/N)·a]
+    naive:               θ̂ = θ − ηγN·v
+
+The worker sets its copy to θ̂ and computes its next gradient there; evaluate on θ, not θ̂.
+PS memory: 3 model copies (θ, v, a) for any N.
+
+Properties (tests/test_rules_smega2.py):
+* Starting a cycle (c = 0), N pushes g_1..g_N with wd = 0 equal ONE synchronous momentum-SGD step
+  (PyTorch ``SGD``, dampening 0) with learning rate N·η on the mean gradient ḡ::
+
+      v' = γ·v + ḡ ;  θ' = θ − N·η·v'
+
+  because θ − η·Σ_k (g_k + γ·v) = θ − N·η·(γ·v + ḡ). (With wd > 0 each push decays a different θ, so
+  the equality is approximate.)
+* The advanced θ̂ equals θ after N further pushes of zero gradient (wd = 0), for every c.
+
+Example::
+
+    rule = SMEGA2(theta0, num_workers=8, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    rule.lr = smega2_lr(epoch + b / nb, base_lr=0.1, num_workers=8)   # schedule, each batch
+    reply = rule.on_push(3, grad, PushMeta(version=17))                  # reply.params is θ̂
+
+Differences from the paper / reference code:
+* Retiring a worker shrinks N (never below 1). If the current cycle already holds c ≥ N_new pushes,
+  it is closed at once with the mean of what it holds, v ← γ·v + a/c; otherwise it continues and
+  closes after N_new pushes. A rejoining worker grows N again.
+* No dampening option (the reference code's default, 0).
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..errors import CheckpointError
+from .base import (PushMeta, Reply, Rule, check_choice, check_real, load_tensor, need,
+                   smega2_lr, step_decay_lr, warmup_lr)
+
+__all__ = ["SMEGA2", "smega2_update", "smega2_estimate", "smega2_lr", "step_decay_lr",
+           "warmup_lr"]
+
+
+def smega2_update(theta: Tensor, grad: Tensor, v: Tensor, a: Tensor, c: int, *, lr: float,
+                  momentum: float, n: int, weight_decay: float = 0.0) -> int:
+    """One SMEGA2 push in place on θ, v, a; returns the new counter c (``grad`` not modified)."""
+    g = grad.add(theta, alpha=weight_decay) if weight_decay != 0 else grad
+    c = (c + 1) % n
+    a.add_(g)
+    theta.sub_(g.add(v, alpha=momentum), alpha=lr)
+    if c == 0:
+        v.mul_(momentum).add_(a, alpha=1.0 / n)
+        a.zero_()
+    return c
+
+
+def smega2_estimate(theta: Tensor, v: Tensor, a: Tensor, c: int, *, lr: float, momentum: float,
+                    n: int, mode: str = "advanced") -> Tensor:
+    """θ̂, the position N zero-gradient pushes ahead (``advanced``) or ``θ − ηγN·v`` (``naive``);
+    a new tensor."""
+    if mode == "naive":
+        return theta.sub(v, alpha=lr * momentum * n)
+    v_factor = lr * momentum * (n + c * (momentum - 1.0))
+    a_factor = lr * momentum * c / n
+    return theta.sub(v, alpha=v_factor).sub_(a, alpha=a_factor)
+
+
+class SMEGA2(Rule):
+    """SMEGA2 on the PS.
+
+    Args:
+        theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
+        momentum: γ (default 0.9).
+        estimate: ``"advanced"`` (default) or ``"naive"`` reply θ̂.
+    """
+
+    name = "smega2"
+
+    def __init__(self, theta0: Tensor, num_workers: int, *, lr: float, weight_decay: float = 0.0,
+                 momentum: float = 0.9, estimate: str = "advanced"):
+        super().__init__(theta0, num_workers, lr=lr, weight_decay=weight_decay)
+        self.momentum = check_real("momentum", momentum, low=0.0, high=1.0, high_open=True)
+        self.estimate = check_choice("estimate", estimate, ("advanced", "naive"))
+        self._v = self._theta.new_zeros(self._theta.shape)
+        self._a = self._theta.new_zeros(self._theta.shape)
+        self._c = 0
+        self._n = self.num_workers
+
+    @property
+    def cycle(self) -> tuple[int, int]:
+        """(c, N): pushes in the current cycle and the cycle length."""
+        return self._c, self._n
+
+    def theta_hat(self) -> Tensor:
+        """The current estimate θ̂ (a new tensor)."""
+        return smega2_estimate(self._theta, self._v, self._a, self._c, lr=self.lr,
+                               momentum=self.momentum, n=self._n, mode=self.estimate)
+
+    def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
+        self._c = smega2_update(self._theta, grad, self._v, self._a, self._c, lr=self.lr,
+                                momentum=self.momentum, n=self._n,
+                                weight_decay=self.weight_decay)
+
+    def _make_reply(self, worker: int, *, pushed: bool) -> Reply:
+        return Reply(self.theta_hat(), self._version)
+
+    def _resize(self) -> None:
+        n = max(1, self.num_active)
+        if n < self._n and self._c >= n:           # the shrunk cycle is already complete
+            self._v.mul_(self.momentum).add_(self._a, alpha=1.0 / self._c)
+            self._a.zero_()
+            self._c = 0
+        self._n = n
+
+    def _join(self, worker: int) -> None:
+        self._resize()
+
+    def _leave(self, worker: int) -> None:
+        self._resize()
+
+    def _state(self) -> dict:
+        d = super()._state()
+        d.update(v=self._v, a=self._a, c=self._c, n=self._n)
+        return d
+
+    def _load(self, d: dict) -> None:
+        self._v = load_tensor(d, "v", self._theta)
+        self._a = load_tensor(d, "a", self._theta)
+        self._c, self._n = int(need(d, "c")), int(need(d, "n"))
+        if not 0 <= self._c < self._n <= self.num_workers:
+            raise CheckpointError(f"rule state has cycle c={self._c}, N={self._n}")

@@ -1,0 +1,139 @@
+"""What the driver hands a runtime, and what a runtime hands back.
+
+The driver (``hpcasync.train``) owns data, model construction, metrics, progress and evaluation;
+a runtime owns only its communication pattern and update loop. ``RunContext.epoch_end`` is the one
+place an epoch is evaluated, logged and recorded, so every algorithm reports the same way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("hpcasync")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 1000,
+             device: str = "cpu") -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` on ``dataset``; collective over ``comm`` when given.
+
+    Every rank of ``comm`` evaluates a contiguous slice and the sums are allreduced, so the result is
+    the full-set figure on every rank (the model must be identical on those ranks).
+    """
+    n = len(dataset)
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    lo, hi = n * rank // size, n * (rank + 1) // size
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(lo, hi, batch_size):
+        stop = min(hi, start + batch_size)
+        x = dataset.images[start:stop].to(device, non_blocking=True)
+        y = dataset.labels[start:stop].to(device, non_blocking=True)
+        out = model(x)
+        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+    model.train(was_training)
+    if comm is not None and size > 1:
+        from mpi4py import MPI
+
+        sums = np.array([loss_sum, correct], dtype=np.float64)   # exact for counts < 2**53
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        loss_sum, correct = float(sums[0]), int(sums[1])
+    return loss_sum / n, correct / n
+
+
+class Progress:
+    """A tqdm bar on rank 0 when stderr is a TTY (or ``--progress on``), a no-op otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._bar = None
+
+    def start(self, total: int, desc: str) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, n: int = 1, **postfix: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix:
+                self._bar.set_postfix({k: (f"{v:.4f}" if isinstance(v, float) else v)
+                                       for k, v in postfix.items()}, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+@dataclass
+class RunResult:
+    model: torch.nn.Module                 # final parameters, identical on every rank of eval_comm
+    summary: dict[str, Any] = field(default_factory=dict)   # runtime-specific summary fields
+
+
+@dataclass
+class RunContext:
+    cfg: Any                               # TrainConfig
+    topo: Any                              # Topology
+    train: Any                             # ArrayDataset
+    test: Any
+    make_model: Callable[[], torch.nn.Module]
+    metrics: Any                           # MetricsWriter (enabled on rank 0)
+    progress: Progress
+    history: list[dict[str, Any]] = field(default_factory=list)
+    t0: float = field(default_factory=time.time)
+
+    steps: int = 0                         # training steps taken by this rank (after_step counts)
+    _fault_step: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        # Testing hook: HPCASYNC_INJECT_FAULT=RANK:STEP raises on that rank after that many steps,
+        # so the abort path is exercised with a real exception inside a real run.
+        spec = os.environ.get("HPCASYNC_INJECT_FAULT", "")
+        if spec:
+            rank, _, step = spec.partition(":")
+            if rank.isdigit() and step.isdigit() and int(rank) == self.topo.rank:
+                self._fault_step = int(step)
+
+    @property
+    def is_root(self) -> bool:
+        return self.topo.rank == 0
+
+    def after_step(self) -> None:
+        """Call once per training step on every training rank: counts steps, runs the hooks."""
+        self.steps += 1
+        if self._fault_step is not None and self.steps >= self._fault_step:
+            raise RuntimeError(f"injected fault (HPCASYNC_INJECT_FAULT) at step {self.steps}")
+
+    def epoch_end(self, epoch: int, model: torch.nn.Module, *, train_loss: float,
+                  eval_comm=None, **extra: Any) -> dict[str, Any]:
+        """Evaluate (collectively over ``eval_comm``, default the world), log and record an epoch.
+
+        Every rank of ``eval_comm`` must call it with an identical model. Ranks outside
+        ``eval_comm`` must not call it. Returns the record (on every calling rank).
+        """
+        comm = self.topo.world if eval_comm is None else eval_comm
+        test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device)
+        record = {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
+                  "test_accuracy": test_acc, "wall_time_s": round(time.time() - self.t0, 3), **extra}
+        self.history.append(record)
+        self.progress.close()
+        self.metrics.write("epoch", **record)
+        if comm.Get_rank() == 0:
+            log.info("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%% (%.1f s)",
+                     epoch, train_loss, test_loss, 100 * test_acc, record["wall_time_s"])
+        return record

@@ -1,0 +1,166 @@
+"""``hpcasync train --algorithm daso``: the DASO loop (see :mod:`hpcasync.daso`).
+
+The loop is SSGD's (:mod:`.sync`) with :class:`hpcasync.daso.DASO` in place of the
+``DistributedOptimizer``, plus ``opt.epoch_end(loss)`` once per epoch, whose record (phase, knobs
+gs/ls/B, seconds waiting on global messages, bytes) goes into the epoch's metrics. At the end every
+rank hashes its parameters and buffers; the summary records ``replicas_identical`` and the hash.
+
+``--backend horovod`` runs the node-local gradient averages through Horovod initialised on the
+node-local communicator (``hvd.init(comm=topo.local)``); the global part is always our own MPI.
+
+Example::
+
+    mpiexec -n 4 hpcasync train --algorithm daso --ranks-per-node 2 --dataset fashion-mnist \\
+        --model lenet --epochs 4 --daso-warmup-epochs 1 --daso-cooldown-epochs 1
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import DASO_CHUNK_ELEMS, FlatModel
+from ..daso import DASO, DasoSchedule, LinkDelay
+from ..data import batches, shard_indices
+from ..errors import ConfigError
+from .context import RunContext, RunResult
+
+log = logging.getLogger("hpcasync")
+
+# option (dest) -> DASO constructor argument, with the CLI defaults
+OPTIONS = {
+    "daso_warmup_epochs": ("warmup_epochs", 4),
+    "daso_cooldown_epochs": ("cooldown_epochs", 4),
+    "daso_global_skip": ("global_skip", 4),
+    "daso_local_skip": ("local_skip", 1),
+    "daso_batches_to_wait": ("batches_to_wait", 1),
+    "daso_max_global_skips": ("max_global_skips", 8),
+    "daso_plateau_patience": ("plateau_patience", 3),
+    "daso_plateau_threshold": ("plateau_threshold", 0.05),
+    "daso_cast": ("cast", "bf16"),
+    "daso_chunk_elems": ("chunk_elems", DASO_CHUNK_ELEMS),
+    "daso_link_delay_us_per_mb": ("link_delay_us_per_mb", 0.0),
+}
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("daso")
+    g.add_argument("--daso-warmup-epochs", type=int, default=4,
+                   help="blocking epochs at the start (default 4)")
+    g.add_argument("--daso-cooldown-epochs", type=int, default=4,
+                   help="blocking epochs at the end (default 4)")
+    g.add_argument("--daso-global-skip", type=int, default=4,
+                   help="batches between global sends in the first cycling epoch (default 4)")
+    g.add_argument("--daso-local-skip", type=int, default=1,
+                   help="batches between node-local gradient averages (default 1)")
+    g.add_argument("--daso-batches-to-wait", type=int, default=1,
+                   help="batches between a global send and its merge (default 1)")
+    g.add_argument("--daso-max-global-skips", type=int, default=8,
+                   help="global skip after a reset from (1, 1, 1) (default 8)")
+    g.add_argument("--daso-cast", choices=("none", "bf16", "fp16"), default="bf16",
+                   help="wire format of every message between nodes (default bf16)")
+    g.add_argument("--daso-plateau-patience", type=int, default=3,
+                   help="epochs without improvement that make a plateau (default 3)")
+    g.add_argument("--daso-plateau-threshold", type=float, default=0.05,
+                   help="relative loss improvement that counts (default 0.05)")
+    g.add_argument("--daso-chunk-elems", type=int, default=DASO_CHUNK_ELEMS,
+                   help=f"largest piece of a global send, in elements (default {DASO_CHUNK_ELEMS})")
+    g.add_argument("--daso-link-delay-us-per-mb", type=float, default=0.0,
+                   help="emulated slow inter-node link: µs per 10^6 bytes of every global "
+                        "message (default 0: off)")
+
+
+def daso_kwargs(cfg) -> dict:
+    """The DASO constructor arguments from ``cfg.options`` (defaults for missing options)."""
+    return {arg: cfg.options.get(dest, default) for dest, (arg, default) in OPTIONS.items()}
+
+
+def validate(cfg) -> None:
+    """Pre-MPI checks: every knob through the same validation the classes use."""
+    kw = daso_kwargs(cfg)
+    DasoSchedule(total_epochs=cfg.epochs, num_groups=1,
+                 **{k: kw[k] for k in ("warmup_epochs", "cooldown_epochs", "global_skip",
+                                       "local_skip", "batches_to_wait", "max_global_skips",
+                                       "plateau_patience", "plateau_threshold")})
+    if kw["cast"] not in ("none", "bf16", "fp16"):
+        raise ConfigError(f"--daso-cast must be none, bf16 or fp16, got {kw['cast']!r}")
+    if not isinstance(kw["chunk_elems"], int) or kw["chunk_elems"] < 1:
+        raise ConfigError(f"--daso-chunk-elems must be a positive integer, got {kw['chunk_elems']!r}")
+    LinkDelay(kw["link_delay_us_per_mb"])
+    if cfg.backend == "horovod":
+        try:
+            import horovod.torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("--backend horovod: Horovod is not installed; "
+                              "run scripts/install-horovod.sh") from None
+
+
+def run(ctx: RunContext) -> RunResult:
+    cfg, topo = ctx.cfg, ctx.topo
+    topo.require_uniform("DASO")
+    model = ctx.make_model()
+    flat = FlatModel(model)
+    nbatches = len(ctx.train) // topo.size // cfg.batch_size
+    if nbatches < 1:
+        raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks give "
+                          f"no batch of {cfg.batch_size}; lower --batch-size")
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay)
+    opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
+               local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
+    opt.broadcast_parameters(root=0)
+    device = topo.device
+    schedule, totals = [], {"daso_global_wait_s": 0.0, "daso_blocking_global_s": 0.0,
+                            "daso_global_bytes": 0}
+    for epoch in range(1, cfg.epochs + 1):
+        indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
+                                seed=cfg.seed, epoch=epoch)
+        if len(indices) // cfg.batch_size != nbatches:
+            raise ConfigError(f"DASO: shard of {len(indices)} images does not give {nbatches} "
+                              f"batches in epoch {epoch}")
+        ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
+        loss_sum = 0.0
+        model.train()
+        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            ctx.after_step()
+            loss_value = loss.item()
+            loss_sum += loss_value
+            ctx.progress.update(1, loss=loss_value)
+            if cfg.log_every and (i + 1) % cfg.log_every == 0:
+                ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
+        record = opt.epoch_end(loss_sum / nbatches)
+        wait_max = topo.world.allreduce(record["daso_global_wait_s"], op=_max())
+        record["daso_global_wait_max_s"] = round(wait_max, 4)
+        for key in totals:
+            totals[key] += record[key]
+        schedule.append([epoch, record["daso_phase"], record["daso_global_skip"],
+                         record["daso_local_skip"], record["daso_batches_to_wait"]])
+        if topo.rank == 0:
+            log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global messages",
+                     epoch, record["daso_phase"], record["daso_global_skip"],
+                     record["daso_local_skip"], record["daso_batches_to_wait"],
+                     record["daso_global_wait_s"])
+        ctx.epoch_end(epoch, model, **record)
+    checksum = opt.checksum()
+    checksums = topo.world.allgather(checksum)
+    identical = len(set(checksums)) == 1
+    if not identical:
+        log.error("DASO: replicas differ at the end: %d distinct checksums", len(set(checksums)))
+    return RunResult(model=model, summary={
+        "backend": cfg.backend, "steps": opt.steps, "replicas_identical": identical,
+        "replica_checksum": checksum[:16], "daso_schedule": schedule,
+        "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
+        "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
+        "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"])})
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX

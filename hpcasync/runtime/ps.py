@@ -1,0 +1,243 @@
+"""The asynchronous parameter server (ASGD, DC-ASGD, LC-ASGD, SHAT, SMEGA2, DANA-Zero, NAG-ASGD).
+
+One rank (``--ps-rank``, default 0) serves; every other rank is a worker. The PS owns MPI RMA
+windows with one slot per worker (``ps_transport``), applies the algorithm's update rule to each
+push (``ps_server``) and answers that worker; workers train their shards (``ps_worker``). The
+rule objects are the same ones the simulator drives (``hpcasync.rules``, ``hpcasync.sim``).
+
+Per epoch (the PS crosses epoch e when e × W × batches pushes were accepted) the PS evaluates θ on
+its own (``eval_comm=COMM_SELF``) and records the staleness histogram, pushes, rejected pushes and
+bytes moved. At the end θ is broadcast, so every rank returns the final model. Metrics are written
+by the PS rank (``reporting_rank``).
+
+Example::
+
+    mpiexec -n 4 hpcasync train --algorithm dcasgd-a --dataset fashion-mnist --epochs 2 --hetero HE1
+
+Options map to the rules' hyperparameters (``rules.rule_hyperparameters``): ``--lr`` and
+``--weight-decay`` always; ``--momentum`` for the momentum algorithms (smega2, dana, nag);
+``--ps-momentum`` for the optional shared momentum of asgd, dcasgd(-a), lcasgd and the SHAT family.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..comm import FlatModel
+from ..errors import ConfigError, TopologyError
+from ..hetero import DelayModel
+from ..hetero import add_arguments as add_hetero_arguments
+from ..hetero import check_options as check_hetero
+from ..rules import make_rule, rule_hyperparameters, smega2_lr
+from .context import RunContext, RunResult
+
+log = logging.getLogger("hpcasync")
+
+ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp",
+              "smega2", "dana", "nag")
+MOMENTUM_RULES = ("smega2", "dana", "nag")      # momentum is the algorithm: take --momentum
+_OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
+           "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
+           "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",),
+           "smega2_warmup_epochs": ("smega2",)}
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("parameter server (asgd, dcasgd, dcasgd-a, lcasgd, shat, "
+                                  "shat-root, ensemble, asp, smega2, dana, nag)")
+    g.add_argument("--ps-transport", default="rma", choices=("rma", "rma-put", "p2p"),
+                   help="rma: one-sided Put in / Get out (default); rma-put: the PS Puts replies; "
+                        "p2p: two-sided Isend/Recv")
+    g.add_argument("--ps-momentum", type=float, default=0.0,
+                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat (default 0)")
+    g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
+    g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
+    g.add_argument("--dc-ms-momentum", type=float, default=None,
+                   help="dcasgd-a: mean-square momentum m (0.95)")
+    g.add_argument("--lc-predictor", default=None, help="lcasgd: linear (default), ema, lstm, oracle")
+    g.add_argument("--lc-lambda", type=float, default=None, help="lcasgd: λ (1.0)")
+    g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
+    g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")
+    g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
+    g.add_argument("--smega2-warmup-epochs", type=float, default=None,
+                   help="smega2: lr warm-up from lr/N (default 5 as the reference; 0: none)")
+    add_hetero_arguments(parser)
+
+
+def rule_hyper(cfg) -> dict:
+    """The keyword arguments of ``make_rule(cfg.algorithm, ...)`` from the config."""
+    name, opt = cfg.algorithm, cfg.options
+    accepted = rule_hyperparameters(name)
+    hyper = {"lr": cfg.lr}
+    if "weight_decay" in accepted:
+        hyper["weight_decay"] = cfg.weight_decay
+    if "momentum" in accepted:
+        hyper["momentum"] = cfg.momentum if name in MOMENTUM_RULES else opt.get("ps_momentum", 0.0)
+    pairs = {"dcasgd": {"lam": "dc_lambda"},
+             "dcasgd-a": {"lam": "dc_lambda0", "ms_momentum": "dc_ms_momentum"},
+             "lcasgd": {"predictor": "lc_predictor", "lam": "lc_lambda", "anchor": "lc_anchor",
+                        "window": "lc_window"},
+             "smega2": {"estimate": "smega2_estimate"}}.get(name, {})
+    for key, option in pairs.items():
+        if opt.get(option) is not None:
+            hyper[key] = opt[option]
+    if name == "lcasgd":
+        hyper["seed"] = cfg.seed
+    return hyper
+
+
+def build_rule(cfg, theta0: torch.Tensor, num_workers: int):
+    """The PS rule of ``cfg.algorithm`` (also the worker-side instance, and the simulator's)."""
+    return make_rule(cfg.algorithm, theta0, num_workers, **rule_hyper(cfg))
+
+
+def lr_schedule(cfg, num_workers: int):
+    """``lr_at(epoch_float)`` for the rule, or None for a constant ``cfg.lr``."""
+    if cfg.algorithm != "smega2":
+        return None
+    warm = cfg.options.get("smega2_warmup_epochs")
+    warm = 5.0 if warm is None else warm
+
+    def lr_at(epoch_float: float) -> float:
+        return smega2_lr(epoch_float, base_lr=cfg.lr, num_workers=num_workers, warmup_epochs=warm)
+    return lr_at
+
+
+def validate(cfg) -> None:
+    """Pre-MPI checks: options that belong to another algorithm, the rule's hyperparameters
+    (built on a 1-element θ), the heterogeneity options."""
+    opt = cfg.options
+    for option, owners in _OWNERS.items():
+        if opt.get(option) is not None and cfg.algorithm not in owners:
+            flag = "--" + option.replace("_", "-")
+            raise ConfigError(f"{flag} applies to {', '.join(owners)}, not {cfg.algorithm}")
+    if opt.get("ps_momentum", 0.0) and cfg.algorithm in MOMENTUM_RULES:
+        raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
+    warm = opt.get("smega2_warmup_epochs")
+    if warm is not None and not warm >= 0:
+        raise ConfigError(f"--smega2-warmup-epochs must be >= 0, got {warm}")
+    build_rule(cfg, torch.zeros(1), 1)
+    check_hetero(opt)
+    from .ps_transport import quiet_osc_ucx
+
+    quiet_osc_ucx()      # runs before MPI starts (precheck)
+
+
+def reporting_rank(topo) -> int:
+    """The rank that evaluates, writes metrics and shows progress: the PS."""
+    return topo.ps_rank
+
+
+def run(ctx: RunContext) -> RunResult:
+    from mpi4py import MPI
+
+    from .ps_transport import make_transport
+
+    cfg, topo = ctx.cfg, ctx.topo
+    W = len(topo.workers)
+    if W < 1:
+        raise TopologyError(f"{cfg.algorithm} needs a parameter server and at least one worker: "
+                            f"start 2 or more ranks")
+    if len(ctx.train) // W < cfg.batch_size:
+        raise ConfigError(f"each of the {W} workers gets {len(ctx.train) // W} training examples, "
+                          f"fewer than one batch of {cfg.batch_size}")
+    delay = DelayModel.from_options(cfg.options, worker_ranks=topo.workers, seed=cfg.seed)
+    model = ctx.make_model()
+    flat = FlatModel(model)
+    transport = make_transport(cfg.options.get("ps_transport", "rma"), topo.world, topo.ps_rank,
+                               flat.numel, extra=flat.buffer_numel,
+                               reply_scalars=build_rule(cfg, torch.zeros(1), 1).reply_scalars)
+    batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
+    summary: dict = {}
+    if topo.is_ps:
+        log.info("%s: PS rank %d, %d workers, transport %s, %s", cfg.algorithm, topo.ps_rank, W,
+                 transport.name, delay.describe())
+        summary = _serve(ctx, transport, flat, model, W, batches_per_worker)
+    else:
+        from .ps_worker import run_worker
+
+        rule = build_rule(cfg, flat.params.detach().cpu(), W)
+        oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
+        wstats = run_worker(transport, rule, model, flat, ctx.train, epochs=cfg.epochs,
+                            batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
+                            delay=None if delay.trivial else delay, oracle=oracle,
+                            after_step=ctx.after_step, grad_hook=_nan_hook(topo.rank))
+        summary = {"worker_steps": wstats.steps, "worker_sleep_s": round(wstats.sleep_time, 3),
+                   "worker_compute_s": round(wstats.compute_time, 3),
+                   "worker_wait_s": round(transport.wait_time, 3)}
+    transport.close()
+    # every rank ends with the PS's θ (and its averaged buffers)
+    topo.world.Bcast([flat.params.detach().cpu().numpy(), MPI.FLOAT], root=topo.ps_rank)
+    if flat.buffer_numel:
+        topo.world.Bcast([flat.buffers.detach().cpu().numpy(), MPI.FLOAT], root=topo.ps_rank)
+    per_worker = topo.world.gather(summary if not topo.is_ps else None, root=topo.ps_rank)
+    if topo.is_ps:
+        summary["workers"] = [s for s in per_worker if s is not None]
+    summary = topo.world.bcast(summary, root=topo.ps_rank)
+    return RunResult(model=model, summary=summary)
+
+
+def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: int) -> dict:
+    """The PS rank's part of :func:`run`: serve, record epochs, leave θ in ``flat``."""
+    from mpi4py import MPI
+
+    from .ps_server import PSServer
+
+    cfg = ctx.cfg
+    rule = build_rule(cfg, flat.params.detach().cpu(), W)
+    buffers = torch.zeros(W, flat.buffer_numel)
+    seen = [False] * W
+
+    def load_theta() -> None:
+        flat.params.copy_(rule.theta)
+        if flat.buffer_numel and any(seen):
+            flat.buffers.copy_(buffers[torch.tensor(seen)].mean(0))
+
+    def on_buffers(w, extra) -> None:
+        buffers[w].copy_(extra)
+        seen[w] = True
+
+    def on_epoch(epoch: int, record: dict) -> None:
+        load_theta()
+        train_loss = record.pop("train_loss")
+        ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=MPI.COMM_SELF, **record,
+                      ps_state_bytes=rule.state_bytes(), lr=rule.lr)
+        if epoch < cfg.epochs:
+            ctx.progress.start(pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
+
+    def on_push(w: int, staleness: int, loss: float) -> None:
+        ctx.progress.update(1, loss=loss, tau=staleness)
+        n = server.stats.accepted
+        if cfg.log_every and n % cfg.log_every == 0:
+            ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
+                              staleness=staleness, loss=loss, lr=rule.lr)
+
+    pushes_per_epoch = W * batches_per_worker
+    server = PSServer(transport, rule, pushes_per_epoch=pushes_per_epoch, epochs=cfg.epochs,
+                      on_epoch=on_epoch, lr_at=lr_schedule(cfg, W), on_push=on_push,
+                      on_buffers=on_buffers if flat.buffer_numel else None)
+    ctx.progress.start(pushes_per_epoch, f"epoch 1/{cfg.epochs}")
+    stats = server.serve()
+    ctx.progress.close()
+    load_theta()
+    return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
+            "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
+            "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),
+            "ps_idle_s": round(transport.wait_time, 3)}
+
+
+def _nan_hook(rank: int):
+    """Testing hook: ``HPCASYNC_INJECT_NAN=RANK:STEP`` makes that rank push a NaN gradient at that
+    step (the PS must reject it and training must go on)."""
+    spec = os.environ.get("HPCASYNC_INJECT_NAN", "")
+    r, _, s = spec.partition(":")
+    if not (r.isdigit() and s.isdigit() and int(r) == rank):
+        return None
+    step = int(s)
+
+    def hook(i: int, grad: torch.Tensor) -> None:
+        if i == step:
+            grad[0] = float("nan")
+    return hook

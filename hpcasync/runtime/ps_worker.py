@@ -1,0 +1,104 @@
+"""A parameter-server worker: train on its shard, push each gradient, take the reply.
+
+Worker i of W (i counts the non-PS ranks in rank order) trains ``shard_indices(L, shard_index=i,
+num_shards=W, seed, epoch)`` for each epoch. Per batch::
+
+    g, L ← ∇loss, loss at the local parameters w (its version v: the last reply's)
+    [heterogeneity: sleep natural · (factor − 1); push delay]
+    [LC-ASGD oracle: PEEK the current θ, L_oracle ← loss(θ, same batch)]
+    push (g, L, v) ; reply ← wait ; rule.on_reply(w, reply, g if accepted else None)
+
+``rule`` is a worker-side instance of the PS's rule class: ``on_reply`` needs nothing but the reply
+(SHAT mixes, the others copy).
+
+Example (inside a PS job, see ``hpcasync.runtime.ps.run``)::
+
+    stats = run_worker(transport, rule, model, flat, train_set, epochs=2, batch_size=64, seed=0)
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..data import batches, num_batches, shard_indices
+from ..rules import Reply
+from .ps_transport import KIND_PEEK
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    rejected: int = 0
+    compute_time: float = 0.0     # forward + backward
+    sleep_time: float = 0.0       # heterogeneity: extra step time and push delays
+    loss_sum: float = 0.0
+
+
+def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: int,
+               batch_size: int, seed: int, device: str = "cpu", delay=None,
+               oracle: bool = False, after_step: Callable[[], None] | None = None,
+               grad_hook: Callable[[int, torch.Tensor], None] | None = None) -> WorkerStats:
+    """Run worker ``transport.worker`` to the end of its budget (``epochs`` passes over its
+    shard); its last push carries the ``last`` flag. ``grad_hook(step, grad)`` may alter the
+    gradient before it is pushed (tests inject NaN this way). Returns the worker's counters."""
+    w, W = transport.worker, transport.num_workers
+    stats = WorkerStats()
+    reply_buf = torch.empty(flat.numel)
+    head = transport.recv_reply(reply_buf)                       # the initial reply
+    rule.on_reply(flat.params, Reply(reply_buf, head.version, head.scalars), None)
+    version = head.version
+    per_epoch = num_batches(len(train) // W, batch_size)
+    model.train()
+    for epoch in range(1, epochs + 1):
+        indices = shard_indices(len(train), shard_index=w, num_shards=W, seed=seed, epoch=epoch)
+        for b, (x, y) in enumerate(batches(train, indices, batch_size)):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            t0 = time.perf_counter()
+            flat.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            loss_value = loss.item()
+            natural = time.perf_counter() - t0
+            stats.compute_time += natural
+            grad = flat.grads
+            if grad_hook is not None:
+                grad_hook(stats.steps, grad)
+            if delay is not None:
+                stats.sleep_time += delay.sleep_extra(w, stats.steps, natural)
+            oracle_loss = math.nan
+            if oracle:
+                oracle_loss = _oracle_loss(transport, model, flat, reply_buf, x, y)
+            if delay is not None and delay.push_delay_s:
+                delay.sleep_push()
+                stats.sleep_time += delay.push_delay_s
+            last = epoch == epochs and b == per_epoch - 1
+            transport.push(grad.cpu(), flat.buffers.cpu(), version=version, loss=loss_value,
+                           oracle_loss=oracle_loss, last=last)
+            head = transport.recv_reply(reply_buf)
+            rule.on_reply(flat.params, Reply(reply_buf.to(flat.params.device), head.version,
+                                             head.scalars), grad if head.accepted else None)
+            version = head.version
+            stats.steps += 1
+            stats.rejected += not head.accepted
+            stats.loss_sum += loss_value
+            if after_step is not None:
+                after_step()
+    return stats
+
+
+@torch.no_grad()
+def _oracle_loss(transport, model, flat, reply_buf, x, y) -> float:
+    """LC-ASGD's oracle: the loss at the PS's current θ on this batch (θ fetched by a PEEK)."""
+    transport.push(flat.grads, kind=KIND_PEEK)
+    transport.recv_reply(reply_buf)
+    params, buffers = flat.params.clone(), flat.buffers.clone()
+    flat.params.copy_(reply_buf)
+    loss = F.cross_entropy(model(x), y).item()
+    flat.params.copy_(params)
+    flat.buffers.copy_(buffers)
+    return loss

@@ -1,0 +1,202 @@
+"""``hpcasync sim``: N virtual workers in one process, on a simulated clock.
+
+Takes every option of ``hpcasync train`` (same config object, same validation, data, models and
+metrics stream) plus ``--workers N`` and ``--sim-step-time``; the delay model is the one of the
+real runtimes (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``). Asynchronous
+algorithms drive the very same rule objects as the MPI parameter server (``sim_engine.AsyncSim``);
+``ssgd`` runs as synchronous rounds paced by the slowest worker (``sim_engine.SyncSim``).
+
+The JSONL stream has the records of a real run (``config``, ``epoch``, ``summary``), each epoch and
+the summary with ``sim_time`` (simulated seconds: a natural step takes ``--sim-step-time``). A run
+is bit-reproducible: the same options give the same stream except the wall-clock fields
+(``time_s``, ``wall_time_s``). No MPI is used.
+
+Example::
+
+    hpcasync sim --algorithm asgd --workers 32 --dataset fashion-mnist --epochs 1 --hetero HE1
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from .errors import ConfigError
+
+log = logging.getLogger("hpcasync")
+
+SYNC_ALGORITHMS = ("ssgd",)
+
+
+def add_arguments(parser) -> None:
+    """The options of ``train`` plus the simulator's own group."""
+    from .cli import _add_train_arguments
+
+    _add_train_arguments(parser)
+    g = parser.add_argument_group("simulator")
+    g.add_argument("--workers", type=int, default=4, help="number of virtual workers N (4)")
+    g.add_argument("--sim-step-time", type=float, default=0.01,
+                   help="simulated seconds of one undisturbed step (0.01)")
+
+
+class _LocalComm:
+    """The one-process stand-in for a communicator in ``evaluate`` (size 1: no reduction)."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+
+def check(cfg) -> None:
+    """Pre-run checks: the driver's precheck plus the simulator's options."""
+    from .runtime.ps import ALGORITHMS as PS_ALGORITHMS
+    from .train import precheck
+
+    workers = cfg.options.get("workers")
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"--workers must be a positive integer, got {workers!r}")
+    step = cfg.options.get("sim_step_time")
+    if not isinstance(step, (int, float)) or not step > 0 or step == float("inf"):
+        raise ConfigError(f"--sim-step-time must be a finite number > 0, got {step!r}")
+    if cfg.algorithm not in PS_ALGORITHMS + SYNC_ALGORITHMS:
+        raise ConfigError(f"the simulator runs {', '.join(PS_ALGORITHMS + SYNC_ALGORITHMS)}; "
+                          f"not {cfg.algorithm}")
+    if cfg.backend != "mpi":
+        raise ConfigError("the simulator does not use --backend; leave it at mpi")
+    precheck(cfg)
+
+
+def simulate(cfg) -> dict:
+    """Run the simulation described by ``cfg``; returns the summary record."""
+    from .data import load_dataset
+    from .hetero import DelayModel
+    from .metrics import MetricsWriter
+    from .models import build_model
+    from .runtime.context import Progress, RunContext
+    from .train import seed_everything, setup_logging
+
+    check(cfg)
+    setup_logging(0)
+    W = cfg.options["workers"]
+    threads = cfg.threads or 1          # one process: more threads rarely pay for lenet-sized steps
+    torch.set_num_threads(threads)
+    seed_everything(cfg.seed)
+    train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
+                                       train_limit=cfg.train_limit, test_limit=cfg.test_limit)
+    if len(train_set) // W < cfg.batch_size:
+        raise ConfigError(f"each of the {W} workers gets {len(train_set) // W} training examples, "
+                          f"fewer than one batch of {cfg.batch_size}")
+    synchronous = cfg.algorithm in SYNC_ALGORITHMS
+    # rank numbering of the real job this simulates: the PS is --ps-rank (async), no PS (sync)
+    ranks = list(range(W)) if synchronous else [r for r in range(W + 1) if r != cfg.ps_rank]
+    if not synchronous and cfg.ps_rank > W:
+        raise ConfigError(f"--ps-rank {cfg.ps_rank} does not exist in a job of {W} workers + PS")
+    delay = DelayModel.from_options(cfg.options, worker_ranks=ranks, seed=cfg.seed)
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(cfg.seed)
+        return build_model(cfg.model, train_set.input_shape, train_set.num_classes)
+
+    progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
+    metrics = MetricsWriter(cfg.metrics)
+    topo = SimpleNamespace(rank=0, size=1, device="cpu", world=_LocalComm(), ps_rank=cfg.ps_rank)
+    ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
+                     metrics=metrics, progress=Progress(progress_on))
+    metrics.write("config", config=cfg.to_record(), world_size=W if synchronous else W + 1,
+                  simulated=True, workers=W, delay=delay.to_record(), num_nodes=1,
+                  ranks_per_node=1, device="cpu", threads_per_rank=threads,
+                  torch=torch.__version__, python=platform.python_version(),
+                  train_size=len(train_set), test_size=len(test_set))
+    log.info("sim %s: %d virtual workers, %s", cfg.algorithm, W, delay.describe())
+    t0 = time.time()
+    model = make_model()
+    if synchronous:
+        extra = _run_sync(ctx, model, delay, W)
+    else:
+        extra = _run_async(ctx, model, delay, W)
+    wall = time.time() - t0
+    last = ctx.history[-1] if ctx.history else {}
+    summary = {"algorithm": cfg.algorithm, "world_size": W if synchronous else W + 1,
+               "model": cfg.model, "dataset": cfg.dataset, "epochs": cfg.epochs,
+               "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
+               "wall_time_s": round(wall, 3), "simulated": True, "workers": W, **extra}
+    metrics.write("summary", **summary)
+    metrics.close()
+    acc = summary["test_accuracy"]
+    log.info("done: sim %s with %d workers, test accuracy %s, simulated %.2f s, wall %.1f s",
+             cfg.algorithm, W, f"{100 * acc:.2f}%" if acc is not None else "n/a",
+             extra["sim_time"], wall)
+    return summary
+
+
+def _run_async(ctx, model, delay, W: int) -> dict:
+    from .runtime.ps import build_rule, lr_schedule
+    from .sim_engine import AsyncSim
+
+    cfg = ctx.cfg
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
+    rule, worker_rule = build_rule(cfg, theta0, W), build_rule(cfg, theta0, W)
+    oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
+    log_every = cfg.log_every
+
+    def on_epoch(epoch: int, record: dict) -> None:
+        train_loss = record.pop("train_loss")
+        ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=_LocalComm(), **record,
+                      ps_state_bytes=rule.state_bytes(), lr=rule.lr)
+        if epoch < cfg.epochs:
+            ctx.progress.start(sim.pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
+
+    def on_push(w: int, tau: int, loss: float, t: float) -> None:
+        ctx.progress.update(1, loss=loss, tau=tau)
+        n = sim.stats.accepted
+        if log_every and n % log_every == 0:
+            ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1, staleness=tau,
+                              loss=loss, lr=rule.lr, sim_time=t)
+
+    sim = AsyncSim(rule, worker_rule, model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
+                   batch_size=cfg.batch_size, seed=cfg.seed,
+                   step_time=cfg.options["sim_step_time"], on_epoch=on_epoch,
+                   lr_at=lr_schedule(cfg, W), oracle=oracle, on_push=on_push)
+    ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
+    stats = sim.run()
+    ctx.progress.close()
+    return {**stats.summary(), "sim_time": sim.sim_time, "ps_state_bytes": rule.state_bytes()}
+
+
+def _run_sync(ctx, model, delay, W: int) -> dict:
+    from .sim_engine import SyncSim
+
+    cfg = ctx.cfg
+
+    def on_epoch(epoch: int, record: dict) -> None:
+        train_loss = record.pop("train_loss")
+        ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=_LocalComm(), **record)
+        if epoch < cfg.epochs:
+            ctx.progress.start(sim.per_worker, f"epoch {epoch + 1}/{cfg.epochs}")
+
+    def on_round(loss: float, t: float) -> None:
+        ctx.progress.update(1, loss=loss)
+
+    sim = SyncSim(model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
+                  batch_size=cfg.batch_size, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,
+                  weight_decay=cfg.weight_decay, step_time=cfg.options["sim_step_time"],
+                  on_epoch=on_epoch, on_round=on_round)
+    ctx.progress.start(sim.per_worker, f"epoch 1/{cfg.epochs}")
+    sim.run()
+    ctx.progress.close()
+    return {"sim_time": sim.sim_time, "rounds": sim.rounds}
+
+
+def main(ns) -> int:
+    """The ``hpcasync sim`` handler."""
+    from .config import config_from_args
+
+    simulate(config_from_args(ns))
+    return 0

@@ -1,0 +1,176 @@
+"""Who is where: world, node-local and global communicators, virtual nodes, device, PS rank.
+
+Built once, outside every algorithm, and passed in (style anchor 8).
+
+* ``local``: the ranks of one node. A physical node is found with ``MPI_COMM_TYPE_SHARED``; with
+  ``ranks_per_node=K`` (``--ranks-per-node`` / ``HPCASYNC_RANKS_PER_NODE``) the ranks of each physical
+  node are regrouped into *virtual nodes* of K consecutive ranks, so the whole hierarchy runs and is
+  tested on one machine.
+* ``glob``: for local index j, the ranks with local index j on every node (DASO's global groups and
+  the middle stage of the hierarchical allreduce).
+* ``device``: local rank r uses ``cuda:r`` when CUDA is available and ``device`` is ``auto``/``cuda``,
+  else the CPU (the single-node multi-GPU mode is ``mpirun -n <gpus> hpcasync train ...``).
+* ``ps_rank``: the world rank that serves the asynchronous algorithms (it does no training compute).
+
+Example::
+
+    topo = Topology.build(ranks_per_node=2)      # 4 ranks -> 2 virtual nodes x 2 ranks
+    topo.local.Allreduce(...)                    # inside the node
+    topo.glob.Allreduce(...)                     # across nodes, same local index
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from dataclasses import dataclass
+
+from .errors import TopologyError
+
+log = logging.getLogger(__name__)
+
+RANKS_PER_NODE_ENV = "HPCASYNC_RANKS_PER_NODE"
+
+
+def init_mpi():
+    """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize)
+    return MPI
+
+
+def _finalize() -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+@dataclass(frozen=True)
+class Topology:
+    world: "object"          # mpi4py.MPI.Intracomm
+    local: "object"          # ranks of this (virtual) node
+    glob: "object"           # ranks with this local index on every node
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: int
+    num_nodes: int
+    uniform: bool            # every node has local_size ranks (needed by hierarchical schemes)
+    virtual_nodes: bool
+    device: str              # torch device string, "cpu" or "cuda:r"
+    ps_rank: int
+
+    @property
+    def is_ps(self) -> bool:
+        return self.rank == self.ps_rank
+
+    @property
+    def workers(self) -> list[int]:
+        """World ranks that train in a parameter-server job (every rank but the PS)."""
+        return [r for r in range(self.size) if r != self.ps_rank]
+
+    @classmethod
+    def build(cls, comm=None, *, ranks_per_node: int | None = None, device: str = "auto",
+              ps_rank: int = 0) -> "Topology":
+        MPI = init_mpi()
+        world = MPI.COMM_WORLD if comm is None else comm
+        check_launch(world)
+        rank, size = world.Get_rank(), world.Get_size()
+        if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
+            raw = os.environ[RANKS_PER_NODE_ENV]
+            if not raw.isdigit():
+                raise TopologyError(f"{RANKS_PER_NODE_ENV}={raw!r} is not a positive integer")
+            ranks_per_node = int(raw)
+        if not 0 <= ps_rank < size:
+            raise TopologyError(f"ps rank {ps_rank} does not exist in a world of {size} ranks")
+
+        physical = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        if ranks_per_node is not None:
+            if ranks_per_node < 1:
+                raise TopologyError(f"ranks per node must be >= 1, got {ranks_per_node}")
+            psize = physical.Get_size()
+            bad = world.allreduce(psize % ranks_per_node != 0, op=MPI.LOR)
+            if bad:
+                physical.Free()
+                raise TopologyError(
+                    f"{size} ranks ({psize} on this machine) cannot be grouped into virtual nodes of "
+                    f"{ranks_per_node} ranks: the ranks of each machine must be a multiple of "
+                    f"--ranks-per-node")
+            prank = physical.Get_rank()
+            # colour: first world rank of the physical node, then the block index inside it
+            leader = physical.bcast(rank, root=0)
+            local = physical.Split(color=leader * size + prank // ranks_per_node, key=rank)
+            physical.Free()
+        else:
+            local = physical
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+
+        # Number the nodes by their lowest world rank, identically on every rank.
+        leaders = world.allgather(rank if local_rank == 0 else -1)
+        node_leaders = sorted(r for r in leaders if r >= 0)
+        my_leader = local.bcast(rank, root=0)
+        node = node_leaders.index(my_leader)
+        sizes = world.allgather(local_size)
+        uniform = len(set(sizes)) == 1
+        glob = world.Split(color=local_rank, key=rank)
+        return cls(world=world, local=local, glob=glob, rank=rank, size=size,
+                   local_rank=local_rank, local_size=local_size, node=node,
+                   num_nodes=len(node_leaders), uniform=uniform,
+                   virtual_nodes=ranks_per_node is not None,
+                   device=pick_device(device, local_rank), ps_rank=ps_rank)
+
+    def require_uniform(self, what: str) -> None:
+        """Raise unless every node has the same number of ranks (``what`` names the caller)."""
+        if not self.uniform:
+            raise TopologyError(f"{what} needs the same number of ranks on every node; "
+                                f"use --ranks-per-node to group them evenly")
+
+    def describe(self) -> str:
+        kind = "virtual" if self.virtual_nodes else "physical"
+        return (f"{self.size} ranks on {self.num_nodes} {kind} node(s) of {self.local_size}, "
+                f"device {self.device}, ps rank {self.ps_rank}")
+
+    def free(self) -> None:
+        for comm in (self.local, self.glob):
+            try:
+                comm.Free()
+            except Exception:  # pragma: no cover - already freed or MPI finalised
+                pass
+
+
+def pick_device(choice: str, local_rank: int) -> str:
+    """Map a ``--device`` choice and a local rank to a torch device string."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise TopologyError(f"--device must be auto, cpu or cuda, got {choice!r}")
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        if choice == "cuda":
+            raise TopologyError("--device cuda was asked for, but no CUDA device is visible")
+        return "cpu"
+    if local_rank >= count:
+        if choice == "cuda":
+            raise TopologyError(f"local rank {local_rank} has no GPU: this node has {count}; "
+                                f"start at most {count} ranks per node")
+        log.warning("local rank %d shares a GPU: only %d visible", local_rank, count)
+    return f"cuda:{local_rank % count}"
+
+
+def check_launch(world) -> None:
+    """Catch the Open MPI-under-plain-srun trap: N separate jobs of size 1 instead of one of N."""
+    ntasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
+    step = os.environ.get("SLURM_STEP_ID")
+    if (ntasks and ntasks.isdigit() and int(ntasks) > 1 and world.Get_size() == 1
+            and step is not None and "OMPI_COMM_WORLD_SIZE" not in os.environ):
+        raise TopologyError(
+            f"Slurm started {ntasks} tasks but MPI sees a world of 1: the MPI library did not "
+            f"connect to Slurm's process manager. Use `srun --mpi=pmix` or `mpirun` inside the "
+            f"allocation")

@@ -1,0 +1,103 @@
+"""The training driver: algorithm-agnostic set-up around one runtime.
+
+Order matters for failure behaviour: everything that can be checked without MPI (options, data
+files, runtime-specific option checks) is checked first, so bad input fails with one line before any
+rank waits on another. Then MPI starts, the topology is built, data and model are made identically
+on every rank, and the runtime runs. Rank 0 writes the metrics stream and shows progress.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .metrics import MetricsWriter
+from .runtime import algorithms, runtime_module
+from .runtime.context import Progress, RunContext
+
+log = logging.getLogger("hpcasync")
+
+
+def setup_logging(rank: int, verbose: bool = False, *, report_rank: int = 0) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level if rank == report_rank else logging.WARNING, stream=sys.stderr,
+                        format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+
+
+def precheck(cfg: TrainConfig):
+    """Checks that need no MPI: options, the runtime's own options, the data files."""
+    cfg.validate(algorithms())
+    runtime = runtime_module(cfg.algorithm)
+    if hasattr(runtime, "validate"):
+        runtime.validate(cfg)
+    from .data import locate_dataset
+
+    locate_dataset(cfg.dataset, data_dir=cfg.data_dir, warn=False)
+    return runtime
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run one training job described by ``cfg`` on the MPI world; returns the summary record."""
+    runtime = precheck(cfg)
+
+    from .data import load_dataset
+    from .models import build_model
+    from .topology import Topology
+
+    topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device, ps_rank=cfg.ps_rank)
+    # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank)
+    report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
+    setup_logging(topo.rank, report_rank=report)
+    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_size)
+    torch.set_num_threads(threads)
+    seed_everything(cfg.seed)
+    if topo.rank == report:
+        log.info("hpcasync %s: %s", cfg.algorithm, topo.describe())
+        if cfg.device != "cpu" and topo.device == "cpu":
+            log.info("no GPU visible: running on the CPU")
+
+    train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
+                                       train_limit=cfg.train_limit, test_limit=cfg.test_limit)
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(cfg.seed)
+        return build_model(cfg.model, train_set.input_shape, train_set.num_classes).to(topo.device)
+
+    progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
+    metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report)
+    ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
+                     metrics=metrics, progress=Progress(progress_on and topo.rank == report))
+    metrics.write("config", config=cfg.to_record(), world_size=topo.size,
+                  num_nodes=topo.num_nodes, ranks_per_node=topo.local_size, device=topo.device,
+                  threads_per_rank=threads, torch=torch.__version__, python=platform.python_version(),
+                  train_size=len(train_set), test_size=len(test_set))
+    t0 = time.time()
+    result = runtime.run(ctx)
+    wall = time.time() - t0
+    last = ctx.history[-1] if ctx.history else {}
+    summary = {"algorithm": cfg.algorithm, "world_size": topo.size, "model": cfg.model,
+               "dataset": cfg.dataset, "epochs": cfg.epochs,
+               "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
+               "wall_time_s": round(wall, 3), **result.summary}
+    metrics.write("summary", **summary)
+    metrics.close()
+    if topo.rank == report:
+        acc = summary["test_accuracy"]
+        log.info("done: %s on %d ranks, test accuracy %s, %.1f s", cfg.algorithm, topo.size,
+                 f"{100 * acc:.2f}%" if acc is not None else "n/a", wall)
+    topo.free()
+    return summary

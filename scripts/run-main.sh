@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job from scratch: set up (scripts/setup.sh), then train LeNet on Fashion-MNIST with
+# synchronous SGD on 4 MPI ranks, showing progress and the final test accuracy.
+# Override any option: bash scripts/run-main.sh --algorithm daso --ranks-per-node 2 --epochs 4
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=$(bash "$repo/scripts/setup.sh" | tail -n 1)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+mkdir -p "$repo/runs"
+cd "$repo"
+exec "$venv/bin/mpiexec" --oversubscribe -n "${NP:-4}" "$venv/bin/hpcasync" train \
+    --algorithm ssgd --dataset fashion-mnist --model lenet --epochs 2 \
+    --metrics runs/main.jsonl --progress on "$@"

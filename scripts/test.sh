@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite under 4 MPI ranks:
+#   mpiexec -n 4 python -m mpi4py -m pytest
+# `python -m mpi4py` turns an exception on one rank into MPI_Abort instead of a deadlock;
+# pytest-timeout (thread method) kills a hung test so mpiexec ends the job.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=$(bash "$repo/scripts/setup.sh" | tail -n 1) || exit 1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_mpi_yield_when_idle=1      # ranks waiting in MPI yield the core (4 ranks, 2 cores)
+export PYTHONUNBUFFERED=1
+cd "$repo"
+timeout "${HPCASYNC_TEST_TIMEOUT:-3600}" "$venv/bin/mpiexec" --oversubscribe -n 4 \
+    "$venv/bin/python" -m mpi4py -m pytest "$@"
+rc=$?
+[ $rc = 5 ] && { echo "no tests collected"; exit 1; }
+exit $rc

@@ -1,0 +1,64 @@
+"""Helpers for tests that run under ``mpiexec -n 4 python -m mpi4py -m pytest``.
+
+Every rank runs the same tests in the same order. Collective tests use ``COMM``; tests that launch
+their own MPI job (the CLI end to end, crash and bad-input checks) run on rank 0 only through
+:func:`run_mpi`, while the other ranks wait without spinning (``idle_barrier``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+COMM = MPI.COMM_WORLD
+RANK = COMM.Get_rank()
+SIZE = COMM.Get_size()
+REPO = Path(__file__).resolve().parent.parent
+
+# Variables through which a launcher hands a job to its processes: a nested mpiexec must not see
+# its parent's, or it would try to join the parent's job.
+_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "HWLOC_", "SLURM_")
+
+
+def idle_barrier(comm=COMM, poll: float = 0.002) -> None:
+    """A barrier that sleeps between polls: 4 ranks on 2 cores must not burn CPU while waiting."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
+    env.setdefault("PYTHONPATH", str(REPO))
+    env.update(extra)
+    return env
+
+
+def mpiexec() -> str:
+    """The mpiexec that belongs to this Python's MPI (the venv's Open MPI, else the PATH's)."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
+def run_mpi(n: int, args: list[str], *, timeout: float = 300, cwd=None, env=None,
+            ) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n python -m hpcasync.cli ARGS`` (or a raw command when args[0] is '--')."""
+    if args and args[0] == "--":
+        cmd = args[1:]
+    else:
+        cmd = [sys.executable, "-m", "hpcasync.cli", *args]
+    full = [mpiexec(), "--oversubscribe", "-n", str(n), *cmd]
+    return subprocess.run(full, env=env or clean_env(), cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_cli(args: list[str], *, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+    """Run ``python -m hpcasync.cli ARGS`` as a singleton (no mpiexec)."""
+    return subprocess.run([sys.executable, "-m", "hpcasync.cli", *args], env=env or clean_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)

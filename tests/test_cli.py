@@ -1,0 +1,94 @@
+"""The CLI end to end, and failure behaviour: bad options, missing data, a crash on one rank.
+
+Each test launches its own MPI job from rank 0 (the other ranks wait idle) and asserts a non-zero
+exit within 30 s with the message shown."""
+import json
+import time
+
+import pytest
+
+from hpcasync.metrics import read_metrics
+from tests.mpi_util import clean_env, run_cli, run_mpi
+
+SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-limit", "500",
+         "--epochs", "1", "--progress", "off"]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("hpcasync: error")]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("args, needle", [
+    (["--epochs", "0"], "--epochs must be a positive integer"),
+    (["--algorithm", "sgdx"], "--algorithm 'sgdx' is not one of"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--batch-size", "x"], "invalid int value"),
+    (["--no-such-option"], "unrecognized arguments"),
+    (["--data-dir", "/nonexistent/dir"], "--data-dir /nonexistent/dir: no such directory"),
+    (["--model", "vgg"], "--model 'vgg' is not one of"),
+])
+def test_bad_option_one_line_error_before_mpi(args, needle):
+    t0 = time.time()
+    r = run_mpi(4, ["train", *SMALL, *args], timeout=60)
+    assert r.returncode != 0 and time.time() - t0 < 30
+    lines = _error_lines(r.stderr)
+    assert len(lines) == 1, r.stderr            # said once (rank 0), not by every rank
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.rank0
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("epochs = 2\nnot_an_option = 1\n")
+    r = run_cli(["train", "--config", str(bad)])
+    assert r.returncode == 2 and "unknown option(s): not_an_option" in r.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{epochs: ")
+    r = run_cli(["train", "--config", str(broken)])
+    assert r.returncode == 2 and "not valid JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.rank0
+def test_missing_dataset_files(tmp_path):
+    r = run_mpi(2, ["train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--epochs", "1"],
+                timeout=60)
+    assert r.returncode != 0
+    lines = _error_lines(r.stderr)
+    assert len(lines) == 1 and "fashion-mnist not found" in lines[0] and str(tmp_path) in lines[0], r.stderr
+
+
+@pytest.mark.rank0
+def test_crash_on_one_rank_aborts_job_fast():
+    t0 = time.time()
+    r = run_mpi(4, ["train", *SMALL, "--epochs", "5"], timeout=120,
+                env=clean_env(HPCASYNC_INJECT_FAULT="2:5"))
+    elapsed = time.time() - t0
+    assert r.returncode != 0
+    assert "rank 2 failed" in r.stderr and "injected fault" in r.stderr, r.stderr[-2000:]
+    assert elapsed < 30, f"job took {elapsed:.1f}s to end after a crash"
+
+
+@pytest.mark.rank0
+def test_ssgd_run_writes_metrics_stream(tmp_path):
+    out = tmp_path / "run.jsonl"
+    r = run_mpi(4, ["train", *SMALL, "--train-limit", "6000", "--batch-size", "32",
+                    "--metrics", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_metrics(out)
+    events = [rec["event"] for rec in records]
+    assert events[0] == "config" and events[-1] == "summary" and events.count("epoch") == 1
+    summary = records[-1]
+    assert summary["algorithm"] == "ssgd" and summary["world_size"] == 4
+    assert summary["test_accuracy"] > 0.6, summary       # 46 steps of 4 x 32 images
+    assert records[1]["bytes_communicated"] > 0
+    assert not (tmp_path / "run.jsonl.partial").exists()
+    json.dumps(records)
+
+
+@pytest.mark.rank0
+def test_info_reports_virtual_nodes():
+    r = run_mpi(4, ["info"], env=clean_env(HPCASYNC_RANKS_PER_NODE="2"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "4 ranks on 2 virtual node(s) of 2" in r.stdout

@@ -1,0 +1,320 @@
+"""DASO under MPI: 4 ranks as 2 virtual nodes x 2 ranks (skipped uniformly at other sizes).
+
+Global sends (chunked = unchunked, bf16 within tolerance), replicas identical at every epoch end
+with BatchNorm buffers, DASO with all-blocking epochs = SSGD, warm-up 0, the cast on every global
+message, the initial broadcast, Horovod on the node-local communicator, and the CLI end to end."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcasync.comm import FlatModel
+from hpcasync.daso import DASO, DasoComm, pack_state
+from hpcasync.data import load_dataset
+from hpcasync.runtime.sync import DistributedOptimizer
+from tests.mpi_util import COMM, RANK, SIZE, run_cli, run_mpi
+
+pytestmark = pytest.mark.skipif(SIZE != 4, reason="DASO tests need mpiexec -n 4 (2 nodes x 2)")
+B = 16
+
+
+@pytest.fixture(scope="module")
+def topo():
+    from hpcasync.topology import Topology
+
+    t = Topology.build(ranks_per_node=2)
+    yield t
+    t.free()
+
+
+@pytest.fixture(scope="module")
+def data():
+    train, _ = load_dataset("fashion-mnist-mini", train_limit=2048, test_limit=10)
+    return train
+
+
+class TinyBN(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> pool -> linear: small, with running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 5, stride=2)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return TinyBN()
+
+
+def batch(train, epoch, step, rank, nbatches):
+    start = (((epoch * nbatches + step) * SIZE + rank) * B) % (len(train) - B)
+    return train.images[start:start + B], train.labels[start:start + B]
+
+
+def train_daso(topo, data, *, epochs, nbatches, on_epoch_end=None, seed=None, **kw):
+    model = make_model(100 + RANK if seed is None else seed)
+    flat = FlatModel(model)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), flat, topo,
+               total_epochs=epochs, batches_per_epoch=nbatches, **kw)
+    opt.broadcast_parameters(root=0)
+    records = []
+    for e in range(epochs):
+        for s in range(nbatches):
+            x, y = batch(data, e, s, RANK, nbatches)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        records.append(opt.epoch_end(1.0))
+        if on_epoch_end is not None:
+            on_epoch_end(e, opt, flat)
+    return model, flat, opt, records
+
+
+def allsame(tensor) -> bool:
+    copies = COMM.allgather(tensor.detach().clone())
+    return all(torch.equal(copies[0], c) for c in copies)
+
+
+# -- global messages ---------------------------------------------------------------------------
+def group_sum_reference(topo, x):
+    """Σ over this rank's global group, in float64, via allgather."""
+    return sum(t.double() for t in topo.glob.allgather(x.clone()))
+
+
+def test_global_send_sums_the_group_chunked_equals_unchunked(topo):
+    gen = torch.Generator().manual_seed(7 + RANK)
+    ints = torch.randint(-50, 50, (10_001,), generator=gen).float()
+    real = torch.randn(10_001, generator=gen)
+    results = {}
+    for chunk in (10_000_000, 1000, 7):
+        dc = DasoComm(topo, cast=None, chunk_elems=chunk)
+        for name, x in (("ints", ints), ("real", real)):
+            msg = dc.start(x.clone(), group=topo.local_rank, batch=0, due=1)
+            results[chunk, name] = dc.complete(msg).clone()
+        assert dc.sends == 2 and dc.global_bytes == 2 * 10_001 * 4
+    for chunk in (1000, 7):
+        assert torch.equal(results[chunk, "ints"], results[10_000_000, "ints"])
+        torch.testing.assert_close(results[chunk, "real"], results[10_000_000, "real"],
+                                   rtol=1e-6, atol=1e-6)
+    assert torch.equal(results[7, "ints"].double(), group_sum_reference(topo, ints))
+    torch.testing.assert_close(results[7, "real"].double(), group_sum_reference(topo, real))
+
+
+def test_global_send_only_on_its_group(topo):
+    dc = DasoComm(topo, cast=None)
+    msg = dc.start(torch.ones(10), group=1, batch=3, due=4)
+    assert (msg is None) == (topo.local_rank != 1)
+    if msg is not None:
+        assert (msg.group, msg.sent_batch, msg.due_batch) == (1, 3, 4)
+        assert torch.equal(dc.complete(msg), torch.full((10,), 2.0))
+
+
+@pytest.mark.parametrize("cast", ["bf16", "fp16"])
+def test_16bit_send_within_tolerance(topo, cast):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(11 + RANK))
+    dc = DasoComm(topo, cast=cast, chunk_elems=999)
+    total = dc.complete(dc.start(x.clone(), group=topo.local_rank, batch=0, due=1))
+    ref = group_sum_reference(topo, x)
+    scale = sum(t.double().abs() for t in topo.glob.allgather(x))
+    eps = 2.0 ** -8 if cast == "bf16" else 2.0 ** -11      # unit roundoff of the format
+    assert ((total.double() - ref).abs() <= 3 * eps * scale + 1e-30).all()
+    assert not torch.equal(total.double(), ref)            # really went through 16 bits
+    assert dc.global_bytes == 5000 * 2
+
+
+# -- replicas ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("knobs", [(2, 1, 1), (4, 2, 2), (1, 1, 1)])
+def test_replicas_identical_at_every_epoch_end_with_batchnorm(topo, data, knobs):
+    gs, ls, wait = knobs
+    seen = []
+
+    def check(e, opt, flat):
+        seen.append((allsame(flat.params), allsame(flat.buffers)))
+
+    model, flat, opt, recs = train_daso(
+        topo, data, epochs=3, nbatches=10, warmup_epochs=0, cooldown_epochs=1, global_skip=gs,
+        local_skip=ls, batches_to_wait=wait, max_global_skips=8, on_epoch_end=check)
+    assert seen == [(True, True)] * 3
+    assert [r["daso_phase"] for r in recs] == ["cycling", "cycling", "cooldown"]
+    assert flat.buffers.numel() == 8 and not torch.equal(flat.buffers[:4], torch.zeros(4))
+    assert COMM.allreduce(sum(r["daso_sends"] for r in recs)) > 0
+
+
+def test_nodes_differ_inside_a_cycling_epoch_and_buffers_travel(topo, data):
+    model = make_model(5)
+    flat = FlatModel(model)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.05), flat, topo, total_epochs=1,
+               batches_per_epoch=6, warmup_epochs=0, cooldown_epochs=0, global_skip=2,
+               batches_to_wait=1, cast=None)
+    opt.broadcast_parameters()
+    x, y = batch(data, 0, 0, RANK, 6)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()                                             # batch 0: group 0 sends
+    assert opt.last_plan.send_group == 0
+    if topo.local_rank == 0:
+        (msg,) = opt.inflight
+        assert msg.handle.tensor.numel() == flat.params.numel() + flat.buffers.numel()
+    same_node = topo.local.allgather(flat.params.clone())
+    assert torch.equal(same_node[0], same_node[1])         # local sync keeps a node identical
+    assert not allsame(flat.params)                        # but the nodes differ
+    for s in range(1, 6):
+        x, y = batch(data, 0, s, RANK, 6)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.epoch_end(0.0)
+    assert allsame(flat.params) and allsame(flat.buffers)
+
+
+def test_blocking_daso_equals_ssgd(topo, data):
+    epochs, n = 2, 6
+    model, flat, opt, recs = train_daso(topo, data, epochs=epochs, nbatches=n, warmup_epochs=2,
+                                        cooldown_epochs=0, cast=None)
+    assert [r["daso_phase"] for r in recs] == ["warmup", "warmup"]
+    assert all(r["daso_sends"] == 0 for r in recs)
+    ref = make_model(100 + RANK)
+    rflat = FlatModel(ref)
+    ropt = DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9),
+                                rflat, COMM)
+    ropt.broadcast_parameters(root=0)
+    for e in range(epochs):
+        for s in range(n):
+            x, y = batch(data, e, s, RANK, n)
+            ropt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ropt.step()
+        ropt.average_buffers()
+    torch.testing.assert_close(flat.params, rflat.params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat.buffers, rflat.buffers, rtol=1e-5, atol=1e-6)
+    assert allsame(flat.params) and allsame(flat.buffers)
+
+
+def test_warmup_zero_cycles_from_the_first_epoch(topo, data):
+    _, _, _, recs = train_daso(topo, data, epochs=1, nbatches=8, warmup_epochs=0,
+                               cooldown_epochs=0)
+    assert recs[0]["daso_phase"] == "cycling"
+    # sends at batches 0 and 4 (groups 0, 1): one per rank, none blocking for the gradients
+    assert recs[0]["daso_sends"] == 1 and recs[0]["daso_global_skip"] == 4
+
+
+def test_cast_applies_to_every_global_message(topo, data, monkeypatch):
+    import hpcasync.daso.comm as dcomm
+
+    calls = []
+
+    def spy(real, kind):
+        def wrapped(*args, **kwargs):
+            calls.append((kind, kwargs.get("compress")))
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(dcomm, "iallreduce", spy(dcomm.iallreduce, "send"))
+    monkeypatch.setattr(dcomm, "hierarchical_allreduce", spy(dcomm.hierarchical_allreduce,
+                                                             "blocking"))
+    train_daso(topo, data, epochs=3, nbatches=6, warmup_epochs=1, cooldown_epochs=1, cast="fp16")
+    assert "blocking" in {k for k, _ in calls}
+    assert COMM.allreduce(sum(k == "send" for k, _ in calls)) > 0
+    assert {c for _, c in calls} == {"fp16"}
+
+
+def test_initial_parameters_are_broadcast(topo):
+    model = make_model(1000 + RANK)                        # different on every rank
+    flat = FlatModel(model)
+    flat.buffers.fill_(RANK)
+    assert not allsame(flat.params)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.1), flat, topo, total_epochs=1,
+               batches_per_epoch=1)
+    opt.broadcast_parameters(root=0)
+    assert allsame(flat.params) and allsame(flat.buffers)
+    assert COMM.allgather(opt.checksum()) == [opt.checksum()] * SIZE
+
+
+def test_step_count_guard(topo, data):
+    model = make_model(3)
+    flat = FlatModel(model)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.1), flat, topo, total_epochs=2,
+               batches_per_epoch=2, warmup_epochs=1, cooldown_epochs=0)
+    from hpcasync.errors import ConfigError
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(data.images[:4]), data.labels[:4]).backward()
+        opt.step()
+    with pytest.raises(ConfigError, match="end_epoch"):
+        opt.step()
+
+
+def _horovod() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+HVD = COMM.bcast(_horovod() if RANK == 0 else None, root=0)
+
+
+@pytest.mark.skipif(not HVD, reason="Horovod is not installed")
+def test_horovod_node_local_backend_matches_mpi(topo, data):
+    import horovod.torch as hvd
+
+    try:
+        kw = dict(epochs=2, nbatches=6, warmup_epochs=0, cooldown_epochs=0, cast=None,
+                  local_skip=1, global_skip=2)
+        _, ours, _, _ = train_daso(topo, data, **kw)
+        _, theirs, opt, _ = train_daso(topo, data, local_backend="horovod", **kw)
+        assert hvd.size() == topo.local_size
+        torch.testing.assert_close(theirs.params, ours.params, rtol=1e-5, atol=1e-6)
+        assert allsame(theirs.params)
+    finally:
+        if hvd.is_initialized():
+            hvd.shutdown()            # leave no Horovod on the node communicator behind
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+@pytest.mark.rank0
+def test_cli_daso_end_to_end(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    res = run_mpi(4, ["train", "--algorithm", "daso", "--ranks-per-node", "2", "--dataset",
+                      "fashion-mnist-mini", "--train-limit", "1024", "--test-limit", "200",
+                      "--model", "mlp", "--epochs", "3", "--daso-warmup-epochs", "1",
+                      "--daso-cooldown-epochs", "1", "--daso-global-skip", "2", "--progress",
+                      "off", "--metrics", str(metrics)], timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    epochs = [e for e in events if e["event"] == "epoch"]
+    summary = [e for e in events if e["event"] == "summary"][0]
+    assert summary["replicas_identical"] is True
+    assert summary["daso_schedule"] == [[1, "warmup", 1, 1, 0], [2, "cycling", 2, 1, 1],
+                                        [3, "cooldown", 1, 1, 0]]
+    assert [e["daso_phase"] for e in epochs] == ["warmup", "cycling", "cooldown"]
+    assert all("daso_global_wait_s" in e for e in epochs) and epochs[1]["daso_sends"] > 0
+
+
+def test_warns_when_blocking_epochs_cover_the_run(topo, caplog):
+    model = make_model(3)
+    with caplog.at_level("WARNING", logger="hpcasync.daso.optimizer"):
+        DASO(torch.optim.SGD(model.parameters(), lr=0.1), FlatModel(model), topo, total_epochs=4,
+             batches_per_epoch=3)                         # 4 warm-up + 4 cool-down epochs
+    warned = [r for r in caplog.records if "degenerates to blocking averaging" in r.message]
+    assert len(warned) == (1 if RANK == 0 else 0)
+
+
+@pytest.mark.rank0
+def test_cli_rejects_bad_daso_knobs_in_one_line():
+    for args, what in ((["--daso-global-skip", "16"], "max_global_skips"),
+                       (["--daso-batches-to-wait", "0"], "batches_to_wait"),
+                       (["--daso-link-delay-us-per-mb", "-3"], "link delay")):
+        bad = run_cli(["train", "--algorithm", "daso", "--dataset", "fashion-mnist-mini", *args])
+        assert bad.returncode == 2, bad.stderr
+        lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and what in lines[0], bad.stderr

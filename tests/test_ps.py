@@ -1,0 +1,216 @@
+"""The MPI parameter server: every push applied exactly once, bad pushes rejected and counted,
+staleness bookkeeping consistent, clean shutdown, and ASGD/DC-ASGD-a learning end to end.
+
+In-process tests need the 4-rank world of ``mpiexec -n 4 python -m mpi4py -m pytest`` (PS rank 0 +
+3 workers) and are skipped otherwise; CLI tests launch their own jobs from rank 0."""
+import json
+import math
+
+import pytest
+import torch
+
+from hpcasync.config import TrainConfig
+from hpcasync.data import load_dataset
+from hpcasync.metrics import MetricsWriter, read_metrics
+from hpcasync.models import build_model
+from hpcasync.rules import make_rule
+from hpcasync.runtime.context import Progress, RunContext
+from hpcasync.runtime.ps_server import PSServer
+from hpcasync.runtime.ps_transport import TRANSPORTS, make_transport
+from tests.mpi_util import COMM, RANK, SIZE, run_mpi
+
+needs4 = pytest.mark.skipif(SIZE != 4, reason="needs the 4-rank MPI world (PS + 3 workers)")
+
+NUMEL = 301
+STEPS = (5, 7, 4)          # pushes of workers 0, 1, 2
+LR = 0.5
+
+
+def _grad(w: int, s: int) -> torch.Tensor:
+    """Small integers: every sum and every θ − 0.5·g is exact in float32, in any order."""
+    return ((torch.arange(NUMEL) * (w + 2) + 3 * s) % 9 - 4).to(torch.float32)
+
+
+def _theta0() -> torch.Tensor:
+    return ((torch.arange(NUMEL) % 5) - 2).to(torch.float32)
+
+
+def _run_exchange(kind: str, bad: dict | None = None):
+    """PS rank 0 serves ASGD(lr 0.5); worker w pushes _grad(w, s) for s < STEPS[w], tagging each
+    push with loss = 100·w + s. ``bad[(w, s)]`` replaces that push: "nan", "future", "short".
+    Returns (θ, stats) on the PS, the list of (s, accepted) replies on a worker."""
+    bad = bad or {}
+    t = make_transport(kind, COMM, 0, NUMEL)
+    if t.is_ps:
+        rule = make_rule("asgd", _theta0(), 3, lr=LR)
+        server = PSServer(t, rule, pushes_per_epoch=sum(STEPS), epochs=1)
+        stats = server.serve()
+        out = (rule.theta.clone(), stats, t.bytes_in, t.bytes_out)
+    else:
+        w, local, out = t.worker, torch.empty(NUMEL), []
+        head = t.recv_reply(local)
+        assert torch.equal(local, _theta0()) and head.version == 0
+        for s in range(STEPS[w]):
+            g, version = _grad(w, s), head.version
+            kind_bad = bad.get((w, s))
+            if kind_bad == "nan":
+                g = g.clone()
+                g[3] = math.nan
+            elif kind_bad == "future":
+                version = 10**6
+            elif kind_bad == "short":
+                g = g[:-1].clone()
+            t.push(g, version=version, loss=100.0 * w + s, last=s == STEPS[w] - 1)
+            head = t.recv_reply(local)
+            out.append((s, head.accepted))
+    t.close()
+    return out
+
+
+def _expected_theta(skip=()) -> torch.Tensor:
+    total = torch.zeros(NUMEL, dtype=torch.float64)
+    for w, n in enumerate(STEPS):
+        for s in range(n):
+            if (w, s) not in skip:
+                total += _grad(w, s).double()
+    return (_theta0().double() - LR * total).float()
+
+
+@needs4
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_every_push_applied_exactly_once(kind):
+    out = _run_exchange(kind)
+    if RANK == 0:
+        theta, stats, bytes_in, bytes_out = out
+        assert torch.equal(theta, _expected_theta())            # θ0 − lr·Σg, bitwise
+        assert stats.per_worker == list(STEPS) and stats.accepted == sum(STEPS)
+        assert stats.rejected == 0
+        tags = sorted((int(r.loss) // 100, int(r.loss) % 100) for r in stats.log)
+        assert tags == sorted((w, s) for w, n in enumerate(STEPS) for s in range(n))
+        # staleness: the i-th accepted push saw version v, so τ = i − v ≥ 0
+        for i, r in enumerate(stats.log):
+            assert r.staleness == i - r.version >= 0
+        assert sum(stats.histogram.values()) == stats.accepted
+        assert bytes_in == sum(STEPS) * NUMEL * 4
+        assert bytes_out == (sum(STEPS) + 3) * NUMEL * 4        # + the three initial replies
+    else:
+        assert [a for _, a in out] == [True] * STEPS[RANK - 1]
+
+
+@needs4
+def test_bad_pushes_rejected_counted_and_training_continues():
+    bad = {(1, 2): "nan", (2, 1): "future", (0, 0): "short"}
+    out = _run_exchange("rma", bad)
+    if RANK == 0:
+        theta, stats, _, _ = out
+        assert stats.rejected == 3 and stats.accepted == sum(STEPS) - 3
+        assert stats.rejected_per_worker == [1, 1, 1]
+        assert torch.isfinite(theta).all()
+        assert torch.equal(theta, _expected_theta(skip=set(bad)))
+        reasons = " | ".join(stats.reasons)
+        assert "NaN" in reasons and "future" in reasons and "elements" in reasons
+        assert sum(stats.histogram.values()) == stats.accepted
+    else:
+        w = RANK - 1
+        assert [s for s, a in out if not a] == [s for (bw, s) in bad if bw == w]
+        assert len(out) == STEPS[w]                           # it kept pushing after the reject
+
+
+def _ctx(algorithm: str, tmp_path=None, **over):
+    from hpcasync.topology import Topology
+
+    cfg = TrainConfig(algorithm=algorithm, dataset="fashion-mnist-mini", train_limit=1536,
+                      test_limit=200, model="mlp", epochs=2, batch_size=32, lr=0.05,
+                      progress="off", **over)
+    opts = {"ps_transport": "rma", "ps_momentum": 0.0, "hetero": "HO", "compute_time": "fixed",
+            "push_delay": 0.0}
+    opts.update(cfg.options)
+    cfg.options = opts
+    topo = Topology.build(COMM)
+    train, test = load_dataset(cfg.dataset, train_limit=cfg.train_limit, test_limit=cfg.test_limit)
+
+    def make_model():
+        torch.manual_seed(cfg.seed)
+        return build_model(cfg.model, train.input_shape, train.num_classes)
+    path = str(tmp_path / "m.jsonl") if tmp_path is not None and RANK == 0 else None
+    return RunContext(cfg=cfg, topo=topo, train=train, test=test, make_model=make_model,
+                      metrics=MetricsWriter(path, enabled=RANK == 0), progress=Progress(False))
+
+
+@needs4
+@pytest.mark.parametrize("algorithm", ["asgd", "shat", "smega2", "dcasgd-a"])
+def test_runtime_counts_and_final_model_everywhere(algorithm):
+    from hpcasync.runtime import ps
+
+    ctx = _ctx(algorithm)
+    result = ps.run(ctx)
+    W, per = 3, (1536 // 3) // 32
+    s = result.summary
+    assert s["pushes"] == 2 * W * per and s["rejected_pushes"] == 0
+    assert s["pushes_per_worker"] == [2 * per] * W
+    assert sorted(w["worker_steps"] for w in s["workers"]) == [2 * per] * W
+    assert sum(s["staleness_histogram"].values()) == s["pushes"]
+    flat = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    everyone = COMM.allgather(flat)
+    assert all(torch.equal(everyone[0], f) for f in everyone)   # PS θ broadcast to all
+    if RANK == 0:
+        assert [r["epoch"] for r in ctx.history] == [1, 2]
+        for r in ctx.history:
+            assert sum(r["staleness_histogram"].values()) == r["pushes"] == W * per
+            assert r["bytes_moved"] > 0 and 0 <= r["test_accuracy"] <= 1
+    else:
+        assert ctx.history == []                            # only the PS evaluates
+
+
+# -- end to end through the CLI (rank 0 launches its own jobs) -------------------------------------
+
+@pytest.mark.rank0
+def test_cli_asgd_learns_fashion_mnist_10k(tmp_path):
+    m = tmp_path / "asgd.jsonl"
+    r = run_mpi(4, ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist", "--train-limit",
+                    "10000", "--epochs", "1", "--progress", "off", "--metrics", str(m)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = read_metrics(m)
+    epoch = [x for x in recs if x["event"] == "epoch"][-1]
+    summary = recs[-1]
+    assert summary["event"] == "summary" and summary["test_accuracy"] >= 0.75, summary
+    assert sum(epoch["staleness_histogram"].values()) == epoch["pushes"] == 3 * (3333 // 64)
+    assert epoch["rejected_pushes"] == 0
+
+
+@pytest.mark.rank0
+def test_cli_nan_push_rejected_and_ps_on_rank_2(tmp_path):
+    m = tmp_path / "nan.jsonl"
+    env_extra = {"HPCASYNC_INJECT_NAN": "1:3"}
+    from tests.mpi_util import clean_env
+
+    r = run_mpi(4, ["train", "--algorithm", "dcasgd", "--dataset", "fashion-mnist-mini",
+                    "--train-limit", "1536", "--test-limit", "300", "--epochs", "1",
+                    "--ps-rank", "2", "--ps-transport", "p2p", "--progress", "off",
+                    "--metrics", str(m)], env=clean_env(**env_extra), timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = read_metrics(m)[-1]
+    assert summary["rejected_pushes"] == 1 and summary["ps_rank"] == 2
+    assert summary["pushes"] == 3 * (512 // 64) - 1
+    assert "gradient contains NaN" in json.dumps(summary["reject_reasons"])
+
+
+@pytest.mark.rank0
+def test_cli_worker_crash_ends_job_fast():
+    from tests.mpi_util import clean_env
+
+    r = run_mpi(4, ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist-mini",
+                    "--train-limit", "1536", "--test-limit", "100", "--epochs", "1",
+                    "--progress", "off"], env=clean_env(HPCASYNC_INJECT_FAULT="3:2"), timeout=120)
+    assert r.returncode != 0
+    assert "injected fault" in r.stderr
+
+
+@pytest.mark.rank0
+def test_cli_option_errors_are_one_line():
+    r = run_mpi(2, ["train", "--algorithm", "asgd", "--dc-lambda", "0.1", "--dataset",
+                    "fashion-mnist-mini", "--epochs", "1"], timeout=60)
+    assert r.returncode == 2 and "--dc-lambda applies to dcasgd, not asgd" in r.stderr
+    r = run_mpi(2, ["train", "--algorithm", "asgd", "--hetero", "HE9", "--dataset",
+                    "fashion-mnist-mini", "--epochs", "1"], timeout=60)
+    assert r.returncode == 2 and "--hetero 'HE9' is not one of" in r.stderr

@@ -1,0 +1,286 @@
+"""Slurm: the environment reader, and the sbatch templates run end to end on a real one-machine
+Slurm cluster (scripts/slurm-cluster.sh: Debian's slurm-wlm + munge, started in a temp folder).
+
+The cluster test runs on rank 0 only and is skipped — on every rank alike — when this is not root or
+the packages cannot be installed. All jobs are submitted at once and run side by side (the node
+declares 8 CPUs; each job takes 4), so the whole test stays near two minutes on 2 cores.
+Set HPCASYNC_SKIP_SLURM=1 to skip it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcasync.errors import TopologyError
+from hpcasync.slurm import SlurmEnv, expand_nodelist
+from tests.mpi_util import COMM, RANK, REPO, clean_env
+
+CLUSTER = REPO / "scripts" / "slurm-cluster.sh"
+LOCK = Path("/tmp/hpcasync-slurm-test.lock")        # one test cluster per machine at a time
+CURRENT = Path("/tmp/hpcasync-slurm-test.state")    # its state dir, to stop an orphan one
+# 16 CPUs declared on 2 cores: every job of the test runs at once (Slurm's scheduling waits overlap)
+PORTS = {"SLURM_ONEBOX_CTLD_PORT": "16817", "SLURM_ONEBOX_SLURMD_PORT": "16818",
+         "SLURM_ONEBOX_CPUS": "16"}
+JOB_TIMEOUT = 240
+SMALL = "--train-limit 2048 --test-limit 500"
+
+
+def _skip_reason() -> str | None:
+    if os.environ.get("HPCASYNC_SKIP_SLURM") == "1":
+        return "HPCASYNC_SKIP_SLURM=1"
+    if os.geteuid() != 0:
+        return "the one-machine Slurm cluster needs root"
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        return "slurm-wlm is not installed and there is no apt-get to install it"
+    return None
+
+
+# Decided on rank 0 and shared, so every rank skips alike.
+SKIP = COMM.bcast(_skip_reason() if RANK == 0 else None, root=0)
+
+
+# --- SlurmEnv (no cluster needed) ------------------------------------------------------------
+
+def test_from_environ_parses_a_job_step():
+    env = SlurmEnv.from_environ({
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "hpcasync-mpi", "SLURM_JOB_NODELIST": "n[01-02]",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
+        "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
+        "SLURM_CPUS_PER_TASK": "2", "SLURM_GPUS_ON_NODE": "4", "SLURM_RESTART_COUNT": "1",
+        "SLURM_SUBMIT_DIR": "/home/u/hpcasync", "SLURM_MPI_TYPE": "pmix", "HOME": "/home/u"})
+    assert env == SlurmEnv(job_id="4242", job_name="hpcasync-mpi", nodelist="n[01-02]",
+                           num_nodes=2, ntasks=8, procid=5, localid=1, nodeid=1, step_id="0",
+                           cpus_per_task=2, gpus_on_node=4, submit_dir="/home/u/hpcasync",
+                           restart_count=1, mpi_type="pmix")
+    assert env.in_slurm and env.in_step and env.hosts() == ["n01", "n02"]
+    assert env.run_name() == "slurm-4242"
+    assert env.record()["ntasks"] == 8 and "array_job_id" not in env.record()
+    env.check_world(8)                               # a real 8-rank world: fine
+    with pytest.raises(TopologyError, match=r"srun started 8 tasks .* world of 1.*--mpi=pmix"):
+        env.check_world(1)
+
+
+def test_from_environ_outside_slurm_and_in_the_batch_shell():
+    none = SlurmEnv.from_environ({"HOME": "/root", "OMPI_COMM_WORLD_RANK": "3"})
+    assert none == SlurmEnv() and not none.in_slurm and not none.in_step
+    assert all(v is None for v in vars(none).values())
+    stamp = time.mktime((2026, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert none.run_name(now=stamp) == "local-20260102-030405"
+    none.check_world(1)
+    # mpirun ranks inside sbatch inherit the batch shell's SLURM_PROCID=0: not a step, no trap
+    batch = SlurmEnv.from_environ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
+                                   "SLURM_ARRAY_JOB_ID": "6", "SLURM_ARRAY_TASK_ID": "1"})
+    assert not batch.in_step and batch.ntasks == 4
+    batch.check_world(1)
+    assert batch.run_name() == "slurm-6_1"
+
+
+def test_expand_nodelist():
+    assert expand_nodelist("gpu[01-03,07],login1,x[9-10]-ib") == \
+        ["gpu01", "gpu02", "gpu03", "gpu07", "login1", "x9-ib", "x10-ib"]
+    assert expand_nodelist("vm") == ["vm"] and expand_nodelist(None) == []
+
+
+# --- the cluster ---------------------------------------------------------------------------------
+
+def _run_cluster(action: str, state: Path, timeout: float) -> subprocess.CompletedProcess:
+    """scripts/slurm-cluster.sh ACTION STATE, on this test's ports."""
+    return subprocess.run(["bash", str(CLUSTER), action, str(state)], capture_output=True,
+                          text=True, timeout=timeout, env=clean_env(**PORTS))
+
+
+def _job_env(conf: Path, **extra: str) -> dict[str, str]:
+    base = dict(SLURM_CONF=str(conf), HPCASYNC_REPO=str(REPO),
+                HPCASYNC_PYTHON=os.environ.get("HPCASYNC_PYTHON", sys.executable),
+                DATASET="fashion-mnist-mini", EPOCHS="1", EXTRA_ARGS=SMALL)
+    return clean_env(**{**base, **extra})
+
+
+# name -> (template, sbatch options, extra environment)
+JOBS = {
+    "mpi-srun": ("train-mpi.sbatch", ["-N", "1", "-n", "4", "--ntasks-per-node=4"],
+                 {"LAUNCHER": "srun"}),
+    "mpi-mpirun": ("train-mpi.sbatch", ["-N", "1", "-n", "4", "--ntasks-per-node=4"],
+                   {"LAUNCHER": "mpirun"}),
+    "gpu-cpu-fallback": ("train-gpu.sbatch", ["--gpus-per-node=0", "--ntasks-per-node=4",
+                                              "--cpus-per-task=1"], {}),
+    "ps": ("train-ps.sbatch", ["-n", "4"], {}),
+}
+
+
+# A stand-in for `python -m hpcasync.cli train` that waits for SIGUSR1 and exits as a preempted
+# run does (status 75); it marks itself ready once its trap is set. Option checks go to Python.
+STUB = """#!/bin/bash
+if [ "$1" = -c ]; then exec {python} "$@"; fi
+rank=${{OMPI_COMM_WORLD_RANK:-${{SLURM_PROCID:-0}}}}
+trap 'echo "rank $rank got USR1"; exit 75' USR1
+touch "{ready}/ready-$rank"
+for i in $(seq 2400); do sleep 0.1; done
+echo "rank $rank: no signal"
+"""
+PREEMPT = {"preempt-srun": "srun", "preempt-mpirun": "mpirun"}
+
+
+def _submit_preempt_job(conf: Path, name: str, launcher: str, work: Path) -> str:
+    stub, ready = work / "bin", work / "ready"
+    stub.mkdir()
+    ready.mkdir()
+    (stub / "python").write_text(STUB.format(python=sys.executable, ready=ready))
+    (stub / "python").chmod(0o755)
+    (stub / "mpirun").symlink_to(Path(sys.executable).parent / "mpirun")
+    sub = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
+         f"--job-name=t-{name}", "-N", "1", "-n", "2", "--ntasks-per-node=2",
+         str(REPO / "slurm" / "train-mpi.sbatch")],
+        env=_job_env(conf, RUN_DIR=str(work / "runs"), LAUNCHER=launcher, REQUEUE="0",
+                     HPCASYNC_PYTHON=str(stub / "python")),
+        capture_output=True, text=True, timeout=30)
+    assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
+    return sub.stdout.strip().split(";")[0]
+
+
+def _asgd_available() -> bool:
+    from hpcasync.runtime import algorithms
+
+    return "asgd" in algorithms()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Rank 0: start a cluster and submit every job; yields the conf path and {name: (jobid,
+    workdir)}. None on other ranks."""
+    if RANK != 0 or SKIP:
+        yield None
+        return
+    LOCK.touch(exist_ok=True)
+    lock = open(LOCK, "w")
+    deadline = time.time() + 300
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.time() > deadline:
+                pytest.skip("another run's Slurm test cluster is still up after 300 s")
+            time.sleep(2)
+    state = tmp_path_factory.mktemp("slurm-state")
+    try:
+        if CURRENT.exists():                       # left behind by a run that was killed
+            _run_cluster("stop", Path(CURRENT.read_text().strip()), 90)
+        CURRENT.write_text(str(state))
+        t0 = time.time()
+        started = _run_cluster("start", state, 900)
+        if started.returncode == 3:
+            pytest.skip(started.stderr.strip().splitlines()[-1])
+        assert started.returncode == 0, f"cluster did not start:\n{started.stderr}"
+        print(f"\nslurm cluster up in {time.time() - t0:.1f} s", file=sys.stderr)
+        conf = state / "slurm.conf"
+        jobs = {}
+        for name, launcher in PREEMPT.items():
+            work = tmp_path_factory.mktemp(f"job-{name}")
+            jobs[name] = (_submit_preempt_job(conf, name, launcher, work), work)
+        for name, (template, options, extra) in JOBS.items():
+            if name == "ps" and not _asgd_available():
+                continue
+            work = tmp_path_factory.mktemp(f"job-{name}")
+            sub = subprocess.run(
+                ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
+                 f"--job-name=t-{name}", *options, str(REPO / "slurm" / template)],
+                env=_job_env(conf, RUN_DIR=str(work / "runs"), **extra), capture_output=True,
+                text=True, timeout=30)
+            assert sub.returncode == 0, f"sbatch {template} failed: {sub.stderr}"
+            jobs[name] = (sub.stdout.strip().split(";")[0], work)
+        yield {"conf": conf, "jobs": jobs, "t0": time.time()}
+    finally:
+        stopped = _run_cluster("stop", state, 120)
+        CURRENT.unlink(missing_ok=True)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+        assert stopped.returncode == 0, f"cluster did not stop:\n{stopped.stderr}"
+
+
+def _wait_job(conf: Path, jobid: str, deadline: float) -> dict[str, str]:
+    env = clean_env(SLURM_CONF=str(conf))
+    fields: dict[str, str] = {}
+    while time.time() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", jobid], env=env, capture_output=True,
+                             text=True, timeout=20).stdout
+        fields = dict(re.findall(r"(\w+)=(\S*)", out))
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                      "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"):
+            return fields
+        time.sleep(2)
+    subprocess.run(["scancel", jobid], env=env, timeout=20)
+    raise AssertionError(f"job {jobid} still {fields.get('JobState')} after {JOB_TIMEOUT} s")
+
+
+@pytest.mark.rank0
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.parametrize("name", list(PREEMPT))
+def test_preemption_warning_reaches_every_rank(cluster, name):
+    """The batch shell's SIGUSR1 (what `#SBATCH --signal=B:USR1@60` sends) reaches every rank
+    through srun and through mpirun, and status 75 (preempted) ends the job as 75 without requeue
+    when REQUEUE=0."""
+    if cluster is None:
+        return
+    jobid, work = cluster["jobs"][name]
+    env = clean_env(SLURM_CONF=str(cluster["conf"]))
+    deadline = time.time() + JOB_TIMEOUT
+    while len(list((work / "ready").glob("ready-*"))) < 2:
+        state = subprocess.run(["scontrol", "show", "job", jobid], env=env, capture_output=True,
+                               text=True, timeout=20).stdout
+        assert "JobState=RUNNING" in state or "JobState=PENDING" in state, state
+        assert time.time() < deadline, "the stub ranks never became ready"
+        time.sleep(0.5)
+    sig = subprocess.run(["scancel", "--batch", "--signal=USR1", jobid], env=env,
+                         capture_output=True, text=True, timeout=20)
+    assert sig.returncode == 0, sig.stderr
+    fields = _wait_job(cluster["conf"], jobid, deadline)
+    text = (work / f"slurm-{jobid}.out").read_text(errors="replace")
+    assert sorted(re.findall(r"rank (\d) got USR1", text)) == ["0", "1"], text
+    assert "passing SIGUSR1 to the ranks" in text and "no signal" not in text
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "75:0", "0")
+
+
+@pytest.mark.rank0
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.parametrize("name", list(JOBS))
+def test_sbatch_template(cluster, name):
+    if cluster is None:
+        return
+    if name == "ps" and name not in cluster["jobs"]:
+        pytest.xfail("the parameter-server runtime (--algorithm asgd) is not registered yet")
+    jobid, work = cluster["jobs"][name]
+    t_submit = cluster["t0"]
+    fields = _wait_job(cluster["conf"], jobid, t_submit + JOB_TIMEOUT)
+    log = next(work.glob("slurm-*.out"), None)
+    text = log.read_text(errors="replace") if log else "(no job output)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), \
+        f"job {jobid} ({name}): {fields.get('JobState')} {fields.get('ExitCode')}\n{text[-3000:]}"
+    metrics = work / "runs" / f"hpcasync-{jobid}.jsonl"          # named after the job id
+    assert metrics.exists(), f"no {metrics.name}: {sorted(p.name for p in work.rglob('*'))}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    summaries = [r for r in records if r["event"] == "summary"]
+    config = next(r for r in records if r["event"] == "config")
+    assert len(summaries) == 1 and config["world_size"] == 4
+    summary = summaries[0]
+    if name == "ps":
+        assert summary["algorithm"] == "asgd"
+        assert summary["world_size"] == 4 and summary.get("num_workers", 3) == 3, summary
+    else:
+        assert summary["world_size"] == 4 and summary["algorithm"] == "ssgd"
+        assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["epochs"] == 1
+    launcher = JOBS[name][2].get("LAUNCHER", "srun")
+    expected = "srun --mpi=pmix" if launcher == "srun" else "mpirun --oversubscribe"
+    assert expected in text, text[-2000:]
+    print(f"\n{name}: job {jobid} done {time.time() - t_submit:.0f} s after submission",
+          file=sys.stderr)
