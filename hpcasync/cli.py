@@ -61,8 +61,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores/ranks)")
     p.add_argument("--progress", default="auto", help="auto (bar on a terminal), on, off")
     p.add_argument("--log-every", type=int, default=0, help="write a step record every N batches")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", default=None, help="auto or a checkpoint path")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="write checkpoints here (each epoch end, on SIGTERM/SIGUSR1, periodically)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps (0: epoch ends and preemption only)")
+    p.add_argument("--resume", default=None,
+                   help="auto (latest good checkpoint in --checkpoint-dir) or a checkpoint path")
     for module in runtime_modules():
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)

@@ -45,6 +45,7 @@ class TrainConfig:
     log_every: int = 0                   # batches between log lines (0 = per epoch only)
     checkpoint_dir: str | None = None
     resume: str | None = None            # None | "auto" | path
+    checkpoint_every: int = 0            # steps between periodic checkpoints (0: epoch ends only)
     options: dict[str, Any] = field(default_factory=dict)   # the runtime's own options
 
     def validate(self, algorithms: tuple[str, ...]) -> "TrainConfig":
@@ -66,8 +67,16 @@ class TrainConfig:
                 _positive(name, value)
         if self.ps_rank < 0:
             raise ConfigError(f"--ps-rank must be >= 0, got {self.ps_rank}")
-        if self.threads < 0 or self.log_every < 0:
-            raise ConfigError("--threads and --log-every must be >= 0")
+        if self.threads < 0 or self.log_every < 0 or self.checkpoint_every < 0:
+            raise ConfigError("--threads, --log-every and --checkpoint-every must be >= 0")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_file():
+            raise ConfigError(f"--resume {self.resume}: no such checkpoint file")
+        if self.resume == "auto" and self.checkpoint_dir is None:
+            raise ConfigError("--resume auto needs --checkpoint-dir")
+        if self.checkpoint_dir is not None:
+            ckdir = Path(self.checkpoint_dir)
+            if ckdir.exists() and not ckdir.is_dir():
+                raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is not a directory")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir}: no such directory")
         if self.metrics is not None:

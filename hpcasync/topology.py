@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import TopologyError
+from .slurm import SlurmEnv
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,24 @@ RANKS_PER_NODE_ENV = "HPCASYNC_RANKS_PER_NODE"
 
 def init_mpi():
     """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI."""
+    single_host_open_mpi_defaults()
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(_finalize)
     return MPI
+
+
+def single_host_open_mpi_defaults() -> None:
+    """Before MPI_Init: when Open MPI's launcher says every rank is on this host, skip the UCX
+    one-sided component. Without UCX-capable hardware it fails its query and prints an error line
+    at every window creation; on one host the shared-memory components serve the RMA windows. A user
+    setting of OMPI_MCA_osc always wins; multi-host jobs are left alone."""
+    env = os.environ
+    local, world = env.get("OMPI_COMM_WORLD_LOCAL_SIZE"), env.get("OMPI_COMM_WORLD_SIZE")
+    if local is not None and local == world and "OMPI_MCA_osc" not in env:
+        env["OMPI_MCA_osc"] = "^ucx"
 
 
 def _finalize() -> None:
@@ -79,7 +92,7 @@ class Topology:
               ps_rank: int = 0) -> "Topology":
         MPI = init_mpi()
         world = MPI.COMM_WORLD if comm is None else comm
-        check_launch(world)
+        SlurmEnv.from_environ().check_world(world.Get_size())
         rank, size = world.Get_rank(), world.Get_size()
         if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
             raw = os.environ[RANKS_PER_NODE_ENV]
@@ -162,15 +175,3 @@ def pick_device(choice: str, local_rank: int) -> str:
                                 f"start at most {count} ranks per node")
         log.warning("local rank %d shares a GPU: only %d visible", local_rank, count)
     return f"cuda:{local_rank % count}"
-
-
-def check_launch(world) -> None:
-    """Catch the Open MPI-under-plain-srun trap: N separate jobs of size 1 instead of one of N."""
-    ntasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
-    step = os.environ.get("SLURM_STEP_ID")
-    if (ntasks and ntasks.isdigit() and int(ntasks) > 1 and world.Get_size() == 1
-            and step is not None and "OMPI_COMM_WORLD_SIZE" not in os.environ):
-        raise TopologyError(
-            f"Slurm started {ntasks} tasks but MPI sees a world of 1: the MPI library did not "
-            f"connect to Slurm's process manager. Use `srun --mpi=pmix` or `mpirun` inside the "
-            f"allocation")

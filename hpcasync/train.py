@@ -7,6 +7,7 @@ on every rank, and the runtime runs. Rank 0 writes the metrics stream and shows 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -21,7 +22,9 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .metrics import MetricsWriter
 from .runtime import algorithms, runtime_module
-from .runtime.context import Progress, RunContext
+from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
+from .runtime.context import Preempted, Progress, RunContext
+from .slurm import SlurmEnv
 
 log = logging.getLogger("hpcasync")
 
@@ -48,6 +51,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers, in order: equal digests = bitwise equal."""
+    h = hashlib.sha256()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -79,18 +90,34 @@ def train(cfg: TrainConfig) -> dict:
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report)
+    checkpoints = CheckpointManager(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
-                     metrics=metrics, progress=Progress(progress_on and topo.rank == report))
+                     metrics=metrics, progress=Progress(progress_on and topo.rank == report),
+                     checkpoints=checkpoints, preempt=PreemptionFlag(),
+                     checkpoint_every=cfg.checkpoint_every)
     metrics.write("config", config=cfg.to_record(), world_size=topo.size,
                   num_nodes=topo.num_nodes, ranks_per_node=topo.local_size, device=topo.device,
                   threads_per_rank=threads, torch=torch.__version__, python=platform.python_version(),
-                  train_size=len(train_set), test_size=len(test_set))
+                  train_size=len(train_set), test_size=len(test_set),
+                  slurm=SlurmEnv.from_environ().record())
     t0 = time.time()
-    result = runtime.run(ctx)
+    try:
+        result = runtime.run(ctx)
+    except Preempted as stop:
+        metrics.write("preempted", reason=str(stop), steps=ctx.steps)
+        metrics.close(complete=False)
+        if topo.rank == 0:
+            log.warning("%s: exiting with status %d so the scheduler can requeue the job",
+                        stop, EXIT_PREEMPTED)
+        sys.stdout.flush()
+        sys.exit(EXIT_PREEMPTED)
+    finally:
+        ctx.preempt.restore()
     wall = time.time() - t0
     last = ctx.history[-1] if ctx.history else {}
     summary = {"algorithm": cfg.algorithm, "world_size": topo.size, "model": cfg.model,
                "dataset": cfg.dataset, "epochs": cfg.epochs,
+               "params_sha256": params_digest(result.model),
                "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
                "wall_time_s": round(wall, 3), **result.summary}
     metrics.write("summary", **summary)

@@ -3,6 +3,8 @@ other ranks are gathered to it and fail the run. A test that hangs is killed by 
 thread method, which exits the process, so mpiexec ends the whole job instead of deadlocking."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from tests.mpi_util import COMM, RANK, SIZE, idle_barrier
@@ -11,6 +13,9 @@ _failures: list[str] = []
 
 
 def pytest_configure(config):
+    # Each rank its own temp root: ranks sharing pytest's default one race on its cleanup.
+    if config.option.basetemp is None and SIZE > 1:
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"hpcasync-pytest-r{RANK}-")
     config.addinivalue_line("markers", "rank0: runs on rank 0 only (launches its own MPI job)")
     config.addinivalue_line("markers", "slow: acceptance-size run")
 

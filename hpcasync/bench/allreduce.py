@@ -260,11 +260,14 @@ def machine(comm) -> str:
             f"Python {platform.python_version()}")
 
 
-def report(comm, rows: list[dict], command: str) -> str:
+def report(comm, rows: list[dict], command: str, load: tuple[float, float] | None = None) -> str:
+    busy = "" if load is None else (
+        f" 1-minute load average {load[0]:.1f} before and {load[1]:.1f} after the run (other "
+        f"processes on the machine compete for the same cores).")
     return "\n".join([
         "# Allreduce benchmark", "",
         f"Command: `{command}`", "",
-        f"Machine: {machine(comm)}.", "",
+        f"Machine: {machine(comm)}.{busy}", "",
         "Algorithm bandwidth = message bytes / time of one in-place float32 sum allreduce "
         "(slowest rank, median of the timed iterations); in parentheses: the ratio to the "
         "single-process memcpy bandwidth of the same size measured in the same run. "
@@ -293,13 +296,14 @@ def run(args: argparse.Namespace, comm=None) -> int:
                             "(mpiexec -n 4 hpcasync bench allreduce)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     try:
         hvd = load_horovod(comm, args.no_horovod)
         rows = measure(comm, sizes, iters=args.iters, budget_bytes=args.budget_mb << 20, hvd=hvd)
     finally:
         torch.set_num_threads(threads)
     if comm.Get_rank() == 0:
-        text = report(comm, rows, command_line(comm, args))
+        text = report(comm, rows, command_line(comm, args), (load_before, os.getloadavg()[0]))
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
         if args.out:

@@ -79,6 +79,10 @@ class Progress:
             self._bar = None
 
 
+class Preempted(Exception):
+    """Raised on every rank at the agreed step after a preemption signal (state already saved)."""
+
+
 @dataclass
 class RunResult:
     model: torch.nn.Module                 # final parameters, identical on every rank of eval_comm
@@ -98,6 +102,10 @@ class RunContext:
     t0: float = field(default_factory=time.time)
 
     steps: int = 0                         # training steps taken by this rank (after_step counts)
+    checkpoints: Any = None                # CheckpointManager when --checkpoint-dir is given
+    preempt: Any = None                    # PreemptionFlag (SIGTERM / SIGUSR1)
+    check_every: int = 10                  # steps between preemption agreements (one allreduce)
+    checkpoint_every: int = 0              # steps between periodic checkpoints (0: epoch ends only)
     _fault_step: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +126,63 @@ class RunContext:
         self.steps += 1
         if self._fault_step is not None and self.steps >= self._fault_step:
             raise RuntimeError(f"injected fault (HPCASYNC_INJECT_FAULT) at step {self.steps}")
+
+    # -- checkpoints and preemption ----------------------------------------------------------------
+    def checkpoint_header(self) -> dict[str, Any]:
+        return {"algorithm": self.cfg.algorithm, "model": self.cfg.model,
+                "world_size": self.topo.size}
+
+    def resume_state(self) -> dict[str, Any] | None:
+        """The state to resume from (``--resume auto|PATH``), or None for a fresh start.
+
+        Every rank reads the file itself (it is small next to the data set), after checking that it
+        was written by the same algorithm, model and world size.
+        """
+        from ..checkpoint import load_checkpoint
+        from ..errors import CheckpointError
+
+        resume = self.cfg.resume
+        if not resume:
+            return None
+        expect = self.checkpoint_header()
+        if resume == "auto":
+            if self.checkpoints is None:
+                raise CheckpointError("--resume auto needs --checkpoint-dir")
+            found = self.checkpoints.load_latest(expect=expect)
+            if found is None:
+                log.info("no checkpoint in %s: starting fresh", self.checkpoints.directory)
+                return None
+            path, _, state = found
+        else:
+            path, state = resume, load_checkpoint(resume, expect=expect)
+        if self.topo.rank == 0:
+            log.info("resuming from %s", path)
+        self.metrics.write("resume", path=str(path))
+        return state
+
+    def consistent_point(self, comm, make_state, *, epoch: int, step: int, writer: bool,
+                         force: bool = False) -> None:
+        """Call at a point where ``make_state()`` describes the whole job (every rank of ``comm``).
+
+        Every ``check_every`` steps the ranks agree (one allreduce) whether a preemption signal has
+        arrived anywhere. A checkpoint is written by the ``writer`` rank when a stop was agreed, at
+        every ``checkpoint_every`` steps, or when ``force`` (epoch ends). After an agreed stop every
+        rank raises :class:`Preempted`, which the driver turns into exit status 75.
+        """
+        stop = False
+        if self.preempt is not None and step % self.check_every == 0:
+            stop = self.preempt.agree(comm)
+        periodic = self.checkpoint_every and step % self.checkpoint_every == 0
+        if self.checkpoints is not None and (stop or periodic or force):
+            if writer:
+                path = self.checkpoints.save(make_state(), epoch=epoch, step=step,
+                                             **self.checkpoint_header())
+                self.metrics.write("checkpoint", path=str(path), epoch=epoch, step=step)
+            comm.Barrier()                     # the file is complete before anyone exits
+        if stop:
+            if self.checkpoints is None:
+                log.warning("preempted without --checkpoint-dir: this run's progress is lost")
+            raise Preempted(f"preempted at epoch {epoch}, step {step}")
 
     def epoch_end(self, epoch: int, model: torch.nn.Module, *, train_loss: float,
                   eval_comm=None, **extra: Any) -> dict[str, Any]:

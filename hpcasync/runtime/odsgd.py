@@ -60,112 +60,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from ..comm import FlatModel, allreduce, iallreduce
 from ..comm.broadcast import broadcast
 from ..data import batches, shard_indices
 from ..errors import ConfigError
-from ..rules.base import check_choice, check_int, check_real
-from ..rules.odsgd import DELTA_MODES, LOCAL_MODES, delta_gap, delta_last_step, global_step, local_step
+from ..rules.base import check_choice
 from .context import RunContext, RunResult
+from .odsgd_core import (GlobalState, ODSGDHyper, WorkerState, global_update, local_update,
+                         simulate_round)
+
+__all__ = ["ODSGDWorker", "StepTimes", "ODSGDHyper", "GlobalState", "WorkerState", "local_update",
+           "global_update", "simulate_round", "add_arguments", "validate", "run"]
 
 log = logging.getLogger("hpcasync")
 
 PROGRESS_MODES = ("hooks", "thread", "none")
 POLL_S = 2e-4                     # thread mode: seconds between tests of the round in flight
-
-
-@dataclass(frozen=True, kw_only=True)
-class ODSGDHyper:
-    """OD-SGD hyperparameters: global momentum SGD (lr, momentum, weight_decay), the local optimizer
-    (local_opt, lr_local, lam = λ / λ₀ (None: the mode's default), delta, ms_momentum, eps) and
-    warmup_iters (steps of plain SSGD first)."""
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    local_opt: str = "dc-adaptive"
-    lr_local: float = 0.1
-    lam: float | None = None
-    delta: str = "last-step"
-    ms_momentum: float = 0.95
-    eps: float = 1e-7
-    warmup_iters: int = 200
-
-    def __post_init__(self):
-        check_real("lr", self.lr, low=0.0, low_open=True)
-        check_real("momentum", self.momentum, low=0.0, high=1.0, high_open=True)
-        check_real("weight_decay", self.weight_decay, low=0.0)
-        check_choice("local optimizer", self.local_opt, LOCAL_MODES)
-        check_real("lr_local", self.lr_local, low=0.0)
-        if self.lam is not None:
-            check_real("lambda", self.lam, low=0.0)
-        check_choice("delta", self.delta, DELTA_MODES)
-        check_real("ms_momentum", self.ms_momentum, low=0.0, high=1.0, high_open=True)
-        check_real("eps", self.eps, low=0.0, low_open=True)
-        check_int("warmup_iters", self.warmup_iters, low=0)
-
-
-@dataclass
-class GlobalState:
-    """The global model W_t, the previous one W_{t−1} (for Δ) and the momentum buffer v."""
-    W: Tensor
-    W_prev: Tensor
-    buf: Tensor
-
-    @classmethod
-    def create(cls, theta0: Tensor) -> "GlobalState":
-        return cls(theta0.clone(), theta0.clone(), torch.zeros_like(theta0))
-
-
-@dataclass
-class WorkerState:
-    """One worker's side: ``local`` = the weights its last gradient was computed on (in the
-    runtime, the model's own flat parameters), ``ms`` = its dc-adaptive mean square."""
-    local: Tensor
-    ms: Tensor | None = None
-
-    @classmethod
-    def create(cls, local: Tensor, hp: ODSGDHyper) -> "WorkerState":
-        return cls(local, torch.zeros_like(local) if hp.local_opt == "dc-adaptive" else None)
-
-
-def local_update(glob: GlobalState, ws: WorkerState, g: Tensor, *, hp: ODSGDHyper) -> Tensor:
-    """W^l_{t+1} = LocalOpt(W_t, g_t), written into ``ws.local`` (Δ from ``ws.local`` = W^l_t
-    before the write, for ``gap``); updates ``ws.ms``. Returns ``ws.local``."""
-    delta = None
-    if hp.local_opt != "sgd":
-        delta = (delta_last_step(glob.W, glob.W_prev) if hp.delta == "last-step"
-                 else delta_gap(glob.W, ws.local))
-    return local_step(glob.W, g, mode=hp.local_opt, lr_local=hp.lr_local, wd=hp.weight_decay,
-                      lam=hp.lam, delta=delta, ms=ws.ms, ms_momentum=hp.ms_momentum, eps=hp.eps,
-                      out=ws.local)
-
-
-def global_update(glob: GlobalState, g_mean: Tensor, *, hp: ODSGDHyper) -> None:
-    """Complete a round: W_{t−1} ← W_t, then the momentum-SGD step on the mean gradient."""
-    glob.W_prev.copy_(glob.W)
-    global_step(glob.W, g_mean, glob.buf, lr=hp.lr, momentum=hp.momentum, wd=hp.weight_decay)
-
-
-def simulate_round(glob: GlobalState, workers: list[WorkerState], grads: list[Tensor], *,
-                   hp: ODSGDHyper, warmup: bool = False) -> None:
-    """One round for N virtual workers in one process (the simulator's step).
-
-    ``grads[k]`` must have been computed on ``workers[k].local``. Afterwards ``glob`` holds W_{t+1}
-    and each ``workers[k].local`` the weights worker k computes its next gradient on:
-    LocalOpt(W_t, g_k), or W_{t+1} itself in a warm-up round (plain SSGD).
-    """
-    if len(grads) != len(workers) or not grads:
-        raise ConfigError(f"simulate_round: {len(grads)} gradients for {len(workers)} workers")
-    if not warmup:
-        for ws, g in zip(workers, grads):
-            local_update(glob, ws, g, hp=hp)
-    g_mean = torch.stack(grads).sum(0).div_(len(grads))
-    global_update(glob, g_mean, hp=hp)
-    if warmup:
-        for ws in workers:
-            ws.local.copy_(glob.W)
 
 
 @dataclass
@@ -198,13 +109,13 @@ class ODSGDWorker:
         flat: the :class:`~hpcasync.comm.FlatModel`; its ``params`` are the weights computed on.
         comm: the communicator of all workers.
         hp: :class:`ODSGDHyper`.
-        progress: ``"hooks"`` (default), ``"thread"`` or ``"none"`` (module doc).
+        progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (module doc).
 
     Attributes: ``glob`` (:class:`GlobalState`), ``ws`` (:class:`WorkerState`), ``steps`` (step
     calls), ``rounds`` (rounds applied = t of W_t), ``times`` (:class:`StepTimes`), ``bytes_sent``.
     """
 
-    def __init__(self, flat: FlatModel, comm, *, hp: ODSGDHyper, progress: str = "hooks"):
+    def __init__(self, flat: FlatModel, comm, *, hp: ODSGDHyper, progress: str = "thread"):
         self.flat, self.comm, self.hp = flat, comm, hp
         self.progress = check_choice("progress", progress, PROGRESS_MODES)
         self.glob = GlobalState.create(flat.params)
@@ -334,8 +245,8 @@ def add_arguments(parser) -> None:
                        help="λ (dc, default 0.04) or λ₀ (dc-adaptive, default 2)")
     group.add_argument("--odsgd-ms-momentum", type=float, default=0.95,
                        help="dc-adaptive mean-square momentum m (0.95)")
-    group.add_argument("--odsgd-progress", default="hooks",
-                       help="how the round in flight progresses: hooks (default), thread, none")
+    group.add_argument("--odsgd-progress", default="thread",
+                       help="how the round in flight progresses: thread (default), hooks, none")
 
 
 _FLAGS = {"local_opt": "--odsgd-local-opt", "lr_local": "--odsgd-local-lr", "delta": "--odsgd-delta",
@@ -360,7 +271,7 @@ def hyper_from_config(cfg) -> ODSGDHyper:
 
 def validate(cfg) -> None:
     hyper_from_config(cfg)
-    progress = cfg.options.get("odsgd_progress", "hooks")
+    progress = cfg.options.get("odsgd_progress", "thread")
     if progress not in PROGRESS_MODES:
         raise ConfigError(f"--odsgd-progress {progress!r} is not one of: {', '.join(PROGRESS_MODES)}")
 
@@ -370,7 +281,7 @@ def run(ctx: RunContext) -> RunResult:
     hp = hyper_from_config(cfg)
     model = ctx.make_model()
     flat = FlatModel(model)
-    worker = ODSGDWorker(flat, topo.world, hp=hp, progress=cfg.options.get("odsgd_progress", "hooks"))
+    worker = ODSGDWorker(flat, topo.world, hp=hp, progress=cfg.options.get("odsgd_progress", "thread"))
     worker.broadcast_parameters(root=0)
     if ctx.is_root:
         log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s",

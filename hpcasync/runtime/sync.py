@@ -159,20 +159,35 @@ def run(ctx: RunContext) -> RunResult:
         from .horovod_backend import HorovodOptimizer
 
         opt = HorovodOptimizer(_make_optimizer(cfg, model), model, topo.world)
+        flat = None
     else:
         flat = FlatModel(model)
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
         opt = DistributedOptimizer(_make_optimizer(cfg, model), flat, topo.world, compress=compress)
     opt.broadcast_parameters(root=0)
+    start_epoch, start_batch, loss_carry = 1, 0, 0.0
+    state = ctx.resume_state()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
+
+    def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
+        """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "epoch": epoch, "batch": batch, "loss_sum": loss_sum}
+
     device = topo.device
-    for epoch in range(1, cfg.epochs + 1):
+    for epoch in range(start_epoch, cfg.epochs + 1):
         indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
                                 seed=cfg.seed, epoch=epoch)
         nbatches = len(indices) // cfg.batch_size
-        ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
-        loss_sum = 0.0
+        first = start_batch if epoch == start_epoch else 0
+        loss_sum = loss_carry if epoch == start_epoch else 0.0
+        ctx.progress.start(nbatches - first, f"epoch {epoch}/{cfg.epochs}")
         model.train()
-        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
+        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size, start_batch=first),
+                                   start=first):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
@@ -184,11 +199,16 @@ def run(ctx: RunContext) -> RunResult:
             ctx.progress.update(1, loss=loss_value)
             if cfg.log_every and (i + 1) % cfg.log_every == 0:
                 ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
+            if i + 1 < nbatches:
+                ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
+                                     epoch=epoch, step=opt.steps, writer=topo.rank == 0)
         opt.average_buffers()
-        train_loss = _mean_over(topo.world, float(loss_sum) / max(1, nbatches))
+        train_loss = _mean_over(topo.world, loss_sum / max(1, nbatches))
         ctx.epoch_end(epoch, model, train_loss=train_loss,
                       bytes_communicated=_sum_over(topo.world, opt.bytes_sent),
                       comm_time_s=round(opt.comm_time, 4))
+        ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
+                             step=opt.steps, writer=topo.rank == 0, force=True)
     return RunResult(model=model, summary={"backend": cfg.backend, "steps": opt.steps,
                                            "bytes_communicated": _sum_over(topo.world, opt.bytes_sent)})
 

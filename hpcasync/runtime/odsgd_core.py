@@ -1,0 +1,136 @@
+"""OD-SGD's round as pure functions over flat tensors, shared by the MPI runtime
+(:mod:`hpcasync.runtime.odsgd`) and the simulator (Xu et al., arXiv 2005.06728).
+
+State: the global model (:class:`GlobalState`: W_t, W_{t−1}, momentum buffer v; identical on every
+worker) and one :class:`WorkerState` per worker (the weights W^l_t its last gradient was computed on,
+its dc-adaptive mean square). One round t, given each worker's g_t^k computed on its W^l_t::
+
+    local:   W^l_{t+1,k} = LocalOpt(W_t, g_t^k)          (local_update; sgd / dc / dc-adaptive, with
+                                                     Δ = W_t − W_{t−1} "last-step" or W_t − W^l_t "gap")
+    global:  ḡ_t = (1/N) Σ_k g_t^k ;  W_{t−1} ← W_t ;  v ← γ·v + ḡ_t + wd·W_t ;  W_{t+1} = W_t − η·v
+                                                    (global_update)
+
+Worker k's next gradient g_{t+1}^k is computed on W^l_{t+1,k} (while round t is in flight), and is
+applied in round t+1 to W_{t+1}: staleness exactly one round. In a warm-up round there is no local
+step: every worker computes its next gradient on W_{t+1} itself (plain SSGD). LocalOpt and the
+global step are :func:`hpcasync.rules.odsgd.local_step` / ``global_step``.
+
+Example (the simulator's loop, N virtual workers)::
+
+    hp = ODSGDHyper(lr=0.05, momentum=0.9, local_opt="dc-adaptive", lr_local=0.1)
+    glob = GlobalState.create(theta0)
+    workers = [WorkerState.create(theta0.clone(), hp) for _ in range(N)]
+    for t in range(T):
+        grads = [grad_fn(k, ws.local) for k, ws in enumerate(workers)]
+        simulate_round(glob, workers, grads, hp=hp, warmup=t < hp.warmup_iters)
+    # glob.W is the model to evaluate
+
+Differences from the paper: Δ = ``last-step`` by default, as in the authors' code; the ``dc-adaptive``
+mean square starts at zero and is updated only by local steps (not in warm-up rounds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..rules.base import check_choice, check_int, check_real
+from ..rules.odsgd import (DELTA_MODES, LOCAL_MODES, delta_gap, delta_last_step, global_step,
+                           local_step)
+
+__all__ = ["ODSGDHyper", "GlobalState", "WorkerState", "local_update", "global_update",
+           "simulate_round"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ODSGDHyper:
+    """OD-SGD hyperparameters: global momentum SGD (lr, momentum, weight_decay), the local optimizer
+    (local_opt, lr_local, lam = λ / λ₀ (None: the mode's default), delta, ms_momentum, eps) and
+    warmup_iters (steps of plain SSGD first)."""
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    local_opt: str = "dc-adaptive"
+    lr_local: float = 0.1
+    lam: float | None = None
+    delta: str = "last-step"
+    ms_momentum: float = 0.95
+    eps: float = 1e-7
+    warmup_iters: int = 200
+
+    def __post_init__(self):
+        check_real("lr", self.lr, low=0.0, low_open=True)
+        check_real("momentum", self.momentum, low=0.0, high=1.0, high_open=True)
+        check_real("weight_decay", self.weight_decay, low=0.0)
+        check_choice("local optimizer", self.local_opt, LOCAL_MODES)
+        check_real("lr_local", self.lr_local, low=0.0)
+        if self.lam is not None:
+            check_real("lambda", self.lam, low=0.0)
+        check_choice("delta", self.delta, DELTA_MODES)
+        check_real("ms_momentum", self.ms_momentum, low=0.0, high=1.0, high_open=True)
+        check_real("eps", self.eps, low=0.0, low_open=True)
+        check_int("warmup_iters", self.warmup_iters, low=0)
+
+
+@dataclass
+class GlobalState:
+    """The global model W_t, the previous one W_{t−1} (for Δ) and the momentum buffer v."""
+    W: Tensor
+    W_prev: Tensor
+    buf: Tensor
+
+    @classmethod
+    def create(cls, theta0: Tensor) -> "GlobalState":
+        return cls(theta0.clone(), theta0.clone(), torch.zeros_like(theta0))
+
+
+@dataclass
+class WorkerState:
+    """One worker's side: ``local`` = the weights its last gradient was computed on (in the
+    runtime, the model's own flat parameters), ``ms`` = its dc-adaptive mean square."""
+    local: Tensor
+    ms: Tensor | None = None
+
+    @classmethod
+    def create(cls, local: Tensor, hp: ODSGDHyper) -> "WorkerState":
+        return cls(local, torch.zeros_like(local) if hp.local_opt == "dc-adaptive" else None)
+
+
+def local_update(glob: GlobalState, ws: WorkerState, g: Tensor, *, hp: ODSGDHyper) -> Tensor:
+    """W^l_{t+1} = LocalOpt(W_t, g_t), written into ``ws.local`` (Δ from ``ws.local`` = W^l_t
+    before the write, for ``gap``); updates ``ws.ms``. Returns ``ws.local``."""
+    delta = None
+    if hp.local_opt != "sgd":
+        delta = (delta_last_step(glob.W, glob.W_prev) if hp.delta == "last-step"
+                 else delta_gap(glob.W, ws.local))
+    return local_step(glob.W, g, mode=hp.local_opt, lr_local=hp.lr_local, wd=hp.weight_decay,
+                      lam=hp.lam, delta=delta, ms=ws.ms, ms_momentum=hp.ms_momentum, eps=hp.eps,
+                      out=ws.local)
+
+
+def global_update(glob: GlobalState, g_mean: Tensor, *, hp: ODSGDHyper) -> None:
+    """Complete a round: W_{t−1} ← W_t, then the momentum-SGD step on the mean gradient."""
+    glob.W_prev.copy_(glob.W)
+    global_step(glob.W, g_mean, glob.buf, lr=hp.lr, momentum=hp.momentum, wd=hp.weight_decay)
+
+
+def simulate_round(glob: GlobalState, workers: list[WorkerState], grads: list[Tensor], *,
+                   hp: ODSGDHyper, warmup: bool = False) -> None:
+    """One round for N virtual workers in one process (the simulator's step).
+
+    ``grads[k]`` must have been computed on ``workers[k].local``. Afterwards ``glob`` holds W_{t+1}
+    and each ``workers[k].local`` the weights worker k computes its next gradient on:
+    LocalOpt(W_t, g_k), or W_{t+1} itself in a warm-up round (plain SSGD).
+    """
+    if len(grads) != len(workers) or not grads:
+        raise ConfigError(f"simulate_round: {len(grads)} gradients for {len(workers)} workers")
+    if not warmup:
+        for ws, g in zip(workers, grads):
+            local_update(glob, ws, g, hp=hp)
+    g_mean = torch.stack(grads).sum(0).div_(len(grads))
+    global_update(glob, g_mean, hp=hp)
+    if warmup:
+        for ws in workers:
+            ws.local.copy_(glob.W)
