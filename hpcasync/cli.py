@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, summary) in BENCHMARKS.items():
         bp = bsub.add_parser(name, help=summary)
         importlib.import_module(module).add_arguments(bp)
-    sub.add_parser("info", help="print the MPI topology this job sees")
+    info = sub.add_parser("info", help="print the MPI topology this job sees")
+    info.add_argument("--ranks-per-node", type=int, default=None,
+                      help="group the ranks of each machine into virtual nodes of K ranks")
+    info.add_argument("--device", default="auto", help="auto, cpu or cuda")
     from .sim import add_arguments as _sim_arguments
     _sim_arguments(sub.add_parser("sim", help="simulate N workers in one process (no MPI)"))
     return parser
@@ -106,7 +109,7 @@ def _sim(ns) -> int:
 def _info(ns) -> int:
     from .topology import Topology
 
-    topo = Topology.build()
+    topo = Topology.build(ranks_per_node=ns.ranks_per_node, device=ns.device)
     lines = topo.world.gather(f"rank {topo.rank}: node {topo.node} local {topo.local_rank}/"
                               f"{topo.local_size} device {topo.device}", root=0)
     if topo.rank == 0:
@@ -124,8 +127,8 @@ def _parse(argv):
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "config", None):
-        train_parser = parser._subparsers._group_actions[0].choices["train"]  # noqa: SLF001
-        apply_config_file(train_parser, ns.config)
+        command_parser = parser._subparsers._group_actions[0].choices[ns.command]  # noqa: SLF001
+        apply_config_file(command_parser, ns.config)
         ns = parser.parse_args(argv)
     return ns
 

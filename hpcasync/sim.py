@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import sys
 import time

@@ -252,6 +252,25 @@ def test_step_count_guard(topo, data):
         opt.step()
 
 
+def test_synchronize_then_skip_synchronize(topo, data):
+    model = make_model(4)
+    flat = FlatModel(model)
+    opt = DASO(torch.optim.SGD(model.parameters(), lr=0.1), flat, topo, total_epochs=1,
+               batches_per_epoch=1, warmup_epochs=1, cooldown_epochs=0, cast=None)
+    opt.broadcast_parameters()
+    x, y = batch(data, 0, 0, RANK, 1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    plan = opt.synchronize()                      # blocking epoch: grads averaged over all ranks
+    assert plan.grad_sync == "global" and allsame(flat.grads)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    expected = flat.params - 0.1 * flat.grads
+    with opt.skip_synchronize():
+        opt.step()
+    torch.testing.assert_close(flat.params, expected)
+    assert opt.steps == 1 and allsame(flat.params)
+
+
 def _horovod() -> bool:
     try:
         import horovod.torch  # noqa: F401

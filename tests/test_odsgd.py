@@ -7,6 +7,7 @@ Every collective test runs on however many ranks the job has (1 under plain pyte
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from hpcasync.rules.odsgd import global_step, local_step
 from hpcasync.runtime.odsgd import (GlobalState, ODSGDHyper, ODSGDWorker, WorkerState,
                                     hyper_from_config, simulate_round, validate)
 from hpcasync.runtime.sync import DistributedOptimizer
-from tests.mpi_util import COMM, RANK, SIZE, run_mpi
+from tests.mpi_util import COMM, RANK, SIZE, clean_env, run_cli, run_mpi
 
 f64 = torch.float64
 
@@ -236,7 +237,8 @@ def test_cli_run_ends_cleanly_with_timing_breakdown(tmp_path):
     out = tmp_path / "od.jsonl"
     r = run_mpi(4, ["train", "--algorithm", "odsgd", "--dataset", "fashion-mnist-mini",
                     "--train-limit", "2048", "--test-limit", "500", "--epochs", "1",
-                    "--progress", "off", "--odsgd-warmup-iters", "2", "--metrics", str(out)],
+                    "--batch-size", "64", "--progress", "off", "--odsgd-warmup-iters", "2",
+                    "--metrics", str(out)],
                 timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     records = read_metrics(out)
@@ -247,6 +249,23 @@ def test_cli_run_ends_cleanly_with_timing_breakdown(tmp_path):
     for key in ("compute_time_s", "wait_time_s", "round_time_s", "compute_ms_per_step",
                 "wait_ms_per_step"):
         assert epoch[key] > 0, key
-    assert 0.0 <= epoch["overlap_fraction"] <= 1.0
+    assert 0.0 <= epoch["overlap_fraction"] <= 1.0 and epoch["warmup_steps"] == 2
     assert epoch["round_time_s"] >= epoch["wait_time_s"]
     assert math.isfinite(epoch["train_loss"]) and summary["test_accuracy"] is not None
+
+
+@pytest.mark.rank0
+def test_cli_bad_option_and_crash_with_round_in_flight():
+    """A bad option fails with one line before MPI; a rank failing while its progress thread
+    drives a round ends the whole job quickly (the thread cannot keep it alive)."""
+    r = run_cli(["train", "--algorithm", "odsgd", "--odsgd-delta", "both"])
+    assert r.returncode == 2 and "--odsgd-delta: delta must be one of" in r.stderr
+    assert "Traceback" not in r.stderr
+    t0 = time.time()
+    r = run_mpi(4, ["train", "--algorithm", "odsgd", "--dataset", "fashion-mnist-mini",
+                    "--train-limit", "2048", "--test-limit", "500", "--epochs", "3",
+                    "--batch-size", "64", "--progress", "off", "--odsgd-warmup-iters", "2"],
+                timeout=120, env=clean_env(HPCASYNC_INJECT_FAULT="2:5"))
+    assert r.returncode != 0
+    assert "rank 2 failed" in r.stderr and "injected fault" in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 60

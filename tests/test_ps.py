@@ -116,7 +116,7 @@ def test_bad_pushes_rejected_counted_and_training_continues():
         assert len(out) == STEPS[w]                           # it kept pushing after the reject
 
 
-def _ctx(algorithm: str, tmp_path=None, **over):
+def _ctx(algorithm: str, tmp_path=None, options=None, **over):
     from hpcasync.topology import Topology
 
     cfg = TrainConfig(algorithm=algorithm, dataset="fashion-mnist-mini", train_limit=1536,
@@ -124,7 +124,7 @@ def _ctx(algorithm: str, tmp_path=None, **over):
                       progress="off", **over)
     opts = {"ps_transport": "rma", "ps_momentum": 0.0, "hetero": "HO", "compute_time": "fixed",
             "push_delay": 0.0}
-    opts.update(cfg.options)
+    opts.update(options or {})
     cfg.options = opts
     topo = Topology.build(COMM)
     train, test = load_dataset(cfg.dataset, train_limit=cfg.train_limit, test_limit=cfg.test_limit)
@@ -138,11 +138,14 @@ def _ctx(algorithm: str, tmp_path=None, **over):
 
 
 @needs4
-@pytest.mark.parametrize("algorithm", ["asgd", "shat", "smega2", "dcasgd-a"])
-def test_runtime_counts_and_final_model_everywhere(algorithm):
+@pytest.mark.parametrize("algorithm, options", [
+    ("asgd", {}), ("shat", {}), ("smega2", {}), ("dcasgd-a", {}),
+    ("lcasgd", {"lc_predictor": "oracle"}), ("dana", {"ps_transport": "p2p"}),
+    ("nag", {"ps_transport": "rma-put"})])
+def test_runtime_counts_and_final_model_everywhere(algorithm, options):
     from hpcasync.runtime import ps
 
-    ctx = _ctx(algorithm)
+    ctx = _ctx(algorithm, options=options)
     result = ps.run(ctx)
     W, per = 3, (1536 // 3) // 32
     s = result.summary
@@ -150,6 +153,8 @@ def test_runtime_counts_and_final_model_everywhere(algorithm):
     assert s["pushes_per_worker"] == [2 * per] * W
     assert sorted(w["worker_steps"] for w in s["workers"]) == [2 * per] * W
     assert sum(s["staleness_histogram"].values()) == s["pushes"]
+    assert s["ps_peeks"] == (s["pushes"] if options.get("lc_predictor") == "oracle" else 0)
+    assert s["transport"] == options.get("ps_transport", "rma")
     flat = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     everyone = COMM.allgather(flat)
     assert all(torch.equal(everyone[0], f) for f in everyone)   # PS θ broadcast to all
@@ -162,19 +167,35 @@ def test_runtime_counts_and_final_model_everywhere(algorithm):
         assert ctx.history == []                            # only the PS evaluates
 
 
+@needs4
+def test_runtime_straggler_really_sleeps():
+    from hpcasync.runtime import ps
+
+    result = ps.run(_ctx("asgd", options={"hetero": "HE1", "push_delay": 1.0}))
+    w = result.summary["workers"]
+    steps = w[0]["worker_steps"]
+    for fast in w[:2]:                                   # push delay only: 1 ms per push
+        assert fast["worker_sleep_s"] == pytest.approx(steps * 0.001)
+    # the straggler sleeps 9x the median CPU time of its recent steps, plus the push delay
+    assert w[2]["worker_sleep_s"] > steps * 0.001 + 4 * w[2]["worker_cpu_s"] > steps * 0.001
+
+
 # -- end to end through the CLI (rank 0 launches its own jobs) -------------------------------------
 
 @pytest.mark.rank0
 def test_cli_asgd_learns_fashion_mnist_10k(tmp_path):
     m = tmp_path / "asgd.jsonl"
+    # one pass over 10k images is a small budget: small batches (many pushes), a light shared
+    # momentum (measured: 77-79 % over seeds 0-3; the default batch 64 reaches only ~60-65 %)
     r = run_mpi(4, ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist", "--train-limit",
-                    "10000", "--epochs", "1", "--progress", "off", "--metrics", str(m)], timeout=300)
+                    "10000", "--epochs", "1", "--batch-size", "8", "--lr", "0.04",
+                    "--ps-momentum", "0.3", "--progress", "off", "--metrics", str(m)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_metrics(m)
     epoch = [x for x in recs if x["event"] == "epoch"][-1]
     summary = recs[-1]
     assert summary["event"] == "summary" and summary["test_accuracy"] >= 0.75, summary
-    assert sum(epoch["staleness_histogram"].values()) == epoch["pushes"] == 3 * (3333 // 64)
+    assert sum(epoch["staleness_histogram"].values()) == epoch["pushes"] == 3 * (3333 // 8)
     assert epoch["rejected_pushes"] == 0
 
 
@@ -186,12 +207,12 @@ def test_cli_nan_push_rejected_and_ps_on_rank_2(tmp_path):
 
     r = run_mpi(4, ["train", "--algorithm", "dcasgd", "--dataset", "fashion-mnist-mini",
                     "--train-limit", "1536", "--test-limit", "300", "--epochs", "1",
-                    "--ps-rank", "2", "--ps-transport", "p2p", "--progress", "off",
+                    "--batch-size", "32", "--ps-rank", "2", "--ps-transport", "p2p", "--progress", "off",
                     "--metrics", str(m)], env=clean_env(**env_extra), timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = read_metrics(m)[-1]
     assert summary["rejected_pushes"] == 1 and summary["ps_rank"] == 2
-    assert summary["pushes"] == 3 * (512 // 64) - 1
+    assert summary["pushes"] == 3 * (512 // 32) - 1
     assert "gradient contains NaN" in json.dumps(summary["reject_reasons"])
 
 

@@ -260,10 +260,10 @@ def machine(comm) -> str:
             f"Python {platform.python_version()}")
 
 
-def report(comm, rows: list[dict], command: str, load: tuple[float, float] | None = None) -> str:
+def report(comm, rows: list[dict], command: str, load: float | None = None) -> str:
     busy = "" if load is None else (
-        f" 1-minute load average {load[0]:.1f} before and {load[1]:.1f} after the run (other "
-        f"processes on the machine compete for the same cores).")
+        f" 1-minute load average before the run: {load:.1f} (besides this benchmark's ranks; "
+        f"anything above 0 competes for the same cores).")
     return "\n".join([
         "# Allreduce benchmark", "",
         f"Command: `{command}`", "",
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace, comm=None) -> int:
     finally:
         torch.set_num_threads(threads)
     if comm.Get_rank() == 0:
-        text = report(comm, rows, command_line(comm, args), (load_before, os.getloadavg()[0]))
+        text = report(comm, rows, command_line(comm, args), load_before)
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
         if args.out:

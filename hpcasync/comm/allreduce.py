@@ -51,7 +51,6 @@ DASO_CHUNK_ELEMS = 10_000_000     # DASO (Coquelin et al.) sends global messages
 SHM_MIN_BYTES = 8 << 10           # below this "auto" uses MPI (4 ranks: about equal at 4 KiB)
 
 
-
 def piece_elems(itemsize: int, bucket_bytes: int | None, chunk_elems: int | None) -> int | None:
     """Elements per piece from the two limits (None = unlimited)."""
     limits = []

@@ -50,6 +50,8 @@ def encode(src: torch.Tensor, *, wire_dtype: torch.dtype, divisor: int = 1,
 
     Without ``out`` and with nothing to do (same dtype, no pre-division) ``src`` itself is returned.
     """
+    if out is not None and divisor == 1:
+        return out.copy_(src)
     pre = divisor != 1 and predivides(wire_dtype)
     if out is None:
         if src.dtype == wire_dtype and not pre:

@@ -22,6 +22,10 @@ Example::
     hierarchical_allreduce(topo, flat.grads, average=True)
     h = ihierarchical_allreduce(topo, flat.grads, name="grads", step=7); ...; h.wait()
 
+Messages up to :data:`HIER_SMALL_BYTES` (64 KiB, on the CPU, not cut into pieces) skip the
+reduce-scatter: the whole buffer is allreduced in the node, then across nodes by every local rank,
+which saves a synchronisation where latency, not bytes, is the cost.
+
 Requires every node to have the same number of ranks (``topo.require_uniform``).
 """
 from __future__ import annotations
@@ -34,6 +38,8 @@ from .compress import decode, encode, wire_dtype
 from .handle import Allgatherv, Allreduce, Handle, ReduceScatter, run_blocking
 from .ops import mpi_buffer, sum_op
 from .shm import partition
+
+HIER_SMALL_BYTES = 64 << 10     # up to this size: whole-buffer allreduce in the node, then across
 
 
 def _mpi_steps(local, glob, flat, *, wire, divisor, piece):
@@ -60,6 +66,19 @@ def _mpi_steps(local, glob, flat, *, wire, divisor, piece):
     decode(w, flat, divisor=divisor)
 
 
+def _small_steps(topo, engine, glob, flat, *, wire, divisor):
+    """Small messages: allreduce the whole buffer in the node, then across nodes (every local
+    rank sends all of it: for small messages one sync less matters more than 1/L of the bytes)."""
+    w = encode(flat, wire_dtype=wire, divisor=divisor)
+    if engine is not None:
+        yield from engine.steps(w, wire=wire)
+    else:
+        yield (Allreduce(private_dup(topo.local), mpi_buffer(w), sum_op(wire)),)
+    if topo.num_nodes > 1:
+        yield (Allreduce(glob, mpi_buffer(w), sum_op(wire)),)
+    decode(w, flat, divisor=divisor)
+
+
 def hierarchical_steps(topo, tensor: torch.Tensor, *, average: bool = False,
                        compress: str | None = None, algorithm: str = "auto",
                        bucket_bytes: int | None = None, chunk_elems: int | None = None):
@@ -71,7 +90,10 @@ def hierarchical_steps(topo, tensor: torch.Tensor, *, average: bool = False,
     piece = piece_elems(wire.itemsize, bucket_bytes, chunk_elems)
     glob = private_dup(topo.glob)
     op = sum_op(wire)
-    engine = pick_engine(topo.local, flat.numel() * wire.itemsize, algorithm, cuda_aware=False)
+    nbytes = flat.numel() * wire.itemsize
+    engine = pick_engine(topo.local, nbytes, algorithm, cuda_aware=False)
+    if nbytes <= HIER_SMALL_BYTES and piece is None and flat.device.type == "cpu":
+        return _small_steps(topo, engine, glob, flat, wire=wire, divisor=divisor), engine
     if engine is not None:
         def across(chunk):
             return (Allreduce(glob, mpi_buffer(chunk), op),) if topo.num_nodes > 1 else ()

@@ -212,6 +212,7 @@ class ShmAllreduce:
         total = flat.numel()
         self._ensure(min(total, piece) * item)
         win, sync = self.win, (Barrier(self.comm),)
+        direct = wire == flat.dtype and flat.device.type == "cpu"   # sum straight into flat
         for start in range(0, total, piece):
             src = flat[start: start + piece] if total > piece else flat
             m = src.numel()
@@ -223,9 +224,10 @@ class ShmAllreduce:
                 yield sync
                 win.Sync()
                 rows = plan.small_rows[p]
-                if wire == src.dtype and src.device.type == "cpu":
+                if direct:
                     sum_rows(rows, src)
-                    decode(src, src, divisor=divisor)
+                    if divisor != 1:
+                        decode(src, src, divisor=divisor)
                 else:
                     acc = torch.empty(m, dtype=wire)
                     sum_rows(rows, acc)

@@ -1,6 +1,7 @@
 """OD-SGD runtime: one synchronous global round in flight while every worker computes ahead
 (Xu et al., "OD-SGD: One-step Delay Stochastic Gradient Descent for Distributed Training",
-arXiv 2005.06728). The math is in :mod:`hpcasync.rules.odsgd`; the pipeline is here.
+arXiv 2005.06728). LocalOpt and the global step are in :mod:`hpcasync.rules.odsgd`, one round as
+pure functions (shared with the simulator) in :mod:`.odsgd_core`; the MPI pipeline is here.
 
 Every rank is a worker. Round t is an allreduce-average of the N gradients g_t^k followed by the same
 momentum-SGD step on every rank, so the global model stays bitwise identical everywhere::
@@ -20,18 +21,42 @@ then the same step; bitwise equal to :class:`~hpcasync.runtime.sync.DistributedO
 ``torch.optim.SGD``). Epochs end by completing the round in flight and evaluating on W; the
 next epoch resumes on the local weights, so staleness stays exactly one across epochs.
 
-Collectives, not the PS: a synchronous round through a PS sends all N gradients into one rank and the
-model back out (2N model-sized messages through one link, and a rank that does no training), while an
-allreduce moves ~2 model sizes per rank with no idle rank; our shm allreduce of LeNet's 61.7 k floats
-takes ~0.2 ms on one node. So the round is an allreduce.
+Collectives, not the PS (measured, 61.7 k floats = LeNet, medians of 5×100 rounds): our allreduce
+0.28 ms vs a PS-style round (gather to one rank, average, broadcast) 0.29 ms on 4 ranks; 0.07 vs
+0.13 ms on 2 ranks — and a real PS also takes a rank away from training. So the round is an allreduce,
+on a private duplicate of the communicator.
 
-Progress of the round while Python computes (``--odsgd-progress``): a nonblocking reduction only
-moves inside MPI calls of this process (:mod:`hpcasync.comm.handle`), so something must test it.
-``hooks`` (default) calls ``handle.test()`` from forward pre-hooks of every leaf module and from
-post-accumulate-grad hooks of every parameter; ``thread`` drives it from a helper thread polling
-``test()`` every 0.2 ms (MPI is initialised THREAD_MULTIPLE); ``none`` tests nothing until the wait.
-Measured (4 ranks, 2-core shared box, LeNet, Fashion-MNIST 2 epochs, batch 64, per-rank means per
-epoch over 234 steps; see README): MEASUREMENTS
+Progress of the round while Python computes (``--odsgd-progress``): a nonblocking reduction moves only
+inside MPI calls of this process (:mod:`hpcasync.comm.handle`), so something must test it.
+``thread`` (default) drives it from a helper thread that tests it every 0.2 ms and sleeps between
+(MPI is initialised THREAD_MULTIPLE); ``hooks`` tests it from forward pre-hooks of every leaf module
+and post-accumulate-grad hooks of every parameter; ``none`` leaves it until the wait. Measured on a
+2-core box shared with other jobs, 4 ranks, LeNet, batch 64, the modes interleaved, 60 steps × 5
+repetitions, medians of the per-rank means, ms per step (compute = forward+backward)::
+
+    mode     compute   wait   update   step   overlap        (SSGD: the same loop, blocking rounds)
+    ssgd       20.2    14.8     0.1    35.3    0
+    none       20.8    14.4     0.8    35.5    0.60
+    hooks      33.6     0.8     1.9    36.4    0.97
+    thread     18.0     7.5     3.4    29.6    0.69
+
+(two earlier repetitions of the benchmark: ssgd 55.1 / 50.4, thread 40.0 / 30.3 ms per step.)
+``hooks`` hides nearly all the wait but pays for it in compute: each ``test()`` enters MPI progress,
+which yields the core (``mpi_yield_when_idle``) on an oversubscribed node; ``none`` waits as long as
+SSGD; ``thread`` was fastest in every 4-rank repetition, hence the default. Most of the wait here is
+waiting for ranks that are descheduled (each rank gets ~6 ms of CPU per 30-35 ms step), which no
+overlap can hide. Full runs (``hpcasync train --algorithm odsgd --dataset fashion-mnist --model
+lenet --epochs 2``, batch 32, 4 ranks; 200 of the 468 steps of epoch 1 are warm-up): test accuracy
+83.2 % / 86.5 % after epochs 1 / 2 in every mode (SSGD 85.7 % / 87.3 %); epoch 2 (all OD steps)
+compute / wait per step: thread 5.3 / 9.5 and 6.2 / 5.4 ms, hooks 14.8 / 0.1 and 13.3 / 2.7 ms,
+none 5.7 / 17.2 and 5.8 / 9.6 ms; epoch-2 time thread 7.9 / 6.9 s vs SSGD 6.9 / 11.9 s (two runs each).
+
+Metrics per epoch (means over ranks): ``compute_time_s``, ``wait_time_s`` (blocked on a round;
+warm-up rounds count whole), ``update_time_s`` (local/global steps, starting rounds),
+``round_time_s`` (rounds' start-to-completion time), ``overlap_fraction`` = 1 − wait/round time
+(the share of the rounds' time this rank spent computing rather than blocked; with ``none`` a round
+does not progress while computing, so there it is only an upper bound), ``wait_time_max_s``,
+``compute_ms_per_step``, ``wait_ms_per_step``, ``warmup_steps``.
 
 Example (a user's own loop)::
 
@@ -44,6 +69,10 @@ Example (a user's own loop)::
     worker.finish()                       # params hold the global model W
 
 The simulator drives the same math for N virtual workers with :func:`simulate_round`.
+
+Defaults (LeNet / Fashion-MNIST, global --lr 0.05 --momentum 0.9): local ``dc-adaptive``, η_l 0.1
+(86.5 % after 2 epochs; sgd 85.4 %, dc 85.7 %, Δ gap 85.8 %; η_l 0.5 and η_l 0 diverged). The spec's
+ResNet-20 / CIFAR reference: --lr 0.1 --momentum 0.95 --odsgd-local-lr 0.5.
 
 Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
 ``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during warm-up);
@@ -107,7 +136,8 @@ class ODSGDWorker:
 
     Args:
         flat: the :class:`~hpcasync.comm.FlatModel`; its ``params`` are the weights computed on.
-        comm: the communicator of all workers.
+        comm: the communicator of all workers. Rounds run on a private duplicate (freed by
+            :meth:`finish`, collective), so the caller may use ``comm`` while a round is in flight.
         hp: :class:`ODSGDHyper`.
         progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (module doc).
 
@@ -116,8 +146,14 @@ class ODSGDWorker:
     """
 
     def __init__(self, flat: FlatModel, comm, *, hp: ODSGDHyper, progress: str = "thread"):
+        from mpi4py import MPI
+
         self.flat, self.comm, self.hp = flat, comm, hp
         self.progress = check_choice("progress", progress, PROGRESS_MODES)
+        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            log.warning("odsgd: MPI is not THREAD_MULTIPLE; progress by hooks instead of a thread")
+            self.progress = progress = "hooks"
+        self.round_comm = comm.Dup()
         self.glob = GlobalState.create(flat.params)
         self.ws = WorkerState.create(flat.params, hp)
         self.send = torch.empty_like(flat.grads)
@@ -162,7 +198,8 @@ class ODSGDWorker:
             self.synchronize()
             t1 = time.perf_counter()
             self.send.copy_(g)
-            handle = iallreduce(self.comm, self.send, average=True, name="odsgd", step=self.rounds)
+            handle = iallreduce(self.round_comm, self.send, average=True, name="odsgd",
+                                step=self.rounds)
             self.round = _Round(handle, self.rounds, time.perf_counter())
             if self._pool is not None:
                 self.round.future = self._pool.submit(_drive, handle)
@@ -202,8 +239,12 @@ class ODSGDWorker:
             self.flat.params.copy_(stash)
 
     def finish(self) -> None:
-        """Complete the pipeline: the model keeps the global W; hooks and thread are released."""
+        """Complete the pipeline: the model keeps the global W; hooks, thread and the private
+        communicator are released (collective)."""
         self.synchronize()
+        if self.round_comm is not None:
+            self.round_comm.Free()
+            self.round_comm = None
         self.flat.params.copy_(self.glob.W)
         for h in self._hooks:
             h.remove()
@@ -273,7 +314,8 @@ def validate(cfg) -> None:
     hyper_from_config(cfg)
     progress = cfg.options.get("odsgd_progress", "thread")
     if progress not in PROGRESS_MODES:
-        raise ConfigError(f"--odsgd-progress {progress!r} is not one of: {', '.join(PROGRESS_MODES)}")
+        raise ConfigError(f"--odsgd-progress {progress!r} is not one of: "
+                          f"{', '.join(PROGRESS_MODES)}")
 
 
 def run(ctx: RunContext) -> RunResult:
@@ -281,7 +323,8 @@ def run(ctx: RunContext) -> RunResult:
     hp = hyper_from_config(cfg)
     model = ctx.make_model()
     flat = FlatModel(model)
-    worker = ODSGDWorker(flat, topo.world, hp=hp, progress=cfg.options.get("odsgd_progress", "thread"))
+    worker = ODSGDWorker(flat, topo.world, hp=hp,
+                         progress=cfg.options.get("odsgd_progress", "thread"))
     worker.broadcast_parameters(root=0)
     if ctx.is_root:
         log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s",
@@ -293,7 +336,7 @@ def run(ctx: RunContext) -> RunResult:
         nbatches = len(indices) // cfg.batch_size
         ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
         loss_sum, compute = 0.0, 0.0
-        before = StepTimes(**vars(worker.times))
+        before, steps_before = StepTimes(**vars(worker.times)), worker.steps
         model.train()
         for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
             t0 = time.perf_counter()
@@ -312,13 +355,16 @@ def run(ctx: RunContext) -> RunResult:
         worker.synchronize()
         worker.average_buffers()
         times = _epoch_times(topo.world, worker.times, before, compute, nbatches)
+        times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
+                                 - min(steps_before, hp.warmup_iters))
         train_loss = _mean_over(topo.world, float(loss_sum) / max(1, nbatches))
         with worker.global_weights():
             ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
                           bytes_communicated=topo.world.allreduce(worker.bytes_sent), **times)
     worker.finish()
     return RunResult(model=model, summary={
-        "steps": worker.steps, "rounds": worker.rounds, "warmup_steps": min(worker.steps, hp.warmup_iters),
+        "steps": worker.steps, "rounds": worker.rounds,
+        "warmup_steps": min(worker.steps, hp.warmup_iters),
         "local_opt": hp.local_opt, "delta": hp.delta, "progress": worker.progress,
         "compute_time_s": round(sum(r["compute_time_s"] for r in ctx.history), 4),
         "wait_time_s": round(sum(r["wait_time_s"] for r in ctx.history), 4),

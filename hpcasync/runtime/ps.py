@@ -17,6 +17,16 @@ Example::
 Options map to the rules' hyperparameters (``rules.rule_hyperparameters``): ``--lr`` and
 ``--weight-decay`` always; ``--momentum`` for the momentum algorithms (smega2, dana, nag);
 ``--ps-momentum`` for the optional shared momentum of asgd, dcasgd(-a), lcasgd and the SHAT family.
+
+Decisions (the papers assume a PS; these are ours):
+* Budget: every worker trains its own shard for ``--epochs`` epochs, so a slow worker keeps
+  pushing after the fast ones are done; epochs are counted at the PS in accepted pushes.
+* A rejected push is answered with ``rule.initial_reply(w)``: the worker resumes from θ.
+* LC-ASGD's oracle: before pushing, the worker fetches the current θ (a PEEK message, one extra
+  round trip) and reports the loss there on the same batch.
+* smega2, dana and nag use the SMEGA2 paper's schedule (warm-up from lr/N, ``--ps-warmup-epochs``).
+* Float buffers (BatchNorm statistics) travel with each push; the PS evaluates with the mean of
+  each worker's latest.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from ..errors import ConfigError, TopologyError
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
-from ..rules import make_rule, rule_hyperparameters, smega2_lr
+from ..rules import make_rule, rule_hyperparameters, smega2_lr, warmup_lr
 from .context import RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
@@ -40,8 +50,7 @@ ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ense
 MOMENTUM_RULES = ("smega2", "dana", "nag")      # momentum is the algorithm: take --momentum
 _OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
            "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
-           "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",),
-           "smega2_warmup_epochs": ("smega2",)}
+           "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",)}
 
 
 def add_arguments(parser) -> None:
@@ -61,8 +70,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
     g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")
     g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
-    g.add_argument("--smega2-warmup-epochs", type=float, default=None,
-                   help="smega2: lr warm-up from lr/N (default 5 as the reference; 0: none)")
+    g.add_argument("--ps-warmup-epochs", type=float, default=None,
+                   help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
+                        "dana, nag as in the SMEGA2 paper, with its x0.1 steps at epochs 80 and "
+                        "120; 0 for the others)")
     add_hetero_arguments(parser)
 
 
@@ -94,15 +105,26 @@ def build_rule(cfg, theta0: torch.Tensor, num_workers: int):
 
 
 def lr_schedule(cfg, num_workers: int):
-    """``lr_at(epoch_float)`` for the rule, or None for a constant ``cfg.lr``."""
-    if cfg.algorithm != "smega2":
-        return None
-    warm = cfg.options.get("smega2_warmup_epochs")
-    warm = 5.0 if warm is None else warm
+    """``lr_at(epoch_float)`` for the rule, or None for a constant ``cfg.lr``.
 
-    def lr_at(epoch_float: float) -> float:
-        return smega2_lr(epoch_float, base_lr=cfg.lr, num_workers=num_workers, warmup_epochs=warm)
-    return lr_at
+    smega2, dana, nag: the SMEGA2 paper's schedule (``rules.smega2_lr``: warm-up from lr/N over
+    ``--ps-warmup-epochs`` (5), ×0.1 at epochs 80 and 120), which its simulator gives every
+    algorithm it compares. Others: constant, or a linear warm-up when ``--ps-warmup-epochs`` > 0.
+    """
+    warm = cfg.options.get("ps_warmup_epochs")
+    if cfg.algorithm in MOMENTUM_RULES:
+        warm = 5.0 if warm is None else warm
+
+        def lr_at(epoch_float: float) -> float:
+            return smega2_lr(epoch_float, base_lr=cfg.lr, num_workers=num_workers,
+                             warmup_epochs=warm)
+        return lr_at
+    if not warm:
+        return None
+
+    def warm_lr(epoch_float: float) -> float:
+        return warmup_lr(cfg.lr, epoch_float, warm, cfg.lr / num_workers)
+    return warm_lr
 
 
 def validate(cfg) -> None:
@@ -115,14 +137,11 @@ def validate(cfg) -> None:
             raise ConfigError(f"{flag} applies to {', '.join(owners)}, not {cfg.algorithm}")
     if opt.get("ps_momentum", 0.0) and cfg.algorithm in MOMENTUM_RULES:
         raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
-    warm = opt.get("smega2_warmup_epochs")
-    if warm is not None and not warm >= 0:
-        raise ConfigError(f"--smega2-warmup-epochs must be >= 0, got {warm}")
+    warm = opt.get("ps_warmup_epochs")
+    if warm is not None and not 0 <= warm < float("inf"):
+        raise ConfigError(f"--ps-warmup-epochs must be a finite number >= 0, got {warm}")
     build_rule(cfg, torch.zeros(1), 1)
     check_hetero(opt)
-    from .ps_transport import quiet_osc_ucx
-
-    quiet_osc_ucx()      # runs before MPI starts (precheck)
 
 
 def reporting_rank(topo) -> int:
@@ -166,12 +185,15 @@ def run(ctx: RunContext) -> RunResult:
                             after_step=ctx.after_step, grad_hook=_nan_hook(topo.rank))
         summary = {"worker_steps": wstats.steps, "worker_sleep_s": round(wstats.sleep_time, 3),
                    "worker_compute_s": round(wstats.compute_time, 3),
+                   "worker_cpu_s": round(wstats.cpu_time, 3),
                    "worker_wait_s": round(transport.wait_time, 3)}
     transport.close()
     # every rank ends with the PS's θ (and its averaged buffers)
-    topo.world.Bcast([flat.params.detach().cpu().numpy(), MPI.FLOAT], root=topo.ps_rank)
-    if flat.buffer_numel:
-        topo.world.Bcast([flat.buffers.detach().cpu().numpy(), MPI.FLOAT], root=topo.ps_rank)
+    for tensor in (flat.params, flat.buffers):
+        if tensor.numel():
+            host = tensor.detach().cpu().contiguous()      # a copy when on a GPU
+            topo.world.Bcast([host.numpy(), MPI.FLOAT], root=topo.ps_rank)
+            tensor.copy_(host)
     per_worker = topo.world.gather(summary if not topo.is_ps else None, root=topo.ps_rank)
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]
@@ -225,7 +247,7 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
     return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
             "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
             "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),
-            "ps_idle_s": round(transport.wait_time, 3)}
+            "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks}
 
 
 def _nan_hook(rank: int):

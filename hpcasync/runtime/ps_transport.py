@@ -25,7 +25,6 @@ so an idle PS or a worker waiting for its reply leaves the core to the ranks tha
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -36,15 +35,6 @@ import torch
 KIND_PUSH, KIND_PEEK = 1, 2
 _PUSH_HEADER = 6
 _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA = 4101, 4102, 4103, 4104, 4105
-
-
-def quiet_osc_ucx() -> None:
-    """Before MPI starts: on a machine without InfiniBand, keep Open MPI's ``osc/ucx`` component
-    out of window creation (its failed query prints an "Error:" line per rank; ``osc/sm`` or
-    ``osc/rdma`` serve instead). A user's own ``OMPI_MCA_osc`` wins."""
-    ib = "/sys/class/infiniband"
-    if "OMPI_MCA_osc" not in os.environ and not (os.path.isdir(ib) and os.listdir(ib)):
-        os.environ["OMPI_MCA_osc"] = "^ucx"
 
 
 def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3) -> float:
@@ -154,6 +144,7 @@ class RMATransport(_Base):
         if reply not in ("get", "put"):
             raise ValueError(f"reply must be 'get' or 'put', got {reply!r}")
         self.reply_mode = reply
+        self.name = "rma" if reply == "get" else "rma-put"
         self.slot = numel + extra
         W = self.num_workers
         self.win_in = MPI.Win.Allocate(W * self.slot * 4 if self.is_ps else 0, 4, comm=comm)

@@ -5,6 +5,7 @@ num_shards=W, seed, epoch)`` for each epoch. Per batch::
 
     g, L ← ∇loss, loss at the local parameters w (its version v: the last reply's)
     [heterogeneity: sleep natural · (factor − 1); push delay]
+        (natural: the median of the last 15 steps' CPU times on a CPU device, wall times on a GPU)
     [LC-ASGD oracle: PEEK the current θ, L_oracle ← loss(θ, same batch)]
     push (g, L, v) ; reply ← wait ; rule.on_reply(w, reply, g if accepted else None)
 
@@ -18,7 +19,9 @@ Example (inside a PS job, see ``hpcasync.runtime.ps.run``)::
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +37,8 @@ from .ps_transport import KIND_PEEK
 class WorkerStats:
     steps: int = 0
     rejected: int = 0
-    compute_time: float = 0.0     # forward + backward
+    compute_time: float = 0.0     # forward + backward, wall clock
+    cpu_time: float = 0.0         # forward + backward, CPU time of the process
     sleep_time: float = 0.0       # heterogeneity: extra step time and push delays
     loss_sum: float = 0.0
 
@@ -54,22 +58,29 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
     version = head.version
     per_epoch = num_batches(len(train) // W, batch_size)
     model.train()
+    cpu_clock = torch.device(device).type == "cpu"
+    recent: deque[float] = deque(maxlen=15)
+    if delay is not None:
+        _warm_up(model, flat, train, batch_size, device)
     for epoch in range(1, epochs + 1):
         indices = shard_indices(len(train), shard_index=w, num_shards=W, seed=seed, epoch=epoch)
         for b, (x, y) in enumerate(batches(train, indices, batch_size)):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             flat.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             loss_value = loss.item()
-            natural = time.perf_counter() - t0
-            stats.compute_time += natural
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            stats.compute_time += wall
+            stats.cpu_time += cpu
+            natural = cpu if cpu_clock else wall   # a rank the OS kept waiting is not slow
             grad = flat.grads
             if grad_hook is not None:
                 grad_hook(stats.steps, grad)
-            if delay is not None:
-                stats.sleep_time += delay.sleep_extra(w, stats.steps, natural)
+            if delay is not None:      # the median of recent steps: one-off spikes do not count
+                recent.append(natural)
+                stats.sleep_time += delay.sleep_extra(w, stats.steps, statistics.median(recent))
             oracle_loss = math.nan
             if oracle:
                 oracle_loss = _oracle_loss(transport, model, flat, reply_buf, x, y)
@@ -102,3 +113,13 @@ def _oracle_loss(transport, model, flat, reply_buf, x, y) -> float:
     flat.params.copy_(params)
     flat.buffers.copy_(buffers)
     return loss
+
+
+def _warm_up(model, flat, train, batch_size: int, device: str) -> None:
+    """One untimed forward/backward (then undone), so that the first timed step's "natural" time
+    is not dominated by one-off allocations: a straggler sleeps factor × a typical step."""
+    buffers = flat.buffers.clone()                  # BatchNorm statistics move in a forward
+    x, y = train.images[:batch_size].to(device), train.labels[:batch_size].to(device)
+    F.cross_entropy(model(x), y).backward()
+    flat.buffers.copy_(buffers)
+    flat.zero_grad()
