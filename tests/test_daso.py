@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcasync.comm import FlatModel
-from hpcasync.daso import DASO, DasoComm, pack_state
+from hpcasync.daso import DASO, DasoComm
 from hpcasync.data import load_dataset
 from hpcasync.runtime.sync import DistributedOptimizer
 from tests.mpi_util import COMM, RANK, SIZE, run_cli, run_mpi
@@ -301,22 +301,32 @@ def test_horovod_node_local_backend_matches_mpi(topo, data):
 
 # -- the CLI -----------------------------------------------------------------------------------
 @pytest.mark.rank0
-def test_cli_daso_end_to_end(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    res = run_mpi(4, ["train", "--algorithm", "daso", "--ranks-per-node", "2", "--dataset",
-                      "fashion-mnist-mini", "--train-limit", "1024", "--test-limit", "200",
-                      "--model", "mlp", "--epochs", "3", "--daso-warmup-epochs", "1",
-                      "--daso-cooldown-epochs", "1", "--daso-global-skip", "2", "--progress",
-                      "off", "--metrics", str(metrics)], timeout=240)
+def test_cli_daso_end_to_end_and_bitwise_resume(tmp_path):
+    args = ["train", "--algorithm", "daso", "--ranks-per-node", "2", "--dataset",
+            "fashion-mnist-mini", "--train-limit", "1024", "--test-limit", "200", "--model", "mlp",
+            "--epochs", "4", "--daso-warmup-epochs", "1", "--daso-cooldown-epochs", "1",
+            "--daso-global-skip", "2", "--progress", "off",
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    res = run_mpi(4, [*args, "--metrics", str(tmp_path / "a.jsonl")], timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     epochs = [e for e in events if e["event"] == "epoch"]
     summary = [e for e in events if e["event"] == "summary"][0]
     assert summary["replicas_identical"] is True
     assert summary["daso_schedule"] == [[1, "warmup", 1, 1, 0], [2, "cycling", 2, 1, 1],
-                                        [3, "cooldown", 1, 1, 0]]
-    assert [e["daso_phase"] for e in epochs] == ["warmup", "cycling", "cooldown"]
+                                        [3, "cycling", 2, 1, 1], [4, "cooldown", 1, 1, 0]]
+    assert [e["daso_phase"] for e in epochs] == ["warmup", "cycling", "cycling", "cooldown"]
     assert all("daso_global_wait_s" in e for e in epochs) and epochs[1]["daso_sends"] > 0
+    # resume from the end of epoch 2: epochs 3 (cycling) and 4 again, bitwise the same
+    for late in (tmp_path / "ck").glob("ckpt-e000[34]-*"):
+        late.unlink()
+    res = run_mpi(4, [*args, "--metrics", str(tmp_path / "b.jsonl"), "--resume", "auto"],
+                  timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    again = [e for e in events if e["event"] == "summary"][0]
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [3, 4]
+    assert again["replicas_identical"] and again["replica_checksum"] == summary["replica_checksum"]
 
 
 def test_warns_when_blocking_epochs_cover_the_run(topo, caplog):

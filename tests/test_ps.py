@@ -235,3 +235,85 @@ def test_cli_option_errors_are_one_line():
     r = run_mpi(2, ["train", "--algorithm", "asgd", "--hetero", "HE9", "--dataset",
                     "fashion-mnist-mini", "--epochs", "1"], timeout=60)
     assert r.returncode == 2 and "--hetero 'HE9' is not one of" in r.stderr
+
+
+# -- the stop protocol (preemption) and resuming from its state ------------------------------------
+
+def _stop_phase(t, positions, stop_at=None):
+    """Workers push _grad(w, s) from their position; worker stop_at[0] asks to stop with its push
+    s = stop_at[1]. Returns (θ, server) on the PS, (pushes, replies' stop flags, end flag) on a
+    worker."""
+    from hpcasync.runtime.ps_worker import WorkerStats, finish_worker
+
+    if t.is_ps:
+        return None
+    w, local = t.worker, torch.empty(NUMEL)
+    first = positions[w]
+    stats = WorkerStats(steps=first, start_step=first)
+    flags = []
+    if first < STEPS[w]:
+        head = t.recv_reply(local)
+        for s in range(first, STEPS[w]):
+            stop = stop_at == (w, s)
+            t.push(_grad(w, s), version=head.version, loss=100.0 * w + s,
+                   last=s == STEPS[w] - 1, stop=stop)
+            stats.stop_sent |= stop
+            head = t.recv_reply(local)
+            stats.steps += 1
+            flags.append(head.stop)
+            if head.stop and s < STEPS[w] - 1:
+                stats.stopped = True
+                break
+    return stats.steps - first, flags, finish_worker(t, stats)
+
+
+@needs4
+@pytest.mark.parametrize("kind", ["rma", "p2p"])
+def test_stop_protocol_consistent_point_and_resume(kind, tmp_path):
+    from hpcasync.checkpoint import load_checkpoint, save_checkpoint
+
+    # phase 1: worker 1 asks to stop with its push 2 -> every worker's next push is its last
+    t = make_transport(kind, COMM, 0, NUMEL)
+    state = None
+    if t.is_ps:
+        server = PSServer(t, make_rule("asgd", _theta0(), 3, lr=LR), pushes_per_epoch=sum(STEPS),
+                          epochs=1)
+        server.serve()
+        reported = server.finish()
+        assert server.stopping and reported == server.positions
+        pos = server.positions
+        assert pos[1] == 3 and all(1 <= p <= n for p, n in zip(pos, STEPS))
+        assert server.stats.accepted == sum(pos) == server.rule.version
+        done = [(w, s) for w in range(3) for s in range(pos[w])]
+        want = _theta0().double() - LR * sum(_grad(w, s).double() for w, s in done)
+        assert torch.equal(server.rule.theta, want.float())       # exactly the answered pushes
+        path = save_checkpoint(tmp_path / "ps.pt", server.state_dict())
+        state = load_checkpoint(path)
+        fresh = PSServer(t, make_rule("asgd", _theta0(), 3, lr=LR), pushes_per_epoch=sum(STEPS),
+                         epochs=1)
+        fresh.load_state_dict(state)                               # rule state round trip
+        again = fresh.state_dict()
+        assert torch.equal(again["rule"]["theta"], server.rule.theta)
+        assert again["positions"] == pos and again["stats"] == server.stats.state_dict()
+    else:
+        n, flags, end = _stop_phase(t, [0, 0, 0], stop_at=(1, 2))
+        assert end is True and len(flags) == n >= 1
+        assert flags[-1] or n == STEPS[RANK - 1]        # its last reply said stop (or it finished)
+        assert not any(flags[:-1])
+    t.close()
+    positions = COMM.bcast(state["positions"] if RANK == 0 else None, root=0)
+
+    # phase 2: resume from that state; every worker completes exactly its budget
+    t = make_transport(kind, COMM, 0, NUMEL)
+    if t.is_ps:
+        server = PSServer(t, make_rule("asgd", _theta0(), 3, lr=LR), pushes_per_epoch=sum(STEPS),
+                          epochs=1)
+        server.load_state_dict(state)
+        server.serve()
+        assert server.finish() == list(STEPS) and not server.stopping
+        assert server.stats.per_worker == list(STEPS) and server.stats.accepted == sum(STEPS)
+        assert torch.equal(server.rule.theta, _expected_theta())  # the same total work, bitwise
+    else:
+        n, flags, end = _stop_phase(t, positions)
+        assert n == STEPS[RANK - 1] - positions[RANK - 1] and not any(flags) and end is False
+    t.close()

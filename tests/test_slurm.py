@@ -122,7 +122,10 @@ JOBS = {
 STUB = """#!/bin/bash
 if [ "$1" = -c ]; then exec {python} "$@"; fi
 rank=${{OMPI_COMM_WORLD_RANK:-${{SLURM_PROCID:-0}}}}
-trap 'echo "rank $rank got USR1"; exit 75' USR1
+n=${{OMPI_COMM_WORLD_SIZE:-${{SLURM_NTASKS:-1}}}}
+# report, then wait (<= 5 s) until every rank has: the first rank to exit 75 ends the job
+trap 'echo "rank $rank got USR1"; touch "{ready}/got-$rank"; for i in $(seq 50); do
+      [ "$(ls "{ready}"/got-* 2>/dev/null | wc -l)" -ge "$n" ] && break; sleep 0.1; done; exit 75' USR1
 touch "{ready}/ready-$rank"
 for i in $(seq 2400); do sleep 0.1; done
 echo "rank $rank: no signal"

@@ -8,8 +8,8 @@ Run with 4 ranks, grouped as 2 virtual nodes of 2 (the committed table)::
 Every method trains the same model from the same seed on the same shards (``shard_indices`` with
 the same seed and epoch), with the same SGD hyperparameters, for ``--epochs`` epochs; after each
 epoch the (identical) replicas are evaluated on the test set, outside the timed region. A method's
-epoch time is the slowest rank's; time to target = the summed epoch times up to the first epoch whose
-test accuracy reaches each of ``--targets`` (epoch granularity).
+epoch time is the slowest rank's; time to target = the summed epoch times up to the first epoch
+whose test accuracy reaches each of ``--targets`` (epoch granularity).
 
 Methods:
 
@@ -115,7 +115,8 @@ def build(method: str, model, topo, args, delay_us: float, nbatches: int):
     flat = FlatModel(model)
     if method == "daso":
         return DASO(sgd, flat, topo, total_epochs=args.epochs, batches_per_epoch=nbatches,
-                    warmup_epochs=args.daso_warmup_epochs, cooldown_epochs=args.daso_cooldown_epochs,
+                    warmup_epochs=args.daso_warmup_epochs,
+                    cooldown_epochs=args.daso_cooldown_epochs,
                     global_skip=args.daso_global_skip, batches_to_wait=args.daso_batches_to_wait,
                     max_global_skips=max(8, args.daso_global_skip), cast=args.daso_cast,
                     link_delay_us_per_mb=delay_us)
@@ -163,7 +164,8 @@ def train_epochs(method: str, topo, train, test, args, delay_us: float):
             rec = opt.epoch_end(loss_sum / nbatches)
             out["global_wait_s"] += topo.world.allreduce(rec["daso_global_wait_s"], op=MPI.MAX)
             phase = rec["daso_phase"]
-            out["phases"].append(f"gs{rec['daso_global_skip']}" if phase == "cycling" else phase[:4])
+            out["phases"].append(f"gs{rec['daso_global_skip']}" if phase == "cycling"
+                                 else phase[:4])
         else:
             opt.average_buffers()
         elapsed = topo.world.allreduce(time.perf_counter() - t0, op=MPI.MAX)

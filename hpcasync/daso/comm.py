@@ -25,7 +25,8 @@ Example::
 
     dc = DasoComm(topo, cast="bf16")
     dc.local_average(flat.grads)
-    msg = dc.start(pack_state(flat.params, flat.buffers), group=0, batch=4, due=5)        # None on ranks outside group 0
+    msg = dc.start(pack_state(flat.params, flat.buffers), group=0, batch=4, due=5)
+    # msg is None on the ranks outside group 0
     ...
     total = dc.complete(msg)                              # S, this rank's stale copy included
 """

@@ -79,7 +79,8 @@ def phase_of(epoch: int, *, total_epochs: int, warmup_epochs: int, cooldown_epoc
     return CYCLING
 
 
-def plan_batch(batch: int, *, nbatches: int, phase: str, knobs: Knobs, num_groups: int) -> BatchPlan:
+def plan_batch(batch: int, *, nbatches: int, phase: str, knobs: Knobs,
+               num_groups: int) -> BatchPlan:
     """The :class:`BatchPlan` of batch ``batch`` (0-based) of an epoch of ``nbatches`` batches."""
     if not 0 <= batch < nbatches:
         raise ConfigError(f"batch {batch} is outside an epoch of {nbatches} batches")
@@ -142,7 +143,8 @@ class DasoSchedule:
                       _count("batches_to_wait", batches_to_wait, 1))
         if start.global_skip > self.max_global_skips:
             raise ConfigError(f"DASO global_skip {start.global_skip} exceeds max_global_skips "
-                              f"{self.max_global_skips}; raise max_global_skips or lower global_skip")
+                              f"{self.max_global_skips}; raise max_global_skips or lower "
+                              f"global_skip")
         self.plateau = PlateauDetector(patience=plateau_patience, threshold=plateau_threshold)
         # internals
         self.knobs = start
@@ -161,15 +163,16 @@ class DasoSchedule:
                         warmup_epochs=self.warmup_epochs, cooldown_epochs=self.cooldown_epochs)
 
     def advance(self, nbatches: int) -> BatchPlan:
-        """The plan of the next batch of the current epoch of ``nbatches`` batches; moves the counter."""
+        """The plan of the next batch of the current epoch (``nbatches`` batches); moves the
+        counter."""
         if self.nbatches is None:
             self.nbatches = _count("batches per epoch", nbatches, 1)
         elif nbatches != self.nbatches:
             raise ConfigError(f"DASO epoch {self.epoch} began with {self.nbatches} batches, "
                               f"now {nbatches}: the batch count must stay fixed within an epoch")
         if self.batch >= self.nbatches:
-            raise ConfigError(f"DASO step {self.batch + 1} in epoch {self.epoch} of {self.nbatches} "
-                              f"batches: call end_epoch() after the last batch")
+            raise ConfigError(f"DASO step {self.batch + 1} in epoch {self.epoch} of "
+                              f"{self.nbatches} batches: call end_epoch() after the last batch")
         plan = plan_batch(self.batch, nbatches=self.nbatches, phase=self.phase, knobs=self.knobs,
                           num_groups=self.num_groups)
         self.batch += 1
@@ -206,7 +209,8 @@ class DasoSchedule:
     def state_dict(self) -> dict:
         if self.batch:
             raise ConfigError("DASO state can only be saved between epochs")
-        return {"epoch": self.epoch, "knobs": list(self.knobs), "plateau": self.plateau.state_dict()}
+        return {"epoch": self.epoch, "knobs": list(self.knobs),
+                "plateau": self.plateau.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batch, self.nbatches = int(state["epoch"]), 0, None

@@ -5,6 +5,10 @@ The loop is SSGD's (:mod:`.sync`) with :class:`hpcasync.daso.DASO` in place of t
 gs/ls/B, seconds waiting on global messages, bytes) goes into the epoch's metrics. At the end every
 rank hashes its parameters and buffers; the summary records ``replicas_identical`` and the hash.
 
+Checkpoints (``--checkpoint-dir``, ``--resume``) and preemption are handled at epoch ends only,
+where every replica — parameters, buffers and optimizer state — is identical, so rank 0's state is
+the job's; a preemption signal is acted upon at the next epoch end.
+
 ``--backend horovod`` runs the node-local gradient averages through Horovod initialised on the
 node-local communicator (``hvd.init(comm=topo.local)``); the global part is always our own MPI.
 
@@ -86,7 +90,8 @@ def validate(cfg) -> None:
     if kw["cast"] not in ("none", "bf16", "fp16"):
         raise ConfigError(f"--daso-cast must be none, bf16 or fp16, got {kw['cast']!r}")
     if not isinstance(kw["chunk_elems"], int) or kw["chunk_elems"] < 1:
-        raise ConfigError(f"--daso-chunk-elems must be a positive integer, got {kw['chunk_elems']!r}")
+        raise ConfigError(f"--daso-chunk-elems must be a positive integer, "
+                          f"got {kw['chunk_elems']!r}")
     LinkDelay(kw["link_delay_us_per_mb"])
     if cfg.backend == "horovod":
         try:
@@ -110,10 +115,21 @@ def run(ctx: RunContext) -> RunResult:
     opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
                local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
     opt.broadcast_parameters(root=0)
+    start_epoch = 1
+    state = ctx.resume_state()
+    if state is not None:
+        model.load_state_dict(state["model"])        # copies into the FlatModel views
+        opt.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"]
+
+    def snapshot(next_epoch: int) -> dict:
+        """The whole job at an epoch end (replicas, optimizer state included, are identical)."""
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": next_epoch}
+
     device = topo.device
     schedule, totals = [], {"daso_global_wait_s": 0.0, "daso_blocking_global_s": 0.0,
                             "daso_global_bytes": 0}
-    for epoch in range(1, cfg.epochs + 1):
+    for epoch in range(start_epoch, cfg.epochs + 1):
         indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
                                 seed=cfg.seed, epoch=epoch)
         if len(indices) // cfg.batch_size != nbatches:
@@ -147,6 +163,11 @@ def run(ctx: RunContext) -> RunResult:
                      record["daso_local_skip"], record["daso_batches_to_wait"],
                      record["daso_global_wait_s"])
         ctx.epoch_end(epoch, model, **record)
+        # the step passed is rounded down to a multiple of check_every, so that the preemption
+        # agreement (made only on such steps) takes place at every epoch end
+        ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
+                             step=opt.steps - opt.steps % max(1, ctx.check_every),
+                             writer=topo.rank == 0, force=True)
     checksum = opt.checksum()
     checksums = topo.world.allgather(checksum)
     identical = len(set(checksums)) == 1

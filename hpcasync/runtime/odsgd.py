@@ -74,6 +74,13 @@ Defaults (LeNet / Fashion-MNIST, global --lr 0.05 --momentum 0.9): local ``dc-ad
 (86.5 % after 2 epochs; sgd 85.4 %, dc 85.7 %, Δ gap 85.8 %; η_l 0.5 and η_l 0 diverged). The spec's
 ResNet-20 / CIFAR reference: --lr 0.1 --momentum 0.95 --odsgd-local-lr 0.5.
 
+Checkpoints and preemption (:mod:`.odsgd_checkpoint`): the ranks agree on a stop every
+``ctx.check_every`` steps (one allreduce, as SSGD); a checkpoint completes the round in flight (the
+same operands, only earlier: the trajectory is unchanged, mid-epoch as at epoch ends) and gathers
+every rank's local weights, mean square and buffers to rank 0, which writes them with the global
+state; a resumed run ends bitwise equal to an uninterrupted one. Heterogeneity options act as in
+SSGD (:class:`~hpcasync.runtime.sync.StepDelay`: the straggler sleeps after its compute).
+
 Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
 ``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during warm-up);
 epoch ends complete the round in flight (needed to evaluate one model) without changing the sequence
@@ -96,6 +103,9 @@ from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..rules.base import check_choice
 from .context import RunContext, RunResult
+from .odsgd_checkpoint import consistent_point, load_state
+from .ps import signal_hook
+from .sync import StepDelay
 from .odsgd_core import (GlobalState, ODSGDHyper, WorkerState, global_update, local_update,
                          simulate_round)
 
@@ -311,6 +321,9 @@ def hyper_from_config(cfg) -> ODSGDHyper:
 
 
 def validate(cfg) -> None:
+    from ..hetero import check_options
+
+    check_options(cfg.options)
     hyper_from_config(cfg)
     progress = cfg.options.get("odsgd_progress", "thread")
     if progress not in PROGRESS_MODES:
@@ -326,41 +339,60 @@ def run(ctx: RunContext) -> RunResult:
     worker = ODSGDWorker(flat, topo.world, hp=hp,
                          progress=cfg.options.get("odsgd_progress", "thread"))
     worker.broadcast_parameters(root=0)
+    delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root:
-        log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s",
-                 hp.local_opt, hp.lr_local, hp.delta, hp.warmup_iters, worker.progress)
+        log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s, %s",
+                 hp.local_opt, hp.lr_local, hp.delta, hp.warmup_iters, worker.progress,
+                 delay.model.describe())
+    start_epoch, start_batch, loss_carry = 1, 0, 0.0
+    inject = signal_hook(topo.rank)          # testing: HPCASYNC_INJECT_SIGNAL=RANK:STEP
+    state = ctx.resume_state()
+    if state is not None:
+        load_state(worker, state["global"], state["locals"][topo.rank])
+        start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
     device = topo.device
-    for epoch in range(1, cfg.epochs + 1):
+    for epoch in range(start_epoch, cfg.epochs + 1):
         indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
                                 seed=cfg.seed, epoch=epoch)
         nbatches = len(indices) // cfg.batch_size
-        ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
-        loss_sum, compute = 0.0, 0.0
-        before, steps_before = StepTimes(**vars(worker.times)), worker.steps
+        first = start_batch if epoch == start_epoch else 0
+        ctx.progress.start(nbatches - first, f"epoch {epoch}/{cfg.epochs}")
+        loss_sum, compute = (loss_carry if epoch == start_epoch else 0.0), 0.0
+        before, steps_before, slept = StepTimes(**vars(worker.times)), worker.steps, delay.slept
         model.train()
-        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
+        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size, start_batch=first),
+                                   start=first):
             t0 = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             flat.zero_grad()
+            delay.begin()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             loss_value = loss.item()
             compute += time.perf_counter() - t0
+            delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
             worker.step()
             ctx.after_step()
+            if inject is not None:
+                inject()
             loss_sum += loss_value
             ctx.progress.update(1, loss=loss_value)
             if cfg.log_every and (i + 1) % cfg.log_every == 0:
                 ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
+            if i + 1 < nbatches:
+                consistent_point(ctx, worker, epoch=epoch, batch=i + 1, loss_sum=loss_sum)
         worker.synchronize()
         worker.average_buffers()
         times = _epoch_times(topo.world, worker.times, before, compute, nbatches)
         times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
                                  - min(steps_before, hp.warmup_iters))
         train_loss = _mean_over(topo.world, float(loss_sum) / max(1, nbatches))
+        times["sleep_time_max_s"] = round(max(topo.world.allgather(delay.slept - slept)), 4)
         with worker.global_weights():
             ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
                           bytes_communicated=topo.world.allreduce(worker.bytes_sent), **times)
+        consistent_point(ctx, worker, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
+                          label=epoch)
     worker.finish()
     return RunResult(model=model, summary={
         "steps": worker.steps, "rounds": worker.rounds,
@@ -368,7 +400,8 @@ def run(ctx: RunContext) -> RunResult:
         "local_opt": hp.local_opt, "delta": hp.delta, "progress": worker.progress,
         "compute_time_s": round(sum(r["compute_time_s"] for r in ctx.history), 4),
         "wait_time_s": round(sum(r["wait_time_s"] for r in ctx.history), 4),
-        "bytes_communicated": topo.world.allreduce(worker.bytes_sent)})
+        "bytes_communicated": topo.world.allreduce(worker.bytes_sent), **delay.record(),
+        "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
 
 
 def _epoch_times(comm, now: StepTimes, before: StepTimes, compute: float, nbatches: int) -> dict:

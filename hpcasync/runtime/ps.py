@@ -27,21 +27,30 @@ Decisions (the papers assume a PS; these are ours):
 * smega2, dana and nag use the SMEGA2 paper's schedule (warm-up from lr/N, ``--ps-warmup-epochs``).
 * Float buffers (BatchNorm statistics) travel with each push; the PS evaluates with the mean of
   each worker's latest.
+* Checkpoints (``--checkpoint-dir``) are written by the PS alone, at epoch crossings and every
+  ``--checkpoint-every`` accepted pushes: the rule's state (θ and per-worker state), the PS's
+  counters and epoch progress, each worker's position (pushes answered) and latest buffers.
+  Preemption (SIGTERM/SIGUSR1 at any rank): the PS answers each worker's next push (applied as
+  usual) with a stop flag, writes the checkpoint once all are answered, and every rank exits 75
+  (protocol in ``ps_server``). On ``--resume`` each worker restarts at its position from the PS's θ
+  (a fresh ``initial_reply``: DC-ASGD's backup, SHAT's counts restart there), so a resumed run
+  is a valid async run with the same total work, not a replay of the interrupted one.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import torch
 
 from ..comm import FlatModel
-from ..errors import ConfigError, TopologyError
+from ..errors import CheckpointError, ConfigError, TopologyError
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
 from ..rules import make_rule, rule_hyperparameters, smega2_lr, warmup_lr
-from .context import RunContext, RunResult
+from .context import Preempted, RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
 
@@ -163,31 +172,56 @@ def run(ctx: RunContext) -> RunResult:
         raise ConfigError(f"each of the {W} workers gets {len(ctx.train) // W} training examples, "
                           f"fewer than one batch of {cfg.batch_size}")
     delay = DelayModel.from_options(cfg.options, worker_ranks=topo.workers, seed=cfg.seed)
+    batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
+    state = ctx.resume_state()
+    if state is not None and state.get("batches_per_worker") != batches_per_worker:
+        raise CheckpointError(f"checkpoint has {state.get('batches_per_worker')} batches per "
+                              f"worker and epoch, this run {batches_per_worker} (another "
+                              "--train-limit or --batch-size?)")      # every rank raises
+    stop_flag = (lambda: ctx.preempt.requested) if ctx.preempt is not None else None
     model = ctx.make_model()
     flat = FlatModel(model)
     transport = make_transport(cfg.options.get("ps_transport", "rma"), topo.world, topo.ps_rank,
                                flat.numel, extra=flat.buffer_numel,
                                reply_scalars=build_rule(cfg, torch.zeros(1), 1).reply_scalars)
-    batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
     summary: dict = {}
     if topo.is_ps:
         log.info("%s: PS rank %d, %d workers, transport %s, %s", cfg.algorithm, topo.ps_rank, W,
                  transport.name, delay.describe())
-        summary = _serve(ctx, transport, flat, model, W, batches_per_worker)
+        summary, stopping = _serve(ctx, transport, flat, model, W, batches_per_worker, state,
+                                   stop_flag)
     else:
-        from .ps_worker import run_worker
+        from .ps_worker import finish_worker, run_worker
 
         rule = build_rule(cfg, flat.params.detach().cpu(), W)
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
+        start = 0
+        if state is not None:          # its position, and its buffers as of its last push
+            start = int(state["ps"]["positions"][transport.worker])
+            if state["seen"][transport.worker]:
+                flat.buffers.copy_(state["buffers"][transport.worker])
+        inject = signal_hook(topo.rank)
+
+        def after_step() -> None:
+            ctx.after_step()
+            if inject is not None:
+                inject()
         wstats = run_worker(transport, rule, model, flat, ctx.train, epochs=cfg.epochs,
                             batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
                             delay=None if delay.trivial else delay, oracle=oracle,
-                            after_step=ctx.after_step, grad_hook=_nan_hook(topo.rank))
+                            after_step=after_step, grad_hook=_nan_hook(topo.rank),
+                            start_step=start, stop_requested=stop_flag)
+        stopping = finish_worker(transport, wstats, stop_flag)
         summary = {"worker_steps": wstats.steps, "worker_sleep_s": round(wstats.sleep_time, 3),
                    "worker_compute_s": round(wstats.compute_time, 3),
                    "worker_cpu_s": round(wstats.cpu_time, 3),
-                   "worker_wait_s": round(transport.wait_time, 3)}
+                   "worker_wait_s": round(transport.wait_time, 3),
+                   "worker_start_step": wstats.start_step}
     transport.close()
+    if stopping:             # the PS has written the checkpoint (if any) before closing
+        topo.world.Barrier()
+        raise Preempted("preempted: the parameter server stopped every worker after its "
+                        "current push")
     # every rank ends with the PS's θ (and its averaged buffers)
     for tensor in (flat.params, flat.buffers):
         if tensor.numel():
@@ -197,12 +231,15 @@ def run(ctx: RunContext) -> RunResult:
     per_worker = topo.world.gather(summary if not topo.is_ps else None, root=topo.ps_rank)
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]
+        summary["hetero"] = delay.to_record()
     summary = topo.world.bcast(summary, root=topo.ps_rank)
     return RunResult(model=model, summary=summary)
 
 
-def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: int) -> dict:
-    """The PS rank's part of :func:`run`: serve, record epochs, leave θ in ``flat``."""
+def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: int,
+           state: dict | None, stop_flag) -> tuple[dict, bool]:
+    """The PS rank's part of :func:`run`: serve, record epochs, write checkpoints, leave θ in
+    ``flat``. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
 
     from .ps_server import PSServer
@@ -211,6 +248,7 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
     rule = build_rule(cfg, flat.params.detach().cpu(), W)
     buffers = torch.zeros(W, flat.buffer_numel)
     seen = [False] * W
+    inject = signal_hook(ctx.topo.rank)
 
     def load_theta() -> None:
         flat.params.copy_(rule.theta)
@@ -230,24 +268,77 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
             ctx.progress.start(pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
 
     def on_push(w: int, staleness: int, loss: float) -> None:
+        if inject is not None:
+            inject()
         ctx.progress.update(1, loss=loss, tau=staleness)
         n = server.stats.accepted
         if cfg.log_every and n % cfg.log_every == 0:
             ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
                               staleness=staleness, loss=loss, lr=rule.lr)
 
+    def save(kind: str) -> None:
+        """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
+        progress, or the one just crossed."""
+        epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
+        snapshot = {"ps": server.state_dict(), "buffers": buffers.clone(),
+                    "seen": [int(x) for x in seen], "kind": kind,
+                    "batches_per_worker": batches_per_worker}
+        path = ctx.checkpoints.save(snapshot, epoch=epoch, step=server.stats.accepted,
+                                    **ctx.checkpoint_header())
+        ctx.metrics.write("checkpoint", path=str(path), epoch=epoch, step=server.stats.accepted,
+                          kind=kind, positions=list(server.positions))
+
     pushes_per_epoch = W * batches_per_worker
     server = PSServer(transport, rule, pushes_per_epoch=pushes_per_epoch, epochs=cfg.epochs,
                       on_epoch=on_epoch, lr_at=lr_schedule(cfg, W), on_push=on_push,
-                      on_buffers=on_buffers if flat.buffer_numel else None)
-    ctx.progress.start(pushes_per_epoch, f"epoch 1/{cfg.epochs}")
+                      on_buffers=on_buffers if flat.buffer_numel else None,
+                      stop_requested=stop_flag,
+                      on_checkpoint=save if ctx.checkpoints is not None else None,
+                      checkpoint_every=ctx.checkpoint_every)
+    resumed_at = 0
+    if state is not None:
+        server.load_state_dict(state["ps"])
+        budget = cfg.epochs * batches_per_worker          # --epochs may have changed
+        server.finished = [p >= budget for p in server.positions]
+        buffers.copy_(state["buffers"])
+        seen[:] = [bool(x) for x in state["seen"]]
+        resumed_at = server.stats.accepted
+        log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
+                 server.positions)
+    done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
+    ctx.progress.start(pushes_per_epoch - max(0, done_in_epoch),
+                       f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
     stats = server.serve()
     ctx.progress.close()
+    server.finish()
+    if server.stopping:
+        if ctx.checkpoints is not None:
+            save("stop")
+        else:
+            log.warning("preempted without --checkpoint-dir: this run's progress is lost")
     load_theta()
     return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
             "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
             "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),
-            "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks}
+            "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks,
+            "resumed_at_push": resumed_at}, server.stopping
+
+
+def signal_hook(rank: int):
+    """Testing hook: ``HPCASYNC_INJECT_SIGNAL=RANK:N`` makes that rank send itself SIGUSR1 (a real
+    signal, as Slurm's) at the N-th call of the returned function (workers: steps; the PS:
+    accepted pushes), or returns None. Lets tests signal exactly one rank at a known point."""
+    spec = os.environ.get("HPCASYNC_INJECT_SIGNAL", "")
+    r, _, n = spec.partition(":")
+    if not (r.isdigit() and n.isdigit() and int(r) == rank):
+        return None
+    calls = [0]
+
+    def hook() -> None:
+        calls[0] += 1
+        if calls[0] == int(n):
+            os.kill(os.getpid(), signal.SIGUSR1)
+    return hook
 
 
 def _nan_hook(rank: int):

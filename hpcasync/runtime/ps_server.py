@@ -14,6 +14,25 @@ A ``PEEK`` message (LC-ASGD's oracle) is answered with the current θ and change
 Epochs: the PS crosses epoch e when the accepted pushes reach ``e · pushes_per_epoch``; it answers
 the push first, then calls ``on_epoch(e, record)``. Rejected pushes delay the crossing; any epoch
 not crossed when the last worker stops is recorded then, with the final θ.
+
+Checkpoints and preemption (workers are not in lockstep, so there is no agreed step; the consistent
+point is "the PS state after the pushes it answered, each worker at its next unpushed batch"):
+
+* ``on_checkpoint(kind)`` is called after an epoch crossing (``"epoch"``) and every
+  ``checkpoint_every`` accepted pushes (``"periodic"``). No worker takes part: a worker's position
+  is the number of its pushes the PS answered (``positions``), its weights are replaced by a fresh
+  ``initial_reply`` on resume. So a killed PS loses at most one interval.
+* Stop: when the PS's own ``stop_requested()`` turns true, or a push carries a worker's stop
+  request, or a finished worker sends ``KIND_STOP``, the PS stops accepting new work: it applies
+  (validates, as always) each worker's next push and answers it with the stop flag; that worker's
+  loop ends there. When every worker has been answered so (or had finished its budget), :meth:`serve`
+  returns with ``stopping`` set; the caller then runs :meth:`finish` and writes the checkpoint.
+  A stop request when every worker has already finished is ignored: the run completes.
+* :meth:`finish` (after :meth:`serve`): sends every worker the end message with the stop decision
+  and collects each worker's ``KIND_DONE`` (its step count, checked against ``positions``).
+
+Resume: :meth:`load_state_dict`; workers whose budget is spent (``finished``) get no initial reply
+and are not waited for.
 """
 from __future__ import annotations
 
@@ -21,9 +40,10 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..errors import CheckpointError
 from ..rules import PushMeta
 from .ps_stats import PushStats
-from .ps_transport import KIND_PEEK, KIND_PUSH
+from .ps_transport import KIND_DONE, KIND_PEEK, KIND_PUSH, KIND_STOP
 
 log = logging.getLogger("hpcasync")
 
@@ -43,13 +63,21 @@ class PSServer:
         on_push: ``on_push(worker, staleness, loss)`` after each accepted push (progress, logs).
         on_buffers: ``on_buffers(worker, extra)`` with the float buffers of each accepted push.
         keep_log: keep every push in ``stats.log``.
+        stop_requested: ``() -> bool``, polled between messages: the PS's own preemption flag.
+        on_checkpoint: ``on_checkpoint(kind)`` with kind ``"epoch"`` or ``"periodic"`` (module doc).
+        checkpoint_every: accepted pushes between periodic checkpoints (0: epoch ends only).
+
+    Attributes: ``stats``, ``positions`` (pushes answered per worker = its next batch),
+    ``finished`` (workers whose last push was answered), ``stopping``, ``next_epoch``.
     """
 
     def __init__(self, transport, rule, *, pushes_per_epoch: int, epochs: int,
                  on_epoch: Callable[[int, dict], Any] | None = None,
                  lr_at: Callable[[float], float] | None = None,
                  on_push: Callable[[int, int, float], Any] | None = None,
-                 on_buffers: Callable[[int, Any], Any] | None = None, keep_log: bool = True):
+                 on_buffers: Callable[[int, Any], Any] | None = None, keep_log: bool = True,
+                 stop_requested: Callable[[], bool] | None = None,
+                 on_checkpoint: Callable[[str], Any] | None = None, checkpoint_every: int = 0):
         self.transport = transport
         self.rule = rule
         self.pushes_per_epoch = pushes_per_epoch
@@ -63,29 +91,103 @@ class PSServer:
         self.apply_time = 0.0          # seconds in validate + on_push
         self.peeks = 0
         self._bytes_mark = (0, 0)
+        self.stop_requested = stop_requested
+        self.on_checkpoint = on_checkpoint
+        self.checkpoint_every = checkpoint_every
+        W = transport.num_workers
+        self.positions = [0] * W
+        self.finished = [False] * W
+        self.stopping = False
+        self.stop_reason = ""
 
     def serve(self) -> PushStats:
+        """Serve until every worker has sent its last push, or until a stop (module doc)."""
         t = self.transport
         for w in range(t.num_workers):
-            reply = self.rule.initial_reply(w)
-            t.send_reply(w, reply.params, reply.version, True, reply.scalars)
-        done = [False] * t.num_workers
+            if not self.finished[w]:
+                reply = self.rule.initial_reply(w)
+                t.send_reply(w, reply.params, reply.version, True, reply.scalars)
+        done = list(self.finished)
         while not all(done):
+            if not self.stopping and self.stop_requested is not None and self.stop_requested():
+                self._begin_stop("a signal at the PS")
             push = t.recv_push()
             if push.kind == KIND_PEEK:
                 self.peeks += 1
                 t.send_reply(push.worker, self.rule.theta, self.rule.version, True,
                              (0.0,) * self.rule.reply_scalars)
                 continue
+            if push.kind == KIND_STOP:              # from a worker that has finished
+                self._begin_stop(f"a signal at worker {push.worker}")
+                continue
             if push.kind != KIND_PUSH:
                 raise RuntimeError(f"PS: unknown message kind {push.kind} from worker "
                                    f"{push.worker}")
+            if push.stop and not self.stopping:
+                self._begin_stop(f"a signal at worker {push.worker}")
             self.handle(push)
-            if push.last:
+            self.finished[push.worker] |= push.last
+            if push.last or self.stopping:
                 done[push.worker] = True
-        while self.next_epoch <= self.epochs:      # epochs not crossed (rejected pushes)
-            self._cross_epoch()
+        if all(self.finished):
+            if self.stopping:
+                log.info("PS: every worker had finished; completing the run instead of stopping")
+            self.stopping = False
+            while self.next_epoch <= self.epochs:      # epochs not crossed (rejected pushes)
+                self._cross_epoch()
         return self.stats
+
+    def _begin_stop(self, reason: str) -> None:
+        if not self.stopping:
+            self.stopping, self.stop_reason = True, reason
+            log.warning("PS: stopping after %d accepted pushes (%s); each worker's next push is "
+                        "its last", self.stats.accepted, reason)
+
+    def finish(self) -> list[int]:
+        """After :meth:`serve`: send every worker the end message (with ``stopping``) and collect
+        its ``KIND_DONE``; returns each worker's step count (its position, as the PS counted it).
+        A ``KIND_STOP`` arriving now (the training is complete) is ignored."""
+        t = self.transport
+        for w in range(t.num_workers):
+            t.send_end(w, self.stopping)
+        steps: list[int | None] = [None] * t.num_workers
+        while any(s is None for s in steps):
+            push = t.recv_push()
+            if push.kind == KIND_DONE:
+                steps[push.worker] = push.version
+            elif push.kind != KIND_STOP:
+                raise RuntimeError(f"PS: unexpected message kind {push.kind} from worker "
+                                   f"{push.worker} after the end")
+        if steps != self.positions:
+            log.warning("PS: workers report %s steps, the PS counted %s", steps, self.positions)
+        return steps
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything the PS needs to continue: the rule (θ and per-worker state), counters,
+        epoch progress, worker positions, byte counters (plain data, cloned)."""
+        t = self.transport
+        return {"rule": self.rule.state_dict(), "stats": self.stats.state_dict(),
+                "next_epoch": self.next_epoch, "positions": list(self.positions),
+                "finished": [int(f) for f in self.finished], "peeks": self.peeks,
+                "bytes": [t.bytes_in, t.bytes_out], "bytes_mark": list(self._bytes_mark)}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` into this server (built with the same arguments)."""
+        W = self.transport.num_workers
+        try:
+            positions, finished = [int(p) for p in d["positions"]], [bool(f) for f in d["finished"]]
+            if len(positions) != W or len(finished) != W:
+                raise CheckpointError(f"PS checkpoint is for {len(positions)} workers, this run "
+                                      f"has {W}")
+            self.rule.load_state_dict(d["rule"])
+            self.stats.load_state_dict(d["stats"])
+            self.next_epoch, self.peeks = int(d["next_epoch"]), int(d["peeks"])
+            self.transport.bytes_in, self.transport.bytes_out = (int(x) for x in d["bytes"])
+            self._bytes_mark = tuple(int(x) for x in d["bytes_mark"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"PS checkpoint state is incomplete ({exc})") from None
+        self.positions, self.finished = positions, finished
 
     def handle(self, push) -> None:
         """Validate and apply one push, answer its worker, cross an epoch if due."""
@@ -96,11 +198,13 @@ class PSServer:
         if push.numel != self.transport.numel:
             reason = f"gradient has {push.numel} elements, expected {self.transport.numel}"
         reason = reason or rule.validate(w, push.grad, meta)
+        self.positions[w] += 1
         if reason is not None:
             self.stats.reject(w, push.version, reason, push.loss)
             reply = rule.initial_reply(w)
             self.apply_time += time.perf_counter() - t0
-            self.transport.send_reply(w, reply.params, reply.version, False, reply.scalars)
+            self.transport.send_reply(w, reply.params, reply.version, False, reply.scalars,
+                                      self.stopping)
             return
         if self.lr_at is not None:
             rule.lr = self.lr_at(self.stats.accepted / self.pushes_per_epoch)
@@ -110,12 +214,20 @@ class PSServer:
         self.stats.accept(w, push.version, staleness, push.loss)
         if self.on_buffers is not None and push.extra.numel():
             self.on_buffers(w, push.extra)
-        self.transport.send_reply(w, reply.params, reply.version, True, reply.scalars)
+        self.transport.send_reply(w, reply.params, reply.version, True, reply.scalars,
+                                  self.stopping)
         if self.on_push is not None:
             self.on_push(w, staleness, push.loss)
-        if (self.next_epoch <= self.epochs
-                and self.stats.accepted >= self.next_epoch * self.pushes_per_epoch):
+        crossed = (self.next_epoch <= self.epochs
+                   and self.stats.accepted >= self.next_epoch * self.pushes_per_epoch)
+        if crossed:
             self._cross_epoch()
+        if self.on_checkpoint is None or self.stopping:      # a stop writes its own checkpoint
+            return
+        if crossed:
+            self.on_checkpoint("epoch")
+        elif self.checkpoint_every and self.stats.accepted % self.checkpoint_every == 0:
+            self.on_checkpoint("periodic")
 
     def _cross_epoch(self) -> None:
         t = self.transport

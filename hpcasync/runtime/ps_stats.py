@@ -4,6 +4,8 @@ Per push: worker, the version its gradient was computed on, staleness τ (accept
 version), its loss, accepted or rejected (and why). Per epoch: the staleness histogram (count per τ),
 accepted and rejected pushes, pushes per worker, the mean pushed loss. Totals for the summary.
 
+``state_dict`` / ``load_state_dict`` carry the counters through a checkpoint.
+
 Example::
 
     stats = PushStats(num_workers=3)
@@ -95,6 +97,41 @@ class PushStats:
                   "max_staleness": max(hist, default=0), "train_loss": self.train_loss}
         self._reset_epoch()
         return record
+
+    _COUNTERS = ("accepted", "rejected", "_accepted", "_rejected", "_loss_n")
+
+    def state_dict(self) -> dict:
+        """The counters (whole run and current epoch) as plain data for a checkpoint; the push
+        ``log`` is not included (a resumed run's log holds only its own pushes)."""
+        d = {k: getattr(self, k) for k in self._COUNTERS}
+        d.update(num_workers=self.num_workers, per_worker=list(self.per_worker),
+                 rejected_per_worker=list(self.rejected_per_worker),
+                 histogram=dict(self.histogram), reasons=dict(self.reasons),
+                 epoch_histogram=dict(self._hist), epoch_per_worker=list(self._per_worker),
+                 epoch_loss_sum=float(self._loss_sum))
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (CheckpointError when it is for another number of workers
+        or incomplete)."""
+        from ..errors import CheckpointError
+
+        try:
+            if d["num_workers"] != self.num_workers:
+                raise CheckpointError(f"PS statistics are for {d['num_workers']} workers, this "
+                                      f"run has {self.num_workers}")
+            for k in self._COUNTERS:
+                setattr(self, k, int(d[k]))
+            self.per_worker = [int(x) for x in d["per_worker"]]
+            self.rejected_per_worker = [int(x) for x in d["rejected_per_worker"]]
+            self.histogram = Counter({int(k): int(v) for k, v in d["histogram"].items()})
+            self.reasons = Counter({str(k): int(v) for k, v in d["reasons"].items()})
+            self._hist = Counter({int(k): int(v) for k, v in d["epoch_histogram"].items()})
+            self._per_worker = [int(x) for x in d["epoch_per_worker"]]
+            self._loss_sum = float(d["epoch_loss_sum"])
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise CheckpointError(f"PS statistics in the checkpoint are incomplete ({exc})"
+                                  ) from None
 
     def summary(self) -> dict:
         """Whole-run totals."""

@@ -20,6 +20,12 @@ Two transports with one interface (the PS loop and the workers do not know which
 sent with ``Isend``, the PS ``Recv``s the gradient into a per-worker buffer and answers with
 ``Isend`` of a per-worker copy of θ.
 
+Preemption (``ps_server``'s stop protocol): a push may carry a stop request; a reply carries a
+stop flag (the third reply-header field); ``KIND_STOP`` is a stop request from a worker that has
+finished its budget (header only), ``KIND_DONE`` a worker's last message (header only; ``version``
+is its step count), and :meth:`send_end` / :meth:`wait_end` the PS's "no more work" message with
+the stop decision (the same on both transports: a small two-sided message).
+
 Nobody spins: every wait is ``Test`` + sleep with exponential backoff (20 µs doubling to 1 ms),
 so an idle PS or a worker waiting for its reply leaves the core to the ranks that compute.
 """
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# header sent with every push (float64): kind, version, loss, oracle loss, numel, last flag
-KIND_PUSH, KIND_PEEK = 1, 2
-_PUSH_HEADER = 6
-_TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA = 4101, 4102, 4103, 4104, 4105
+# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop
+KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE = 1, 2, 3, 4
+_PUSH_HEADER = 7
+_TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
+                                                                     4105, 4106)
 
 
 def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3) -> float:
@@ -65,6 +72,7 @@ class Push:
     last: bool
     grad: torch.Tensor
     extra: torch.Tensor
+    stop: bool = False            # the worker asks the PS to stop (it received a signal)
 
 
 @dataclass
@@ -72,6 +80,7 @@ class ReplyHeader:
     version: int
     accepted: bool
     scalars: tuple[float, ...]
+    stop: bool = False            # the PS stops: this was the worker's last step
 
 
 class _Base:
@@ -98,6 +107,7 @@ class _Base:
         self.bytes_in = 0          # PS: payload bytes received (gradients, buffers)
         self.bytes_out = 0         # PS: payload bytes sent (replies)
         self.wait_time = 0.0       # seconds spent waiting (PS: idle; worker: for replies)
+        self._end = np.zeros(1, np.float64)
 
     # -- PS side -------------------------------------------------------------------------------
     def _recv_header(self) -> tuple[int, np.ndarray]:
@@ -111,25 +121,48 @@ class _Base:
     def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
-                    oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra)
+                    oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
+                    stop=bool(h[6]))
 
-    def _reply_header(self, w: int, version: int, accepted: bool, scalars) -> np.ndarray:
+    def _reply_header(self, w: int, version: int, accepted: bool, scalars,
+                      stop: bool = False) -> np.ndarray:
         head = self._reply_heads[w]
-        head[0], head[1], head[2] = version, float(accepted), 0.0
+        head[0], head[1], head[2] = version, float(accepted), float(stop)
         if self.reply_scalars:
             head[3:] = np.asarray(tuple(scalars), np.float64)[: self.reply_scalars]
         return head
 
+    def send_end(self, w: int, stop: bool) -> None:
+        """PS: tell worker ``w`` there is no more work, and whether the job stops (preemption)."""
+        msg = np.array([float(stop)])
+        self.wait_time += wait(self.comm.Isend([msg, self.MPI.DOUBLE], dest=self.workers[w],
+                                               tag=_TAG_END))
+
     # -- worker side ---------------------------------------------------------------------------
     def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
-                     numel: int):
+                     numel: int, stop: bool = False):
         h = self._head_in
-        h[:] = (kind, version, loss, oracle_loss, numel, float(last))
+        h[:] = (kind, version, loss, oracle_loss, numel, float(last), float(stop))
         return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
 
     def _parse_reply(self) -> ReplyHeader:
         h = self._head_out
-        return ReplyHeader(int(h[0]), bool(h[1]), tuple(float(x) for x in h[3:]))
+        return ReplyHeader(int(h[0]), bool(h[1]), tuple(float(x) for x in h[3:]), bool(h[2]))
+
+    def wait_end(self, request_stop=None) -> bool:
+        """Worker, after its last push: wait for the PS's end message; returns its stop flag.
+        While waiting, ``request_stop()`` is polled; the first time it is true a ``KIND_STOP``
+        message asks the PS to stop the workers still training (sent at most once)."""
+        req = self.comm.Irecv([self._end, self.MPI.DOUBLE], source=self.ps_rank, tag=_TAG_END)
+        t0, pause, asked = time.perf_counter(), 2e-5, False
+        while not req.Test():
+            if not asked and request_stop is not None and request_stop():
+                self.push(torch.zeros(0), kind=KIND_STOP)
+                asked = True
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+        self.wait_time += time.perf_counter() - t0
+        return bool(self._end[0])
 
 
 class RMATransport(_Base):
@@ -175,7 +208,7 @@ class RMATransport(_Base):
         return self._make_push(w, h, grad, extra)
 
     def send_reply(self, w: int, params: torch.Tensor, version: int, accepted: bool,
-                   scalars=()) -> None:
+                   scalars=(), stop: bool = False) -> None:
         MPI = self.MPI
         rank = self.workers[w]
         if self.reply_mode == "get":
@@ -186,13 +219,13 @@ class RMATransport(_Base):
             self.win_out.Put([_np(params), MPI.FLOAT], rank, target=(0, self.numel, MPI.FLOAT))
             self.win_out.Unlock(rank)
         self.bytes_out += self.numel * 4
-        head = self._reply_header(w, version, accepted, scalars)
+        head = self._reply_header(w, version, accepted, scalars, stop)
         self.wait_time += wait(self.comm.Isend([head, MPI.DOUBLE], dest=rank, tag=_TAG_REPLY))
 
     # worker side
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
              version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False) -> None:
+             last: bool = False, stop: bool = False) -> None:
         MPI = self.MPI
         if kind == KIND_PUSH:
             base = self.worker * self.slot
@@ -203,7 +236,7 @@ class RMATransport(_Base):
                 self.win_in.Put([_np(extra), MPI.FLOAT], self.ps_rank,
                                 target=(base + self.numel, self.extra, MPI.FLOAT))
             self.win_in.Unlock(self.ps_rank)
-        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel())
+        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)
         self.wait_time += wait(req)
 
     def recv_reply(self, out: torch.Tensor) -> ReplyHeader:
@@ -259,12 +292,12 @@ class P2PTransport(_Base):
         return self._make_push(w, h, buf[: self.numel], buf[self.numel:])
 
     def send_reply(self, w: int, params: torch.Tensor, version: int, accepted: bool,
-                   scalars=()) -> None:
+                   scalars=(), stop: bool = False) -> None:
         MPI = self.MPI
         rank = self.workers[w]
         self.wait_time += wait_all(self._pending[w])     # the previous reply has left
         self._replies[w].copy_(params)
-        head = self._reply_header(w, version, accepted, scalars)
+        head = self._reply_header(w, version, accepted, scalars, stop)
         self._pending[w] = [
             self.comm.Isend([head, MPI.DOUBLE], dest=rank, tag=_TAG_REPLY),
             self.comm.Isend([_np(self._replies[w]), MPI.FLOAT], dest=rank, tag=_TAG_THETA)]
@@ -272,9 +305,9 @@ class P2PTransport(_Base):
 
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
              version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False) -> None:
+             last: bool = False, stop: bool = False) -> None:
         MPI = self.MPI
-        reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel())]
+        reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)]
         if kind == KIND_PUSH:
             n = min(grad.numel(), self.numel)
             reqs.append(self.comm.Isend([_np(grad[:n]), MPI.FLOAT], dest=self.ps_rank,

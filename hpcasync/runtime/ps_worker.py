@@ -12,6 +12,12 @@ num_shards=W, seed, epoch)`` for each epoch. Per batch::
 ``rule`` is a worker-side instance of the PS's rule class: ``on_reply`` needs nothing but the reply
 (SHAT mixes, the others copy).
 
+Preemption (``ps_server`` has the protocol): each push carries ``stop_requested()`` (this rank's
+signal flag); a reply with the stop flag ends the loop after that step. :func:`finish_worker` then
+waits for the PS's end message (asking it to stop if a signal arrives meanwhile) and reports the
+step count. A resumed worker starts at its saved position (``start_step`` = batches pushed so far,
+over all epochs) from the PS's current θ.
+
 Example (inside a PS job, see ``hpcasync.runtime.ps.run``)::
 
     stats = run_worker(transport, rule, model, flat, train_set, epochs=2, batch_size=64, seed=0)
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 
 from ..data import batches, num_batches, shard_indices
 from ..rules import Reply
-from .ps_transport import KIND_PEEK
+from .ps_transport import KIND_DONE, KIND_PEEK
 
 
 @dataclass
@@ -41,30 +47,42 @@ class WorkerStats:
     cpu_time: float = 0.0         # forward + backward, CPU time of the process
     sleep_time: float = 0.0       # heterogeneity: extra step time and push delays
     loss_sum: float = 0.0
+    start_step: int = 0           # resumed at this position (``steps`` counts from it)
+    stopped: bool = False         # the PS answered a push with the stop flag
+    stop_sent: bool = False       # a push of this worker carried a stop request
 
 
 def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: int,
                batch_size: int, seed: int, device: str = "cpu", delay=None,
                oracle: bool = False, after_step: Callable[[], None] | None = None,
-               grad_hook: Callable[[int, torch.Tensor], None] | None = None) -> WorkerStats:
+               grad_hook: Callable[[int, torch.Tensor], None] | None = None,
+               start_step: int = 0,
+               stop_requested: Callable[[], bool] | None = None) -> WorkerStats:
     """Run worker ``transport.worker`` to the end of its budget (``epochs`` passes over its
-    shard); its last push carries the ``last`` flag. ``grad_hook(step, grad)`` may alter the
-    gradient before it is pushed (tests inject NaN this way). Returns the worker's counters."""
+    shard) or until the PS answers with the stop flag; its last push carries the ``last`` flag.
+    ``grad_hook(step, grad)`` may alter the gradient before it is pushed (tests inject NaN this
+    way). ``start_step``: resume at this position (a spent budget: no initial reply, nothing to do).
+    ``stop_requested()``: this rank's preemption flag, sent with each push. Returns the counters."""
     w, W = transport.worker, transport.num_workers
-    stats = WorkerStats()
+    stats = WorkerStats(steps=start_step, start_step=start_step)
+    per_epoch = num_batches(len(train) // W, batch_size)
+    if start_step >= epochs * per_epoch:
+        return stats
     reply_buf = torch.empty(flat.numel)
     head = transport.recv_reply(reply_buf)                       # the initial reply
     rule.on_reply(flat.params, Reply(reply_buf, head.version, head.scalars), None)
     version = head.version
-    per_epoch = num_batches(len(train) // W, batch_size)
+    first_epoch, first_batch = divmod(start_step, per_epoch)
     model.train()
     cpu_clock = torch.device(device).type == "cpu"
     recent: deque[float] = deque(maxlen=15)
     if delay is not None:
         _warm_up(model, flat, train, batch_size, device)
-    for epoch in range(1, epochs + 1):
+    for epoch in range(first_epoch + 1, epochs + 1):
         indices = shard_indices(len(train), shard_index=w, num_shards=W, seed=seed, epoch=epoch)
-        for b, (x, y) in enumerate(batches(train, indices, batch_size)):
+        start = first_batch if epoch == first_epoch + 1 else 0
+        for b, (x, y) in enumerate(batches(train, indices, batch_size, start_batch=start),
+                                   start=start):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             t0, c0 = time.perf_counter(), time.process_time()
             flat.zero_grad()
@@ -88,8 +106,10 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
                 delay.sleep_push()
                 stats.sleep_time += delay.push_delay_s
             last = epoch == epochs and b == per_epoch - 1
+            stop = stop_requested is not None and stop_requested()
+            stats.stop_sent |= stop
             transport.push(grad.cpu(), flat.buffers.cpu(), version=version, loss=loss_value,
-                           oracle_loss=oracle_loss, last=last)
+                           oracle_loss=oracle_loss, last=last, stop=stop)
             head = transport.recv_reply(reply_buf)
             rule.on_reply(flat.params, Reply(reply_buf.to(flat.params.device), head.version,
                                              head.scalars), grad if head.accepted else None)
@@ -99,7 +119,23 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
             stats.loss_sum += loss_value
             if after_step is not None:
                 after_step()
+            if head.stop and not last:
+                stats.stopped = True
+                return stats
     return stats
+
+
+def finish_worker(transport, stats: WorkerStats,
+                  stop_requested: Callable[[], bool] | None = None) -> bool:
+    """After :func:`run_worker`: wait for the PS's end message, report this worker's step count
+    (``KIND_DONE``); returns True when the job stops for a preemption. A signal arriving while
+    waiting (this worker has finished, others have not) asks the PS to stop."""
+    def ask() -> bool:
+        return (stop_requested is not None and not stats.stopped and not stats.stop_sent
+                and stop_requested())
+    stop = transport.wait_end(ask)
+    transport.push(torch.zeros(0), kind=KIND_DONE, version=stats.steps)
+    return stop
 
 
 @torch.no_grad()

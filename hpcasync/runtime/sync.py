@@ -6,6 +6,11 @@ gradient buffer) and applies the same local optimizer step, so replicas stay bit
 ``DistributedOptimizer.synchronize()`` allreduce-averages that one buffer in place ->
 the user's ``optimizer.step()`` reads the averaged ``p.grad`` views.
 
+Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``; see
+:mod:`hpcasync.hetero`; the worker index is the rank): :class:`StepDelay` makes a slow rank sleep
+after its forward/backward, before the allreduce, so every rank waits for it — the cost a
+synchronous algorithm pays for a straggler. OD-SGD uses it the same way.
+
 ``--backend horovod`` runs the same loop with Horovod's ``DistributedOptimizer`` instead (it must be
 installed: ``scripts/install-horovod.sh``), for side-by-side comparisons.
 
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
+from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,8 @@ from ..comm import FlatModel, allreduce
 from ..comm.broadcast import broadcast
 from ..data import batches, shard_indices
 from ..errors import ConfigError
+from ..hetero import DelayModel
+from ..hetero import check_options as check_hetero
 from .context import RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
@@ -132,6 +141,55 @@ class DistributedOptimizer:
         self.steps = int(state["steps"])
 
 
+class StepDelay:
+    """Heterogeneity for a synchronous runtime: after rank ``rank``'s compute, sleep
+    ``natural · (factor − 1)`` and the push delay (:class:`~hpcasync.hetero.DelayModel`, worker
+    index = rank). ``natural`` is the median of the last 15 steps' forward/backward times: CPU time
+    of the process on a CPU device (a rank the OS kept waiting is not slow), wall time on a GPU.
+
+    Example::
+
+        delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
+        delay.begin(); loss.backward(); delay.end(step)      # sleeps if this rank is slow
+        opt.step()                                           # everyone waits for it here
+    """
+
+    def __init__(self, model: DelayModel, rank: int, device: str = "cpu"):
+        self.model, self.rank = model, rank
+        self.active = not model.trivial
+        self.cpu_clock = torch.device(device).type == "cpu"
+        self.recent: deque[float] = deque(maxlen=15)
+        self.slept = 0.0          # seconds slept so far
+        self._t0 = self._c0 = 0.0
+
+    @classmethod
+    def from_config(cls, cfg, *, rank: int, size: int, device: str = "cpu") -> "StepDelay":
+        return cls(DelayModel.from_options(cfg.options, worker_ranks=range(size), seed=cfg.seed),
+                   rank, device)
+
+    def begin(self) -> None:
+        if self.active:
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def end(self, step: int) -> float:
+        """After the compute of step ``step``: sleep as the model says; returns seconds slept."""
+        if not self.active:
+            return 0.0
+        natural = (time.process_time() - self._c0 if self.cpu_clock
+                   else time.perf_counter() - self._t0)
+        self.recent.append(natural)
+        t = self.model.sleep_extra(self.rank, step, statistics.median(self.recent))
+        if self.model.push_delay_s:
+            self.model.sleep_push()
+            t += self.model.push_delay_s
+        self.slept += t
+        return t
+
+    def record(self) -> dict:
+        """Summary fields: the delay model (as recorded and in words)."""
+        return {"hetero": self.model.to_record(), "hetero_describe": self.model.describe()}
+
+
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("ssgd")
     group.add_argument("--compress", choices=("none", "bf16", "fp16"), default="none",
@@ -139,6 +197,7 @@ def add_arguments(parser) -> None:
 
 
 def validate(cfg) -> None:
+    check_hetero(cfg.options)
     if cfg.backend == "horovod":
         try:
             import horovod.torch  # noqa: F401
@@ -165,6 +224,9 @@ def run(ctx: RunContext) -> RunResult:
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
         opt = DistributedOptimizer(_make_optimizer(cfg, model), flat, topo.world, compress=compress)
     opt.broadcast_parameters(root=0)
+    delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
+    if ctx.is_root and delay.active:
+        log.info("ssgd: heterogeneity: %s", delay.model.describe())
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
     state = ctx.resume_state()
     if state is not None:
@@ -185,13 +247,16 @@ def run(ctx: RunContext) -> RunResult:
         first = start_batch if epoch == start_epoch else 0
         loss_sum = loss_carry if epoch == start_epoch else 0.0
         ctx.progress.start(nbatches - first, f"epoch {epoch}/{cfg.epochs}")
+        slept = delay.slept
         model.train()
         for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size, start_batch=first),
                                    start=first):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
+            delay.begin()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            delay.end(opt.steps)         # a straggler sleeps here; the allreduce waits for it
             opt.step()
             ctx.after_step()
             loss_value = loss.item()
@@ -206,11 +271,20 @@ def run(ctx: RunContext) -> RunResult:
         train_loss = _mean_over(topo.world, loss_sum / max(1, nbatches))
         ctx.epoch_end(epoch, model, train_loss=train_loss,
                       bytes_communicated=_sum_over(topo.world, opt.bytes_sent),
-                      comm_time_s=round(opt.comm_time, 4))
+                      comm_time_s=round(opt.comm_time, 4),
+                      sleep_time_max_s=_max_over(topo.world, delay.slept - slept))
         ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
                              step=opt.steps, writer=topo.rank == 0, force=True)
-    return RunResult(model=model, summary={"backend": cfg.backend, "steps": opt.steps,
-                                           "bytes_communicated": _sum_over(topo.world, opt.bytes_sent)})
+    return RunResult(model=model, summary={
+        "backend": cfg.backend, "steps": opt.steps,
+        "bytes_communicated": _sum_over(topo.world, opt.bytes_sent), **delay.record(),
+        "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
+
+
+def _max_over(comm, value: float) -> float:
+    from mpi4py import MPI
+
+    return round(comm.allreduce(value, op=MPI.MAX), 4)
 
 
 def _mean_over(comm, value: float) -> float:
