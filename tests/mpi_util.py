@@ -62,3 +62,20 @@ def run_cli(args: list[str], *, timeout: float = 120, env=None) -> subprocess.Co
     """Run ``python -m hpcasync.cli ARGS`` as a singleton (no mpiexec)."""
     return subprocess.run([sys.executable, "-m", "hpcasync.cli", *args], env=env or clean_env(),
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def last_summary(path) -> dict:
+    """The last ``summary`` record of a metrics stream."""
+    from hpcasync.metrics import read_metrics
+
+    return [r for r in read_metrics(path) if r["event"] == "summary"][-1]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
+    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")

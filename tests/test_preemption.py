@@ -4,35 +4,21 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, mpiexec, run_mpi
+from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, run_mpi, wait_for
 
 ARGS = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--train-limit", "4096",
         "--test-limit", "500", "--epochs", "3", "--progress", "off", "--seed", "7"]
-
-
-def _summary(path):
-    return [r for r in read_metrics(path) if r["event"] == "summary"][-1]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.rank0
 def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
     ref = run_mpi(4, [*ARGS, "--metrics", str(tmp_path / "ref.jsonl")], timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    want = _summary(tmp_path / "ref.jsonl")["params_sha256"]
+    want = last_summary(tmp_path / "ref.jsonl")["params_sha256"]
 
     ckpt = tmp_path / "ckpt"
     partial = tmp_path / "a.jsonl.partial"
@@ -42,7 +28,7 @@ def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
                            stderr=subprocess.PIPE, text=True)
     try:
         # signal once the first epoch is recorded: the stop lands somewhere inside epoch 2
-        _wait_for(lambda: partial.exists() and '"epoch"' in partial.read_text(), 240, "epoch 1")
+        wait_for(lambda: partial.exists() and '"epoch"' in partial.read_text(), 240, "epoch 1")
         job.send_signal(signal.SIGUSR1)          # as `#SBATCH --signal=B:USR1@60` would
         out, err = job.communicate(timeout=120)
     finally:
@@ -58,7 +44,7 @@ def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     records = read_metrics(tmp_path / "b.jsonl")
     assert records[1]["event"] == "resume"
-    assert _summary(tmp_path / "b.jsonl")["params_sha256"] == want
+    assert last_summary(tmp_path / "b.jsonl")["params_sha256"] == want
 
 
 @pytest.mark.rank0

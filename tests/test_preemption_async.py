@@ -19,23 +19,10 @@ import torch
 from hpcasync.checkpoint import read_checkpoint
 from hpcasync.metrics import read_metrics
 from hpcasync.rules import make_rule
-from tests.mpi_util import COMM, REPO, SIZE, clean_env, mpiexec, run_mpi
+from tests.mpi_util import COMM, REPO, SIZE, clean_env, last_summary, mpiexec, run_mpi, wait_for
 
 MINI = ["--dataset", "fashion-mnist-mini", "--progress", "off"]
 W = 3                                         # 4 ranks: PS + 3 workers
-
-
-def _summary(path):
-    return [r for r in read_metrics(path) if r["event"] == "summary"][-1]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _check_ps_checkpoint(path, algorithm, budget):
@@ -56,7 +43,7 @@ def _check_ps_checkpoint(path, algorithm, budget):
 
 
 def _check_resumed(path, budget, resumed_from):
-    s = _summary(path)
+    s = last_summary(path)
     assert s["resumed_at_push"] == resumed_from
     assert s["pushes"] + s["rejected_pushes"] == W * budget          # the same total work
     assert s["pushes_per_worker"] == [budget] * W and s["rejected_pushes"] == 0
@@ -75,7 +62,7 @@ PS_BUDGET = 3 * ((4096 // W) // 32)           # pushes per worker: 3 epochs x 42
 def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path):
     ref = run_mpi(4, [*PS_ARGS, "--metrics", str(tmp_path / "ref.jsonl")], timeout=200)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    want = _summary(tmp_path / "ref.jsonl")
+    want = last_summary(tmp_path / "ref.jsonl")
     assert want["pushes"] == W * PS_BUDGET
 
     ckpt = tmp_path / "ckpt"
@@ -87,7 +74,7 @@ def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path)
                            stderr=subprocess.PIPE, text=True)
     try:
         # wait for epoch 1's checkpoint (written just after its epoch record), then signal
-        _wait_for(lambda: partial.exists() and '"kind": "epoch"' in partial.read_text(), 150,
+        wait_for(lambda: partial.exists() and '"kind": "epoch"' in partial.read_text(), 150,
                   "epoch 1's checkpoint")
         job.send_signal(signal.SIGUSR1)          # mpiexec forwards it to every rank
         _, err = job.communicate(timeout=120)
