@@ -127,6 +127,17 @@ class RunContext:
         if self._fault_step is not None and self.steps >= self._fault_step:
             raise RuntimeError(f"injected fault (HPCASYNC_INJECT_FAULT) at step {self.steps}")
 
+    def step_done(self, epoch: int, batch: int, loss: float) -> float:
+        """After a synchronous runtime's step ``batch`` (1-based) of ``epoch``: run the per-step
+        hooks (:meth:`after_step`), advance the progress bar and, every ``--log-every`` batches,
+        write a ``step`` record. Returns ``loss`` as a float."""
+        self.after_step()
+        value = float(loss)
+        self.progress.update(1, loss=value)
+        if self.cfg.log_every and batch % self.cfg.log_every == 0:
+            self.metrics.write("step", epoch=epoch, batch=batch, loss=value)
+        return value
+
     # -- checkpoints and preemption ----------------------------------------------------------------
     def checkpoint_header(self) -> dict[str, Any]:
         return {"algorithm": self.cfg.algorithm, "model": self.cfg.model,

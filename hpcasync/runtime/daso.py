@@ -144,12 +144,7 @@ def run(ctx: RunContext) -> RunResult:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
-            ctx.after_step()
-            loss_value = loss.item()
-            loss_sum += loss_value
-            ctx.progress.update(1, loss=loss_value)
-            if cfg.log_every and (i + 1) % cfg.log_every == 0:
-                ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
+            loss_sum += ctx.step_done(epoch, i + 1, loss.item())
         record = opt.epoch_end(loss_sum / nbatches)
         wait_max = topo.world.allreduce(record["daso_global_wait_s"], op=_max())
         record["daso_global_wait_max_s"] = round(wait_max, 4)

@@ -372,13 +372,9 @@ def run(ctx: RunContext) -> RunResult:
             compute += time.perf_counter() - t0
             delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
             worker.step()
-            ctx.after_step()
+            loss_sum += ctx.step_done(epoch, i + 1, loss_value)
             if inject is not None:
                 inject()
-            loss_sum += loss_value
-            ctx.progress.update(1, loss=loss_value)
-            if cfg.log_every and (i + 1) % cfg.log_every == 0:
-                ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
             if i + 1 < nbatches:
                 consistent_point(ctx, worker, epoch=epoch, batch=i + 1, loss_sum=loss_sum)
         worker.synchronize()

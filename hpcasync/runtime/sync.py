@@ -258,12 +258,7 @@ def run(ctx: RunContext) -> RunResult:
             loss.backward()
             delay.end(opt.steps)         # a straggler sleeps here; the allreduce waits for it
             opt.step()
-            ctx.after_step()
-            loss_value = loss.item()
-            loss_sum += loss_value
-            ctx.progress.update(1, loss=loss_value)
-            if cfg.log_every and (i + 1) % cfg.log_every == 0:
-                ctx.metrics.write("step", epoch=epoch, batch=i + 1, loss=loss_value)
+            loss_sum += ctx.step_done(epoch, i + 1, loss.item())
             if i + 1 < nbatches:
                 ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
                                      epoch=epoch, step=opt.steps, writer=topo.rank == 0)
