@@ -112,11 +112,6 @@ def _ctx(tmp_path, algorithm, *, options=None, resume=False, checkpoint_every=0,
     ``ckpt=False``: no checkpoint directory)."""
     from hpcasync.checkpoint import CheckpointManager, PreemptionFlag
     from hpcasync.config import TrainConfig
-    from hpcasync.data import load_dataset
-    from hpcasync.metrics import MetricsWriter
-    from hpcasync.models import build_model
-    from hpcasync.runtime.context import Progress, RunContext
-    from hpcasync.topology import Topology
 
     ckdir = COMM.bcast(str(tmp_path / "ckpt") if COMM.Get_rank() == 0 and ckpt else None, root=0)
     cfg = TrainConfig(algorithm=algorithm, dataset="fashion-mnist-mini", train_limit=2048,
@@ -126,6 +121,19 @@ def _ctx(tmp_path, algorithm, *, options=None, resume=False, checkpoint_every=0,
     cfg.options = {"hetero": "HO", "straggler": None, "compute_time": "fixed",
                    "push_delay": 0.0, "ps_transport": "rma", "ps_momentum": 0.0,
                    **(options or {})}
+    return _context(cfg, checkpoints=CheckpointManager(ckdir, keep=50) if ckpt else None,
+                    preempt=PreemptionFlag(), checkpoint_every=cfg.checkpoint_every)
+
+
+def _context(cfg, **extra):
+    """A RunContext for ``cfg`` on the pytest world, built as the driver builds it: the data set,
+    a seeded model factory, no metrics file, no progress bar; ``extra`` sets the other fields."""
+    from hpcasync.data import load_dataset
+    from hpcasync.metrics import MetricsWriter
+    from hpcasync.models import build_model
+    from hpcasync.runtime.context import Progress, RunContext
+    from hpcasync.topology import Topology
+
     train, test = load_dataset(cfg.dataset, train_limit=cfg.train_limit, test_limit=cfg.test_limit)
 
     def make_model():
@@ -133,9 +141,7 @@ def _ctx(tmp_path, algorithm, *, options=None, resume=False, checkpoint_every=0,
         return build_model(cfg.model, train.input_shape, train.num_classes)
     return RunContext(cfg=cfg, topo=Topology.build(COMM), train=train, test=test,
                       make_model=make_model, metrics=MetricsWriter(None, enabled=False),
-                      progress=Progress(False),
-                      checkpoints=CheckpointManager(ckdir, keep=50) if ckpt else None,
-                      preempt=PreemptionFlag(), checkpoint_every=cfg.checkpoint_every)
+                      progress=Progress(False), **extra)
 
 
 def _run(ctx, inject=None):
@@ -217,24 +223,12 @@ def test_odsgd_preempted_mid_epoch_and_resumed_is_bitwise_equal(tmp_path):
 
 def _sync_ctx(algorithm, hetero):
     from hpcasync.config import TrainConfig
-    from hpcasync.data import load_dataset
-    from hpcasync.metrics import MetricsWriter
-    from hpcasync.models import build_model
-    from hpcasync.runtime.context import Progress, RunContext
-    from hpcasync.topology import Topology
 
     cfg = TrainConfig(algorithm=algorithm, dataset="fashion-mnist-mini", train_limit=512 * SIZE,
                       test_limit=100, model="lenet", epochs=1, batch_size=32, progress="off")
     cfg.options = {"hetero": hetero, "straggler": None, "compute_time": "fixed",
                    "push_delay": 0.0, "odsgd_warmup_iters": 2}
-    train, test = load_dataset(cfg.dataset, train_limit=cfg.train_limit, test_limit=cfg.test_limit)
-
-    def make_model():
-        torch.manual_seed(cfg.seed)
-        return build_model(cfg.model, train.input_shape, train.num_classes)
-    return RunContext(cfg=cfg, topo=Topology.build(COMM), train=train, test=test,
-                      make_model=make_model, metrics=MetricsWriter(None, enabled=False),
-                      progress=Progress(False))
+    return _context(cfg)
 
 
 @pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])

@@ -51,6 +51,18 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
     return loss_sum / n, correct / n
 
 
+def mean_over(comm, value: float) -> float:
+    """The mean of a Python number over the ranks of ``comm`` (on every rank)."""
+    return comm.allreduce(value) / comm.Get_size()
+
+
+def max_over(comm, value: float) -> float:
+    """The largest value of a Python number over the ranks of ``comm`` (on every rank)."""
+    from mpi4py import MPI
+
+    return comm.allreduce(value, op=MPI.MAX)
+
+
 class Progress:
     """A tqdm bar on rank 0 when stderr is a TTY (or ``--progress on``), a no-op otherwise."""
 

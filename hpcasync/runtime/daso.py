@@ -28,7 +28,7 @@ from ..comm import DASO_CHUNK_ELEMS, FlatModel
 from ..daso import DASO, DasoSchedule, LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
-from .context import RunContext, RunResult
+from .context import RunContext, RunResult, max_over
 
 log = logging.getLogger("hpcasync")
 
@@ -146,7 +146,7 @@ def run(ctx: RunContext) -> RunResult:
             opt.step()
             loss_sum += ctx.step_done(epoch, i + 1, loss.item())
         record = opt.epoch_end(loss_sum / nbatches)
-        wait_max = topo.world.allreduce(record["daso_global_wait_s"], op=_max())
+        wait_max = max_over(topo.world, record["daso_global_wait_s"])
         record["daso_global_wait_max_s"] = round(wait_max, 4)
         for key in totals:
             totals[key] += record[key]
@@ -174,9 +174,3 @@ def run(ctx: RunContext) -> RunResult:
         "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
         "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
         "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"])})
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX

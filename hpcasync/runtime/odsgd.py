@@ -102,7 +102,7 @@ from ..comm.broadcast import broadcast
 from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..rules.base import check_choice
-from .context import RunContext, RunResult
+from .context import RunContext, RunResult, mean_over
 from .odsgd_checkpoint import consistent_point, load_state
 from .ps import signal_hook
 from .sync import StepDelay
@@ -382,7 +382,7 @@ def run(ctx: RunContext) -> RunResult:
         times = _epoch_times(topo.world, worker.times, before, compute, nbatches)
         times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
                                  - min(steps_before, hp.warmup_iters))
-        train_loss = _mean_over(topo.world, float(loss_sum) / max(1, nbatches))
+        train_loss = mean_over(topo.world, float(loss_sum) / max(1, nbatches))
         times["sleep_time_max_s"] = round(max(topo.world.allgather(delay.slept - slept)), 4)
         with worker.global_weights():
             ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
@@ -413,7 +413,3 @@ def _epoch_times(comm, now: StepTimes, before: StepTimes, compute: float, nbatch
             "wait_time_max_s": round(max(waits), 4), "overlap_fraction": round(inner.overlap(), 4),
             "compute_ms_per_step": round(1e3 * mean[0] / max(1, nbatches), 3),
             "wait_ms_per_step": round(1e3 * mean[1] / max(1, nbatches), 3)}
-
-
-def _mean_over(comm, value: float) -> float:
-    return comm.allreduce(value) / comm.Get_size()

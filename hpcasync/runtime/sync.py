@@ -41,7 +41,7 @@ from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import DelayModel
 from ..hetero import check_options as check_hetero
-from .context import RunContext, RunResult
+from .context import RunContext, RunResult, max_over, mean_over
 
 log = logging.getLogger("hpcasync")
 
@@ -263,28 +263,14 @@ def run(ctx: RunContext) -> RunResult:
                 ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
                                      epoch=epoch, step=opt.steps, writer=topo.rank == 0)
         opt.average_buffers()
-        train_loss = _mean_over(topo.world, loss_sum / max(1, nbatches))
+        train_loss = mean_over(topo.world, loss_sum / max(1, nbatches))
         ctx.epoch_end(epoch, model, train_loss=train_loss,
-                      bytes_communicated=_sum_over(topo.world, opt.bytes_sent),
+                      bytes_communicated=topo.world.allreduce(opt.bytes_sent),
                       comm_time_s=round(opt.comm_time, 4),
-                      sleep_time_max_s=_max_over(topo.world, delay.slept - slept))
+                      sleep_time_max_s=round(max_over(topo.world, delay.slept - slept), 4))
         ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
                              step=opt.steps, writer=topo.rank == 0, force=True)
     return RunResult(model=model, summary={
         "backend": cfg.backend, "steps": opt.steps,
-        "bytes_communicated": _sum_over(topo.world, opt.bytes_sent), **delay.record(),
+        "bytes_communicated": topo.world.allreduce(opt.bytes_sent), **delay.record(),
         "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
-
-
-def _max_over(comm, value: float) -> float:
-    from mpi4py import MPI
-
-    return round(comm.allreduce(value, op=MPI.MAX), 4)
-
-
-def _mean_over(comm, value: float) -> float:
-    return comm.allreduce(value) / comm.Get_size()
-
-
-def _sum_over(comm, value):
-    return comm.allreduce(value)
