@@ -231,7 +231,7 @@ def _sync_ctx(algorithm, hetero):
     return _context(cfg)
 
 
-@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd", "daso"])
 def test_straggler_slows_every_rank_of_a_synchronous_run(algorithm):
     from hpcasync.runtime import runtime_module
 

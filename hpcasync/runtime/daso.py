@@ -9,6 +9,10 @@ Checkpoints (``--checkpoint-dir``, ``--resume``) and preemption are handled at e
 where every replica — parameters, buffers and optimizer state — is identical, so rank 0's state is
 the job's; a preemption signal is acted upon at the next epoch end.
 
+Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``) works as in
+SSGD (:class:`~hpcasync.runtime.sync.StepDelay`): a slow rank sleeps after its forward/backward,
+so the node-local average (and any blocking global one) waits for it.
+
 ``--backend horovod`` runs the node-local gradient averages through Horovod initialised on the
 node-local communicator (``hvd.init(comm=topo.local)``); the global part is always our own MPI.
 
@@ -28,7 +32,9 @@ from ..comm import DASO_CHUNK_ELEMS, FlatModel
 from ..daso import DASO, DasoSchedule, LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
+from ..hetero import check_options as check_hetero
 from .context import RunContext, RunResult, max_over
+from .sync import StepDelay
 
 log = logging.getLogger("hpcasync")
 
@@ -83,6 +89,7 @@ def daso_kwargs(cfg) -> dict:
 def validate(cfg) -> None:
     """Pre-MPI checks: every knob through the same validation the classes use."""
     kw = daso_kwargs(cfg)
+    check_hetero(cfg.options)
     DasoSchedule(total_epochs=cfg.epochs, num_groups=1,
                  **{k: kw[k] for k in ("warmup_epochs", "cooldown_epochs", "global_skip",
                                        "local_skip", "batches_to_wait", "max_global_skips",
@@ -115,6 +122,9 @@ def run(ctx: RunContext) -> RunResult:
     opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
                local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
     opt.broadcast_parameters(root=0)
+    delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
+    if ctx.is_root and delay.active:
+        log.info("daso: heterogeneity: %s", delay.model.describe())
     start_epoch = 1
     state = ctx.resume_state()
     if state is not None:
@@ -136,18 +146,21 @@ def run(ctx: RunContext) -> RunResult:
             raise ConfigError(f"DASO: shard of {len(indices)} images does not give {nbatches} "
                               f"batches in epoch {epoch}")
         ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
-        loss_sum = 0.0
+        loss_sum, slept = 0.0, delay.slept
         model.train()
         for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
+            delay.begin()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            delay.end(opt.steps)         # a straggler sleeps here; the local average waits for it
             opt.step()
             loss_sum += ctx.step_done(epoch, i + 1, loss.item())
         record = opt.epoch_end(loss_sum / nbatches)
         wait_max = max_over(topo.world, record["daso_global_wait_s"])
         record["daso_global_wait_max_s"] = round(wait_max, 4)
+        record["sleep_time_max_s"] = round(max_over(topo.world, delay.slept - slept), 4)
         for key in totals:
             totals[key] += record[key]
         schedule.append([epoch, record["daso_phase"], record["daso_global_skip"],
@@ -173,4 +186,5 @@ def run(ctx: RunContext) -> RunResult:
         "replica_checksum": checksum[:16], "daso_schedule": schedule,
         "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
         "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
-        "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"])})
+        "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"]),
+        **delay.record(), "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})

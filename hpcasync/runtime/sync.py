@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..comm import FlatModel, allreduce
 from ..comm.broadcast import broadcast
+from ..daso.comm import LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import DelayModel
@@ -194,10 +195,16 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("ssgd")
     group.add_argument("--compress", choices=("none", "bf16", "fp16"), default="none",
                        help="wire format of gradient allreduces (ssgd, daso)")
+    group.add_argument("--link-delay-us-per-mb", type=float, default=0.0,
+                       help="ssgd: emulated slow inter-node link, µs per 10^6 bytes of each "
+                            "step's gradient message (only with more than one node; default 0)")
 
 
 def validate(cfg) -> None:
     check_hetero(cfg.options)
+    d = cfg.options.get("link_delay_us_per_mb", 0.0)
+    if not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
+        raise ConfigError(f"--link-delay-us-per-mb must be a finite number >= 0, got {d!r}")
     if cfg.backend == "horovod":
         try:
             import horovod.torch  # noqa: F401
@@ -227,6 +234,11 @@ def run(ctx: RunContext) -> RunResult:
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
         log.info("ssgd: heterogeneity: %s", delay.model.describe())
+    # emulated slow inter-node link (as DASO's, hpcasync.daso.comm): each step's gradient message
+    # crosses it once per node, at its wire size; only a job of more than one node pays
+    link = LinkDelay(cfg.options.get("link_delay_us_per_mb", 0.0) if topo.num_nodes > 1 else 0.0)
+    numel = sum(p.numel() for p in model.parameters())
+    wire_bytes = numel * (2 if cfg.options.get("compress", "none") != "none" and flat else 4)
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
     state = ctx.resume_state()
     if state is not None:
@@ -258,6 +270,7 @@ def run(ctx: RunContext) -> RunResult:
             loss.backward()
             delay.end(opt.steps)         # a straggler sleeps here; the allreduce waits for it
             opt.step()
+            link.block(wire_bytes)
             loss_sum += ctx.step_done(epoch, i + 1, loss.item())
             if i + 1 < nbatches:
                 ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
