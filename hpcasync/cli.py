@@ -67,6 +67,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="also checkpoint every N steps (0: epoch ends and preemption only)")
     p.add_argument("--resume", default=None,
                    help="auto (latest good checkpoint in --checkpoint-dir) or a checkpoint path")
+    p.add_argument("--divergence-factor", type=float, default=10.0,
+                   help="stop when the mean loss of the last 20 steps exceeds this many times its "
+                        "best and the first loss (0: only non-finite losses/weights stop the run)")
     for module in runtime_modules():
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
@@ -90,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="auto", help="auto, cpu or cuda")
     from .sim import add_arguments as _sim_arguments
     _sim_arguments(sub.add_parser("sim", help="simulate N workers in one process (no MPI)"))
+    from .experiments.commands import add_experiment_arguments, add_report_arguments
+    add_experiment_arguments(sub.add_parser("experiment", help="run an experiment file's matrix "
+                                            "(resumable)"))
+    add_report_arguments(sub.add_parser("report", help="markdown tables and PNG plots of an "
+                                        "experiment's runs"))
     return parser
 
 
@@ -118,6 +126,18 @@ def _info(ns) -> int:
     return 0
 
 
+def _experiment(ns) -> int:
+    from .experiments.commands import experiment_main
+
+    return experiment_main(ns)
+
+
+def _report(ns) -> int:
+    from .experiments.commands import report_main
+
+    return report_main(ns)
+
+
 def _bench(ns) -> int:
     importlib.import_module(BENCHMARKS[ns.bench][0]).run(ns)
     return 0
@@ -136,7 +156,8 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = run_guarded(_parse, argv)
-    handler = {"train": _train, "info": _info, "bench": _bench, "sim": _sim}[ns.command]
+    handler = {"train": _train, "info": _info, "bench": _bench, "sim": _sim,
+               "experiment": _experiment, "report": _report}[ns.command]
     code = run_guarded(handler, ns)
     return code or 0
 

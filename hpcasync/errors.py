@@ -10,7 +10,10 @@ Two kinds of failure, two behaviours:
 Either way, once MPI is running, the failing rank calls ``MPI_Abort`` on ``COMM_WORLD`` so the whole
 job ends within seconds instead of leaving the other ranks blocked in a collective (invariant 2).
 Before MPI is initialised (option validation happens there) every rank sees the same error, so only
-rank 0 prints it and every rank exits with status 2.
+rank 0 prints it and every rank exits with status 2. After, a user error on a rank other than 0 is
+held back for :data:`FOLLOWER_GRACE_S`, so an error that every rank meets is still said once (by
+rank 0). A world of one rank whose launcher numbered it k > 0 (Open MPI started by a plain
+``srun``: N separate singleton jobs) is treated like the pre-MPI case: task 0 speaks for all.
 """
 from __future__ import annotations
 
@@ -40,7 +43,15 @@ class CheckpointError(HpcasyncError):
     """A missing, corrupt or incompatible checkpoint."""
 
 
+class DivergedError(HpcasyncError):
+    """Training diverged (non-finite or exploding loss, non-finite weights): the run stops."""
+
+
 PRE_MPI_FOLLOWER_WAIT_S = 15.0
+#: Once MPI runs, a rank other than 0 that hits a user error waits this long before reporting it:
+#: an error every rank meets (a data file, a world size, a checkpoint) is then said once, by rank
+#: 0, whose MPI_Abort ends the wait; an error of this rank alone is reported after the wait.
+FOLLOWER_GRACE_S = 5.0
 
 
 def launcher_rank() -> int:
@@ -73,7 +84,11 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
         code = 2 if user_error else 1
     rank = world.Get_rank() if world is not None else launcher_rank()
     size = world.Get_size() if world is not None else 1
+    if world is not None and size == 1 and launcher_rank() != 0:
+        world, rank = None, launcher_rank()      # one of N singleton jobs: as before MPI
     if user_error:
+        if world is not None and size > 1 and rank != 0:
+            time.sleep(FOLLOWER_GRACE_S)      # rank 0's abort ends this if it failed alike
         # Before MPI every rank raises the same error: let rank 0 speak for all of them.
         if world is not None or rank == 0:
             where = f" (rank {rank})" if world is not None and size > 1 else ""
@@ -82,6 +97,7 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         print(f"hpcasync: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
     if world is not None and size > 1:
+        time.sleep(0.2)     # let the launcher forward our line before its own abort banner
         world.Abort(code)
     if world is None and rank != 0:
         # Before MPI, rank 0 speaks for everyone. If this rank exited first, the launcher would end

@@ -9,7 +9,8 @@ algorithms drive the very same rule objects as the MPI parameter server (``sim_e
 The JSONL stream has the records of a real run (``config``, ``epoch``, ``summary``), each epoch and
 the summary with ``sim_time`` (simulated seconds: a natural step takes ``--sim-step-time``). A run
 is bit-reproducible: the same options give the same stream except the wall-clock fields
-(``time_s``, ``wall_time_s``). No MPI is used.
+(``time_s``, ``wall_time_s``). No MPI is used. A diverging run stops with one line, as a real one
+(``RunContext.divergence``: every round's mean loss / every accepted push's loss is checked).
 
 Example::
 
@@ -155,6 +156,7 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     def on_push(w: int, tau: int, loss: float, t: float) -> None:
         ctx.progress.update(1, loss=loss, tau=tau)
         n = sim.stats.accepted
+        ctx.divergence.check(loss, step=n)
         if log_every and n % log_every == 0:
             ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1, staleness=tau,
                               loss=loss, lr=rule.lr, sim_time=t)
@@ -182,6 +184,7 @@ def _run_sync(ctx, model, delay, W: int) -> dict:
 
     def on_round(loss: float, t: float) -> None:
         ctx.progress.update(1, loss=loss)
+        ctx.divergence.check(loss, step=sim.rounds)
 
     sim = SyncSim(model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
                   batch_size=cfg.batch_size, seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum,

@@ -36,6 +36,7 @@ RANKS_PER_NODE_ENV = "HPCASYNC_RANKS_PER_NODE"
 def init_mpi():
     """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI."""
     single_host_open_mpi_defaults()
+    ulfm_open_mpi_defaults()
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
@@ -53,6 +54,19 @@ def single_host_open_mpi_defaults() -> None:
     local, world = env.get("OMPI_COMM_WORLD_LOCAL_SIZE"), env.get("OMPI_COMM_WORLD_SIZE")
     if local is not None and local == world and "OMPI_MCA_osc" not in env:
         env["OMPI_MCA_osc"] = "^ucx"
+
+
+def ulfm_open_mpi_defaults() -> None:
+    """Before MPI_Init, under ULFM (``mpirun --with-ft ulfm`` sets ``OMPI_MCA_mpi_ft_enable=1``):
+    skip the PMIx fence at the start of MPI_Finalize (``async_mpi_finalize``). After a process
+    had died, that job-wide fence now and then never completed (Open MPI 5.0.11: the survivors
+    hung in MPI_Finalize); ULFM's MPI_Finalize first shrinks COMM_WORLD and runs a barrier over the
+    survivors, which already waits for all of them and flushes their messages. A user setting
+    of OMPI_MCA_async_mpi_finalize wins."""
+    env = os.environ
+    if env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on",
+                                                                "enabled"):
+        env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
 
 
 def _finalize() -> None:

@@ -1,9 +1,15 @@
 """The training driver: algorithm-agnostic set-up around one runtime.
 
-Order matters for failure behaviour: everything that can be checked without MPI (options, data
-files, runtime-specific option checks) is checked first, so bad input fails with one line before any
-rank waits on another. Then MPI starts, the topology is built, data and model are made identically
-on every rank, and the runtime runs. Rank 0 writes the metrics stream and shows progress.
+Order matters for failure behaviour: everything that can be checked without MPI (options,
+runtime-specific option checks, a checkpoint named by ``--resume``, the data files, which are read
+whole) is checked first, so bad input fails with one line before any rank waits on another. Then
+MPI starts, the topology is built, the model is made identically on every rank, and the runtime
+runs. Rank 0 writes the metrics stream and shows progress.
+
+Bad input found once MPI runs (a world size that does not fit the algorithm, a checkpoint from
+another run) leaves nothing behind: a metrics stream that holds no more than its ``config`` and
+``resume`` records is removed before the error is reported. A run that diverged keeps its
+``PATH.partial`` stream, ending in a ``diverged`` record.
 """
 from __future__ import annotations
 
@@ -19,8 +25,8 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .errors import ConfigError
-from .metrics import MetricsWriter
+from .errors import ConfigError, DivergedError, HpcasyncError, launcher_rank
+from .metrics import MetricsWriter, read_metrics
 from .runtime import algorithms, runtime_module
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
@@ -36,11 +42,17 @@ def setup_logging(rank: int, verbose: bool = False, *, report_rank: int = 0) -> 
 
 
 def precheck(cfg: TrainConfig):
-    """Checks that need no MPI: options, the runtime's own options, the data files."""
+    """Checks that need no MPI: options, the runtime's own options, a checkpoint named by
+    ``--resume PATH`` (intact, same algorithm and model; the world size is checked once MPI runs),
+    the data files."""
     cfg.validate(algorithms())
     runtime = runtime_module(cfg.algorithm)
     if hasattr(runtime, "validate"):
         runtime.validate(cfg)
+    if cfg.resume not in (None, "auto"):
+        from .checkpoint import read_checkpoint
+
+        read_checkpoint(cfg.resume, expect={"algorithm": cfg.algorithm, "model": cfg.model})
     from .data import locate_dataset
 
     locate_dataset(cfg.dataset, data_dir=cfg.data_dir, warn=False)
@@ -61,6 +73,23 @@ def params_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+_STARTUP_EVENTS = frozenset({"config", "resume"})
+
+
+def discard_startup_stream(metrics: MetricsWriter) -> None:
+    """Close ``metrics`` unfinished and delete its ``.partial`` file if it holds only start-up
+    records (the run failed on its input before doing anything)."""
+    if not metrics.enabled:
+        return
+    metrics.close(complete=False)
+    try:
+        events = {r.get("event") for r in read_metrics(metrics.partial)}
+    except (OSError, ValueError):
+        return
+    if events <= _STARTUP_EVENTS:
+        metrics.partial.unlink(missing_ok=True)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run one training job described by ``cfg`` on the MPI world; returns the summary record."""
     runtime = precheck(cfg)
@@ -69,6 +98,10 @@ def train(cfg: TrainConfig) -> dict:
     from .models import build_model
     from .topology import Topology
 
+    # read (and so check) the data before MPI starts: a bad file is then said once, by rank 0
+    setup_logging(launcher_rank())
+    train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
+                                       train_limit=cfg.train_limit, test_limit=cfg.test_limit)
     topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device, ps_rank=cfg.ps_rank)
     # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank)
     report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
@@ -80,9 +113,6 @@ def train(cfg: TrainConfig) -> dict:
         log.info("hpcasync %s: %s", cfg.algorithm, topo.describe())
         if cfg.device != "cpu" and topo.device == "cpu":
             log.info("no GPU visible: running on the CPU")
-
-    train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
-                                       train_limit=cfg.train_limit, test_limit=cfg.test_limit)
 
     def make_model() -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
@@ -111,6 +141,13 @@ def train(cfg: TrainConfig) -> dict:
                         stop, EXIT_PREEMPTED)
         sys.stdout.flush()
         sys.exit(EXIT_PREEMPTED)
+    except DivergedError as exc:
+        metrics.write("diverged", reason=str(exc), steps=ctx.steps)
+        metrics.close(complete=False)
+        raise
+    except HpcasyncError:
+        discard_startup_stream(metrics)
+        raise
     finally:
         ctx.preempt.restore()
     wall = time.time() - t0

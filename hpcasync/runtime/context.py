@@ -3,6 +3,12 @@
 The driver (``hpcasync.train``) owns data, model construction, metrics, progress and evaluation;
 a runtime owns only its communication pattern and update loop. ``RunContext.epoch_end`` is the one
 place an epoch is evaluated, logged and recorded, so every algorithm reports the same way.
+
+Divergence (:mod:`.divergence`): ``ctx.divergence`` watches the losses passed to ``step_done``
+(a runtime without ``step_done``, such as the parameter server, calls ``ctx.divergence.check``
+itself); ``epoch_end`` refuses a model with non-finite weights, and ``consistent_point`` a
+state with non-finite values, each with :class:`~hpcasync.errors.DivergedError` before anything is
+recorded or saved.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .divergence import DEFAULT_FACTOR, DivergenceGuard
 
 log = logging.getLogger("hpcasync")
 
@@ -119,8 +127,11 @@ class RunContext:
     check_every: int = 10                  # steps between preemption agreements (one allreduce)
     checkpoint_every: int = 0              # steps between periodic checkpoints (0: epoch ends only)
     _fault_step: int | None = field(default=None, init=False)
+    divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
     def __post_init__(self) -> None:
+        self.divergence = DivergenceGuard(
+            factor=getattr(self.cfg, "divergence_factor", DEFAULT_FACTOR))
         # Testing hook: HPCASYNC_INJECT_FAULT=RANK:STEP raises on that rank after that many steps,
         # so the abort path is exercised with a real exception inside a real run.
         spec = os.environ.get("HPCASYNC_INJECT_FAULT", "")
@@ -141,10 +152,12 @@ class RunContext:
 
     def step_done(self, epoch: int, batch: int, loss: float) -> float:
         """After a synchronous runtime's step ``batch`` (1-based) of ``epoch``: run the per-step
-        hooks (:meth:`after_step`), advance the progress bar and, every ``--log-every`` batches,
-        write a ``step`` record. Returns ``loss`` as a float."""
+        hooks (:meth:`after_step`), check ``loss`` for divergence (this rank's; DivergedError),
+        advance the progress bar and, every ``--log-every`` batches, write a ``step`` record.
+        Returns ``loss`` as a float."""
         self.after_step()
         value = float(loss)
+        self.divergence.check(value, step=self.steps)
         self.progress.update(1, loss=value)
         if self.cfg.log_every and batch % self.cfg.log_every == 0:
             self.metrics.write("step", epoch=epoch, batch=batch, loss=value)
@@ -198,7 +211,10 @@ class RunContext:
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):
             if writer:
-                path = self.checkpoints.save(make_state(), epoch=epoch, step=step,
+                state = make_state()
+                self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
+                                              "(checkpoint not written)")
+                path = self.checkpoints.save(state, epoch=epoch, step=step,
                                              **self.checkpoint_header())
                 self.metrics.write("checkpoint", path=str(path), epoch=epoch, step=step)
             comm.Barrier()                     # the file is complete before anyone exits
@@ -215,6 +231,7 @@ class RunContext:
         ``eval_comm`` must not call it. Returns the record (on every calling rank).
         """
         comm = self.topo.world if eval_comm is None else eval_comm
+        self.divergence.check_weights(model, where=f"the end of epoch {epoch}")
         test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device)
         record = {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
                   "test_accuracy": test_acc, "wall_time_s": round(time.time() - self.t0, 3), **extra}

@@ -35,12 +35,18 @@ Decisions (the papers assume a PS; these are ours):
   (protocol in ``ps_server``). On ``--resume`` each worker restarts at its position from the PS's θ
   (a fresh ``initial_reply``: DC-ASGD's backup, SHAT's counts restart there), so a resumed run
   is a valid async run with the same total work, not a replay of the interrupted one.
+* Worker failure (``ft``): under ``mpirun --with-ft ulfm`` a dead worker is retired and the others
+  train on; its remaining batches are not trained; the end-of-run collectives run on the shrunk
+  communicator; the summary lists ``failed_workers`` and the job exits 0. Without ULFM the
+  launcher ends the job; the PS checkpoints on its SIGTERM and logs how to resume.
+* Divergence: the PS checks each accepted push's loss (``ctx.divergence``; DivergedError ends it).
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import time
 
 import torch
 
@@ -50,6 +56,7 @@ from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
 from ..rules import make_rule, rule_hyperparameters, smega2_lr, warmup_lr
+from . import ft
 from .context import Preempted, RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
@@ -185,11 +192,12 @@ def run(ctx: RunContext) -> RunResult:
                                flat.numel, extra=flat.buffer_numel,
                                reply_scalars=build_rule(cfg, torch.zeros(1), 1).reply_scalars)
     summary: dict = {}
+    ulfm = ft.ulfm_enabled()
     if topo.is_ps:
-        log.info("%s: PS rank %d, %d workers, transport %s, %s", cfg.algorithm, topo.ps_rank, W,
-                 transport.name, delay.describe())
+        log.info("%s: PS rank %d, %d workers, transport %s, %s; %s", cfg.algorithm,
+                 topo.ps_rank, W, transport.name, delay.describe(), ft.describe(ulfm))
         summary, stopping = _serve(ctx, transport, flat, model, W, batches_per_worker, state,
-                                   stop_flag)
+                                   stop_flag, ulfm)
     else:
         from .ps_worker import finish_worker, run_worker
 
@@ -206,38 +214,58 @@ def run(ctx: RunContext) -> RunResult:
             ctx.after_step()
             if inject is not None:
                 inject()
-        wstats = run_worker(transport, rule, model, flat, ctx.train, epochs=cfg.epochs,
-                            batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
-                            delay=None if delay.trivial else delay, oracle=oracle,
-                            after_step=after_step, grad_hook=_nan_hook(topo.rank),
-                            start_step=start, stop_requested=stop_flag)
-        stopping = finish_worker(transport, wstats, stop_flag)
-        summary = {"worker_steps": wstats.steps, "worker_sleep_s": round(wstats.sleep_time, 3),
+        transport.before_header = ft.kill_hook(topo.rank)
+        try:
+            wstats = run_worker(transport, rule, model, flat, ctx.train, epochs=cfg.epochs,
+                                batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
+                                delay=None if delay.trivial else delay, oracle=oracle,
+                                after_step=after_step, grad_hook=_nan_hook(topo.rank),
+                                start_step=start, stop_requested=stop_flag)
+            stopping = finish_worker(transport, wstats, stop_flag)
+        except MPI.Exception as exc:
+            if not ulfm or ft.failed_ranks(topo.world, exc) is None:
+                raise
+            if transport.worker:          # worker 0 says it once; its MPI_Abort ends this wait
+                time.sleep(10)
+            raise _ps_failed(topo) from None
+        summary = {"worker": transport.worker, "worker_steps": wstats.steps,
+                   "worker_sleep_s": round(wstats.sleep_time, 3),
                    "worker_compute_s": round(wstats.compute_time, 3),
                    "worker_cpu_s": round(wstats.cpu_time, 3),
                    "worker_wait_s": round(transport.wait_time, 3),
                    "worker_start_step": wstats.start_step}
-    transport.close()
+    # the survivors (all ranks without ULFM) go on together; a dead rank cannot free windows
+    comm, lost = ft.survivors(topo.world, ulfm)
+    transport.close(collective=not lost)
+    root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
+    if root < 0:             # the PS died after the end messages
+        raise _ps_failed(topo)
     if stopping:             # the PS has written the checkpoint (if any) before closing
-        topo.world.Barrier()
+        comm.Barrier()
         raise Preempted("preempted: the parameter server stopped every worker after its "
                         "current push")
     # every rank ends with the PS's θ (and its averaged buffers)
     for tensor in (flat.params, flat.buffers):
         if tensor.numel():
             host = tensor.detach().cpu().contiguous()      # a copy when on a GPU
-            topo.world.Bcast([host.numpy(), MPI.FLOAT], root=topo.ps_rank)
+            comm.Bcast([host.numpy(), MPI.FLOAT], root=root)
             tensor.copy_(host)
-    per_worker = topo.world.gather(summary if not topo.is_ps else None, root=topo.ps_rank)
+    per_worker = comm.gather(summary if not topo.is_ps else None, root=root)
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]
         summary["hetero"] = delay.to_record()
-    summary = topo.world.bcast(summary, root=topo.ps_rank)
+        ft.record_late_deaths(summary, lost, topo.workers)
+    summary = comm.bcast(summary, root=root)
     return RunResult(model=model, summary=summary)
 
 
+def _ps_failed(topo) -> ft.PSFailed:
+    return ft.PSFailed(f"the parameter server (rank {topo.ps_rank}) died; the run cannot go on: "
+                       "resume from its last checkpoint with --resume auto")
+
+
 def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: int,
-           state: dict | None, stop_flag) -> tuple[dict, bool]:
+           state: dict | None, stop_flag, ulfm: bool) -> tuple[dict, bool]:
     """The PS rank's part of :func:`run`: serve, record epochs, write checkpoints, leave θ in
     ``flat``. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
@@ -248,7 +276,7 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
     rule = build_rule(cfg, flat.params.detach().cpu(), W)
     buffers = torch.zeros(W, flat.buffer_numel)
     seen = [False] * W
-    inject = signal_hook(ctx.topo.rank)
+    inject, kill = signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
 
     def load_theta() -> None:
         flat.params.copy_(rule.theta)
@@ -270,6 +298,8 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
     def on_push(w: int, staleness: int, loss: float) -> None:
         if inject is not None:
             inject()
+        if kill is not None:
+            kill()
         ctx.progress.update(1, loss=loss, tau=staleness)
         n = server.stats.accepted
         if cfg.log_every and n % cfg.log_every == 0:
@@ -287,14 +317,27 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
                                     **ctx.checkpoint_header())
         ctx.metrics.write("checkpoint", path=str(path), epoch=epoch, step=server.stats.accepted,
                           kind=kind, positions=list(server.positions))
+        return path
+
+    # SIGTERM: checkpoint at once (between pushes: while waiting, or at the loop's top)
+    sigterm = ft.SigtermCheckpoint(ctx.preempt, save if ctx.checkpoints is not None else None,
+                                   world_size=ctx.topo.size, ulfm=ulfm)
+    transport.idle_hook = sigterm.poll
+
+    def stop_requested() -> bool:
+        sigterm.poll()
+        return stop_flag is not None and stop_flag()
 
     pushes_per_epoch = W * batches_per_worker
     server = PSServer(transport, rule, pushes_per_epoch=pushes_per_epoch, epochs=cfg.epochs,
                       on_epoch=on_epoch, lr_at=lr_schedule(cfg, W), on_push=on_push,
                       on_buffers=on_buffers if flat.buffer_numel else None,
-                      stop_requested=stop_flag,
+                      stop_requested=stop_requested,
                       on_checkpoint=save if ctx.checkpoints is not None else None,
-                      checkpoint_every=ctx.checkpoint_every)
+                      checkpoint_every=ctx.checkpoint_every,
+                      on_failure=lambda record: ctx.metrics.write("worker_failed", **record),
+                      on_accept=lambda w, loss: ctx.divergence.check(loss,
+                                                                     step=server.stats.accepted))
     resumed_at = 0
     if state is not None:
         server.load_state_dict(state["ps"])
@@ -321,7 +364,9 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
             "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
             "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),
             "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks,
-            "resumed_at_push": resumed_at}, server.stopping
+            "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
+            "failed_workers": list(server.failed.values()),
+            "rule_workers": ft.rule_worker_state(rule)}, server.stopping
 
 
 def signal_hook(rank: int):

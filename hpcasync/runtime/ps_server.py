@@ -33,6 +33,15 @@ point is "the PS state after the pushes it answered, each worker at its next unp
 
 Resume: :meth:`load_state_dict`; workers whose budget is spent (``finished``) get no initial reply
 and are not waited for.
+
+Worker failure (ULFM, ``ft``): a transport call that meets a dead worker raises ``WorkerFailed``;
+the PS retires it (``rule.retire``: its per-worker state goes, later pushes would be rejected),
+records it in ``failed`` (worker, rank, PS version, pushes answered), drops its in-flight push (a
+header or gradient that never arrived; a message it sent before dying is ignored), stops waiting
+for it and goes on with the others. Its remaining batches are not trained. Epochs stay
+``pushes_per_epoch`` accepted pushes (a data set's worth of gradients), so the last epoch is short
+and is recorded when the last worker stops. A stop (preemption) does not wait for dead workers;
+:meth:`finish` sends them nothing.
 """
 from __future__ import annotations
 
@@ -42,6 +51,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError
 from ..rules import PushMeta
+from .ft import WorkerFailed
 from .ps_stats import PushStats
 from .ps_transport import KIND_DONE, KIND_PEEK, KIND_PUSH, KIND_STOP
 
@@ -66,9 +76,13 @@ class PSServer:
         stop_requested: ``() -> bool``, polled between messages: the PS's own preemption flag.
         on_checkpoint: ``on_checkpoint(kind)`` with kind ``"epoch"`` or ``"periodic"`` (module doc).
         checkpoint_every: accepted pushes between periodic checkpoints (0: epoch ends only).
+        on_failure: ``on_failure(record)`` after a worker was found dead and retired.
+        on_accept: ``on_accept(worker, loss)`` after each accepted push, before it is answered
+            (may raise to end the run, e.g. a divergence guard).
 
     Attributes: ``stats``, ``positions`` (pushes answered per worker = its next batch),
-    ``finished`` (workers whose last push was answered), ``stopping``, ``next_epoch``.
+    ``finished`` (workers whose last push was answered), ``stopping``, ``next_epoch``,
+    ``failed`` (worker -> record of its death).
     """
 
     def __init__(self, transport, rule, *, pushes_per_epoch: int, epochs: int,
@@ -77,7 +91,9 @@ class PSServer:
                  on_push: Callable[[int, int, float], Any] | None = None,
                  on_buffers: Callable[[int, Any], Any] | None = None, keep_log: bool = True,
                  stop_requested: Callable[[], bool] | None = None,
-                 on_checkpoint: Callable[[str], Any] | None = None, checkpoint_every: int = 0):
+                 on_checkpoint: Callable[[str], Any] | None = None, checkpoint_every: int = 0,
+                 on_failure: Callable[[dict], Any] | None = None,
+                 on_accept: Callable[[int, float], Any] | None = None):
         self.transport = transport
         self.rule = rule
         self.pushes_per_epoch = pushes_per_epoch
@@ -99,23 +115,34 @@ class PSServer:
         self.finished = [False] * W
         self.stopping = False
         self.stop_reason = ""
+        self.on_failure = on_failure
+        self.on_accept = on_accept
+        self.failed: dict[int, dict] = {}
+        self._done = [False] * W
 
     def serve(self) -> PushStats:
         """Serve until every worker has sent its last push, or until a stop (module doc)."""
         t = self.transport
+        done = self._done
         for w in range(t.num_workers):
-            if not self.finished[w]:
+            done[w] = self.finished[w] or w in self.failed
+            if not done[w]:
                 reply = self.rule.initial_reply(w)
-                t.send_reply(w, reply.params, reply.version, True, reply.scalars)
-        done = list(self.finished)
+                self._send(w, reply.params, reply.version, True, reply.scalars)
         while not all(done):
             if not self.stopping and self.stop_requested is not None and self.stop_requested():
                 self._begin_stop("a signal at the PS")
-            push = t.recv_push()
+            try:
+                push = t.recv_push()
+            except WorkerFailed as exc:
+                self._lose(exc.ranks)
+                continue
+            if push.worker in self.failed:          # sent before it died: dropped
+                continue
             if push.kind == KIND_PEEK:
                 self.peeks += 1
-                t.send_reply(push.worker, self.rule.theta, self.rule.version, True,
-                             (0.0,) * self.rule.reply_scalars)
+                self._send(push.worker, self.rule.theta, self.rule.version, True,
+                           (0.0,) * self.rule.reply_scalars)
                 continue
             if push.kind == KIND_STOP:              # from a worker that has finished
                 self._begin_stop(f"a signal at worker {push.worker}")
@@ -129,7 +156,7 @@ class PSServer:
             self.finished[push.worker] |= push.last
             if push.last or self.stopping:
                 done[push.worker] = True
-        if all(self.finished):
+        if all(f or w in self.failed for w, f in enumerate(self.finished)):
             if self.stopping:
                 log.info("PS: every worker had finished; completing the run instead of stopping")
             self.stopping = False
@@ -144,23 +171,62 @@ class PSServer:
                         "its last", self.stats.accepted, reason)
 
     def finish(self) -> list[int]:
-        """After :meth:`serve`: send every worker the end message (with ``stopping``) and collect
-        its ``KIND_DONE``; returns each worker's step count (its position, as the PS counted it).
-        A ``KIND_STOP`` arriving now (the training is complete) is ignored."""
+        """After :meth:`serve`: send every live worker the end message (with ``stopping``) and
+        collect its ``KIND_DONE``; returns each worker's step count (its position, as the PS
+        counted it; a dead worker's position). A ``KIND_STOP`` arriving now (the training is
+        complete) is ignored."""
         t = self.transport
         for w in range(t.num_workers):
-            t.send_end(w, self.stopping)
-        steps: list[int | None] = [None] * t.num_workers
-        while any(s is None for s in steps):
-            push = t.recv_push()
+            if w not in self.failed:
+                try:
+                    t.send_end(w, self.stopping)
+                except WorkerFailed as exc:
+                    self._lose(exc.ranks)
+        steps: list[int | None] = [self.positions[w] if w in self.failed else None
+                                   for w in range(t.num_workers)]
+        while any(s is None and w not in self.failed for w, s in enumerate(steps)):
+            try:
+                push = t.recv_push()
+            except WorkerFailed as exc:
+                self._lose(exc.ranks)
+                continue
+            if push.worker in self.failed:
+                continue
             if push.kind == KIND_DONE:
                 steps[push.worker] = push.version
             elif push.kind != KIND_STOP:
                 raise RuntimeError(f"PS: unexpected message kind {push.kind} from worker "
                                    f"{push.worker} after the end")
+        steps = [self.positions[w] if s is None else s for w, s in enumerate(steps)]
         if steps != self.positions:
             log.warning("PS: workers report %s steps, the PS counted %s", steps, self.positions)
         return steps
+
+    def _send(self, w: int, *args) -> None:
+        """``transport.send_reply`` to worker ``w``; a dead ``w`` is retired instead."""
+        try:
+            self.transport.send_reply(w, *args)
+        except WorkerFailed as exc:
+            self._lose(exc.ranks)
+
+    def _lose(self, workers: list[int]) -> None:
+        """Workers found dead: retire each (once), record it, stop waiting for it."""
+        for w in workers:
+            if w in self.failed:
+                continue
+            self.rule.retire(w)
+            self._done[w] = True
+            rank = self.transport.workers[w]
+            record = {"worker": w, "rank": rank, "ps_version": self.rule.version,
+                      "pushes": self.positions[w], "finished": self.finished[w]}
+            self.failed[w] = record
+            alive = self.transport.num_workers - len(self.failed)
+            log.warning("worker %d (rank %d) died at PS version %d; continuing with %d workers "
+                        "(its in-flight push is dropped; it had %d pushes answered, the rest of "
+                        "its shard is not trained)", w, rank, self.rule.version, alive,
+                        self.positions[w])
+            if self.on_failure is not None:
+                self.on_failure(record)
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -203,8 +269,7 @@ class PSServer:
             self.stats.reject(w, push.version, reason, push.loss)
             reply = rule.initial_reply(w)
             self.apply_time += time.perf_counter() - t0
-            self.transport.send_reply(w, reply.params, reply.version, False, reply.scalars,
-                                      self.stopping)
+            self._send(w, reply.params, reply.version, False, reply.scalars, self.stopping)
             return
         if self.lr_at is not None:
             rule.lr = self.lr_at(self.stats.accepted / self.pushes_per_epoch)
@@ -214,8 +279,9 @@ class PSServer:
         self.stats.accept(w, push.version, staleness, push.loss)
         if self.on_buffers is not None and push.extra.numel():
             self.on_buffers(w, push.extra)
-        self.transport.send_reply(w, reply.params, reply.version, True, reply.scalars,
-                                  self.stopping)
+        if self.on_accept is not None:
+            self.on_accept(w, push.loss)
+        self._send(w, reply.params, reply.version, True, reply.scalars, self.stopping)
         if self.on_push is not None:
             self.on_push(w, staleness, push.loss)
         crossed = (self.next_epoch <= self.epochs

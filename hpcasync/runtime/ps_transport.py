@@ -28,6 +28,13 @@ the stop decision (the same on both transports: a small two-sided message).
 
 Nobody spins: every wait is ``Test`` + sleep with exponential backoff (20 µs doubling to 1 ms),
 so an idle PS or a worker waiting for its reply leaves the core to the ranks that compute.
+
+Worker failure (``ft``): under ULFM a PS-side call that meets a dead worker raises
+:class:`~hpcasync.runtime.ft.WorkerFailed` (its header or gradient never arrives: the push is
+dropped; a reply or end message to it fails); the pending ``MPI_ANY_SOURCE`` header receive is kept
+and reused. ``idle_hook`` (PS) is called while waiting for a header (the SIGTERM checkpoint);
+``before_header`` (worker) after a push's data left and before its header (the kill hook).
+``close(collective=False)`` leaves the windows to ``MPI_Finalize`` (a dead rank cannot free them).
 """
 from __future__ import annotations
 
@@ -44,12 +51,14 @@ _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102
                                                                      4105, 4106)
 
 
-def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3) -> float:
-    """Complete ``req`` without spinning: ``Test``, then sleep 20 µs doubling up to ``cap``.
-    Returns the seconds spent waiting."""
+def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3, poll=None) -> float:
+    """Complete ``req`` without spinning: ``Test``, then sleep 20 µs doubling up to ``cap``
+    (``poll()`` is called before each sleep). Returns the seconds spent waiting."""
     t0 = time.perf_counter()
     pause = first
     while not req.Test(status):
+        if poll is not None:
+            poll()
         time.sleep(pause)
         pause = min(cap, pause * 2)
     return time.perf_counter() - t0
@@ -108,13 +117,33 @@ class _Base:
         self.bytes_out = 0         # PS: payload bytes sent (replies)
         self.wait_time = 0.0       # seconds spent waiting (PS: idle; worker: for replies)
         self._end = np.zeros(1, np.float64)
+        self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
+        self.idle_hook = None      # PS: called while waiting for a header
+        self.before_header = None  # worker: called between a push's data and its header
+
+    def _failed(self, exc: BaseException, *, keep_head: bool = False):
+        """PS: the :class:`WorkerFailed` for an MPI error that reports dead ranks (their worker
+        indices), or ``exc`` itself for any other error. The caller raises it."""
+        from .ft import WorkerFailed, failed_ranks, is_pending
+
+        ranks = failed_ranks(self.comm, exc)
+        if ranks is None:
+            return exc
+        if not (keep_head and is_pending(exc)):
+            self._head_req = None
+        return WorkerFailed([self.workers.index(r) for r in ranks if r in self.workers])
 
     # -- PS side -------------------------------------------------------------------------------
     def _recv_header(self) -> tuple[int, np.ndarray]:
         status = self.MPI.Status()
-        req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE], source=self.MPI.ANY_SOURCE,
-                              tag=_TAG_PUSH)
-        self.wait_time += wait(req, status)
+        if self._head_req is None:
+            self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],
+                                             source=self.MPI.ANY_SOURCE, tag=_TAG_PUSH)
+        try:
+            self.wait_time += wait(self._head_req, status, poll=self.idle_hook)
+        except self.MPI.Exception as exc:
+            raise self._failed(exc, keep_head=True) from None
+        self._head_req = None
         src = status.Get_source()
         return self.workers.index(src), self._head_in
 
@@ -135,8 +164,11 @@ class _Base:
     def send_end(self, w: int, stop: bool) -> None:
         """PS: tell worker ``w`` there is no more work, and whether the job stops (preemption)."""
         msg = np.array([float(stop)])
-        self.wait_time += wait(self.comm.Isend([msg, self.MPI.DOUBLE], dest=self.workers[w],
-                                               tag=_TAG_END))
+        try:
+            self.wait_time += wait(self.comm.Isend([msg, self.MPI.DOUBLE], dest=self.workers[w],
+                                                   tag=_TAG_END))
+        except self.MPI.Exception as exc:
+            raise self._failed(exc) from None
 
     # -- worker side ---------------------------------------------------------------------------
     def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
@@ -211,16 +243,21 @@ class RMATransport(_Base):
                    scalars=(), stop: bool = False) -> None:
         MPI = self.MPI
         rank = self.workers[w]
-        if self.reply_mode == "get":
-            self._out[w * self.numel: (w + 1) * self.numel].copy_(params)
-            self.win_out.Sync()
-        else:
-            self.win_out.Lock(rank, MPI.LOCK_SHARED)
-            self.win_out.Put([_np(params), MPI.FLOAT], rank, target=(0, self.numel, MPI.FLOAT))
-            self.win_out.Unlock(rank)
-        self.bytes_out += self.numel * 4
-        head = self._reply_header(w, version, accepted, scalars, stop)
-        self.wait_time += wait(self.comm.Isend([head, MPI.DOUBLE], dest=rank, tag=_TAG_REPLY))
+        try:
+            if self.reply_mode == "get":
+                self._out[w * self.numel: (w + 1) * self.numel].copy_(params)
+                self.win_out.Sync()
+            else:
+                self.win_out.Lock(rank, MPI.LOCK_SHARED)
+                self.win_out.Put([_np(params), MPI.FLOAT], rank,
+                                 target=(0, self.numel, MPI.FLOAT))
+                self.win_out.Unlock(rank)
+            self.bytes_out += self.numel * 4
+            head = self._reply_header(w, version, accepted, scalars, stop)
+            self.wait_time += wait(self.comm.Isend([head, MPI.DOUBLE], dest=rank,
+                                                   tag=_TAG_REPLY))
+        except MPI.Exception as exc:
+            raise self._failed(exc) from None
 
     # worker side
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
@@ -236,6 +273,8 @@ class RMATransport(_Base):
                 self.win_in.Put([_np(extra), MPI.FLOAT], self.ps_rank,
                                 target=(base + self.numel, self.extra, MPI.FLOAT))
             self.win_in.Unlock(self.ps_rank)
+            if self.before_header is not None:
+                self.before_header()
         req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)
         self.wait_time += wait(req)
 
@@ -253,8 +292,9 @@ class RMATransport(_Base):
             out.copy_(self._out)
         return self._parse_reply()
 
-    def close(self) -> None:
-        """Collective: end the epochs and free the windows."""
+    def close(self, collective: bool = True) -> None:
+        """Collective: end the epochs and free the windows (``collective=False``, after a rank
+        died: end the epochs and leave the windows to ``MPI_Finalize``)."""
         if self.is_ps:
             self.win_in.Unlock_all()
             if self.reply_mode == "get":
@@ -262,8 +302,9 @@ class RMATransport(_Base):
         elif self.reply_mode == "put":
             self.win_out.Unlock_all()
         self._in = self._out = None
-        self.win_in.Free()
-        self.win_out.Free()
+        if collective:
+            self.win_in.Free()
+            self.win_out.Free()
 
 
 class P2PTransport(_Base):
@@ -284,10 +325,13 @@ class P2PTransport(_Base):
         buf = self._grads[w]
         if int(h[0]) == KIND_PUSH:
             n = min(int(h[4]), self.numel)
-            self.comm.Recv([_np(buf[:n]), MPI.FLOAT], source=self.workers[w], tag=_TAG_GRAD)
-            if self.extra:
-                self.comm.Recv([_np(buf[self.numel:]), MPI.FLOAT], source=self.workers[w],
-                               tag=_TAG_EXTRA)
+            try:                        # a worker that dies mid-push: its push is dropped
+                self.comm.Recv([_np(buf[:n]), MPI.FLOAT], source=self.workers[w], tag=_TAG_GRAD)
+                if self.extra:
+                    self.comm.Recv([_np(buf[self.numel:]), MPI.FLOAT], source=self.workers[w],
+                                   tag=_TAG_EXTRA)
+            except MPI.Exception as exc:
+                raise self._failed(exc) from None
             self.bytes_in += (n + self.extra) * 4
         return self._make_push(w, h, buf[: self.numel], buf[self.numel:])
 
@@ -295,7 +339,11 @@ class P2PTransport(_Base):
                    scalars=(), stop: bool = False) -> None:
         MPI = self.MPI
         rank = self.workers[w]
-        self.wait_time += wait_all(self._pending[w])     # the previous reply has left
+        try:
+            self.wait_time += wait_all(self._pending[w])     # the previous reply has left
+        except MPI.Exception as exc:
+            self._pending[w] = []
+            raise self._failed(exc) from None
         self._replies[w].copy_(params)
         head = self._reply_header(w, version, accepted, scalars, stop)
         self._pending[w] = [
@@ -309,6 +357,8 @@ class P2PTransport(_Base):
         MPI = self.MPI
         reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)]
         if kind == KIND_PUSH:
+            if self.before_header is not None:      # here: after the header, before the data
+                self.before_header()
             n = min(grad.numel(), self.numel)
             reqs.append(self.comm.Isend([_np(grad[:n]), MPI.FLOAT], dest=self.ps_rank,
                                         tag=_TAG_GRAD))
@@ -324,9 +374,13 @@ class P2PTransport(_Base):
         self.wait_time += wait_all(reqs)
         return self._parse_reply()
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
         for reqs in self._pending:
-            self.wait_time += wait_all(reqs)
+            try:
+                self.wait_time += wait_all(reqs)
+            except self.MPI.Exception:          # a reply to a worker that died
+                if collective:
+                    raise
         self._pending = []
 
 

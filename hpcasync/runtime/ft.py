@@ -1,0 +1,236 @@
+"""Fault tolerance of the parameter server: a worker's death is survived under ULFM; without ULFM
+the PS saves a checkpoint when the launcher's SIGTERM arrives and the job ends non-zero.
+
+Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the summary):
+
+``ulfm``
+    Open MPI started as ``mpirun --with-ft ulfm ...`` (the launcher then sets
+    ``OMPI_MCA_mpi_ft_enable=1`` in every process) with an mpi4py that has the ULFM calls. An MPI
+    call that involves a dead process returns ``MPI_ERR_PROC_FAILED`` (``..._PENDING`` for a receive
+    from ``MPI_ANY_SOURCE``, whose request stays valid) instead of aborting: mpi4py's communicators
+    use ``MPI_ERRORS_RETURN`` and raise it as ``MPI.Exception``. The PS-side transport turns that
+    into :class:`WorkerFailed` after ``Comm.Ack_failed`` / ``Comm.Get_failed``
+    (:func:`failed_ranks`); ``ps_server`` retires the worker (``rule.retire``: SHAT's count,
+    DC-ASGD's backup, SMEGA2's N), drops its in-flight push and goes on. Workers talk only to the
+    PS and never notice. At the end every survivor calls ``Comm.Shrink`` (:func:`survivors`; an
+    agreement, also when nobody died, so every rank takes the same branch) and the end-of-run
+    collectives run on the shrunk communicator. ``MPI_Win_free`` is collective over the window's
+    whole group, so the RMA windows are freed only when nobody died, and are otherwise left to
+    ``MPI_Finalize``. ``topology.ulfm_open_mpi_defaults`` skips the job-wide PMIx fence in
+    ``MPI_Finalize``, which after a death hung in about 1 run of 4 (3 of 12 measured; 0 of 15
+    without it).
+``none``
+    Without ``--with-ft`` Open MPI's launcher (prterun) ends the whole job when one process dies.
+    Measured with Open MPI 5.0.11: every survivor gets SIGCONT, SIGTERM 0.25 s later, SIGKILL about
+    0.25 s after that; mpirun exits with a non-zero status (137 for a SIGKILLed rank). The PS writes
+    a checkpoint the moment it sees SIGTERM (:class:`SigtermCheckpoint`; the PS state between two
+    pushes is a consistent point, and a write takes milliseconds) and logs the command that resumes
+    the run, which retrains the dead worker's remaining batches. If the PS is busy for the whole
+    quarter second (an epoch's evaluation), the last epoch or ``--checkpoint-every`` checkpoint is
+    the resume point; without ``--checkpoint-dir`` the progress is lost (the message says so).
+
+The PS's own death is not survivable: a worker waiting on it gets ``MPI_ERR_PROC_FAILED`` (ULFM)
+and raises :class:`PSFailed`, which ``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2);
+without ULFM the launcher ends the job.
+
+Testing hook: ``HPCASYNC_INJECT_KILL=RANK:N`` (:func:`kill_hook`) makes that rank SIGKILL itself at
+its N-th push (a worker: after its gradient is written, before the header; the PS: after its N-th
+accepted push), so a test kills a real process at a known point.
+
+Example::
+
+    if ulfm_enabled():
+        comm, lost = survivors(topo.world, True)      # on every surviving rank, after training
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import sys
+from typing import Callable
+
+from ..errors import HpcasyncError
+
+log = logging.getLogger("hpcasync")
+
+FT_ENV = "OMPI_MCA_mpi_ft_enable"
+
+
+class PSFailed(HpcasyncError):
+    """The parameter server died: the run cannot go on (raised on the workers)."""
+
+
+class WorkerFailed(Exception):
+    """Raised by a PS-side transport call when processes of its communicator died (``ranks``)."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"ranks {ranks} died")
+        self.ranks = list(ranks)
+
+
+def ulfm_enabled() -> bool:
+    """True when this process runs under Open MPI's ULFM (``mpirun --with-ft ulfm``) and mpi4py
+    exposes the calls the PS needs."""
+    if os.environ.get(FT_ENV, "").strip().lower() not in ("1", "true", "yes", "on", "enabled"):
+        return False
+    from mpi4py import MPI
+
+    return all(hasattr(MPI.Comm, f) for f in ("Ack_failed", "Get_failed", "Shrink")) \
+        and hasattr(MPI, "ERR_PROC_FAILED")
+
+
+def describe(ulfm: bool) -> str:
+    if ulfm:
+        return "fault tolerance: ULFM (a worker's death is survived; the PS's is not)"
+    return ("fault tolerance: none (start with `mpirun --with-ft ulfm` to survive a worker's "
+            "death; without it a dead rank ends the job)")
+
+
+def failed_ranks(comm, exc: BaseException) -> list[int] | None:
+    """For an ``MPI.Exception`` that reports dead processes: acknowledge them on ``comm`` and
+    return the ranks (of ``comm``) known dead so far; None for any other exception."""
+    from mpi4py import MPI
+
+    codes = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                             "ERR_REVOKED")} - {None}
+    if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in codes:
+        return None
+    comm.Ack_failed()
+    failed, group = comm.Get_failed(), comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+    finally:
+        failed.Free()
+        group.Free()
+    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
+
+
+def is_pending(exc: BaseException) -> bool:
+    """The failed request is still active (a receive from ``MPI_ANY_SOURCE``)."""
+    from mpi4py import MPI
+
+    return (isinstance(exc, MPI.Exception)
+            and exc.Get_error_class() == getattr(MPI, "ERR_PROC_FAILED_PENDING", -1))
+
+
+def survivors(comm, ulfm: bool):
+    """Collective over the surviving ranks of ``comm``: ``(comm', lost)`` with ``comm'`` the
+    shrunk communicator (``comm`` itself without ULFM) and ``lost`` the ranks of ``comm`` that are
+    not in it. Every survivor gets the same answer."""
+    if not ulfm:
+        return comm, []
+    from mpi4py import MPI
+
+    new = comm.Shrink()
+    g_new, g_old = new.Get_group(), comm.Get_group()
+    try:
+        kept = MPI.Group.Translate_ranks(g_new, list(range(new.Get_size())), g_old)
+    finally:
+        g_new.Free()
+        g_old.Free()
+    return new, sorted(set(range(comm.Get_size())) - {int(r) for r in kept})
+
+
+def translate(rank: int, src, dst) -> int:
+    """Rank ``rank`` of communicator ``src`` as a rank of ``dst`` (-1 when it is not there)."""
+    from mpi4py import MPI
+
+    a, b = src.Get_group(), dst.Get_group()
+    try:
+        r = MPI.Group.Translate_ranks(a, [rank], b)[0]
+    finally:
+        a.Free()
+        b.Free()
+    return -1 if r == MPI.UNDEFINED else int(r)
+
+
+def kill_hook(rank: int) -> Callable[[], None] | None:
+    """Testing hook: ``HPCASYNC_INJECT_KILL=RANK:N`` makes this rank SIGKILL itself at the N-th call
+    of the returned function (None when the variable does not name this rank)."""
+    spec = os.environ.get("HPCASYNC_INJECT_KILL", "")
+    r, _, n = spec.partition(":")
+    if not (r.isdigit() and n.isdigit() and int(r) == rank):
+        return None
+    calls = [0]
+
+    def hook() -> None:
+        calls[0] += 1
+        if calls[0] == int(n):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) -> None:
+    """Add to ``summary["failed_workers"]`` the ``lost`` ranks (from :func:`survivors`) that the
+    PS had not seen die: they died after their last message."""
+    known = {f["rank"] for f in summary["failed_workers"]}
+    for r in sorted(set(lost) - known):
+        w = worker_ranks.index(r)
+        summary["failed_workers"].append({"worker": w, "rank": r, "ps_version": summary["pushes"],
+                                          "pushes": summary["pushes_per_worker"][w],
+                                          "finished": True})
+        log.warning("worker %d (rank %d) died after its last push", w, r)
+
+
+def rule_worker_state(rule) -> dict:
+    """The rule's per-worker state as plain data, for the summary: which workers are alive and,
+    where the rule keeps them, DC-ASGD's backups, SHAT's counts, SMEGA2's cycle length N."""
+    d = rule.state_dict()
+    out = {"active": rule.num_active, "alive": [bool(a) for a in d["alive"]]}
+    if "backup" in d:
+        out["dc_backups"] = sorted(int(w) for w in d["backup"])
+    if "counts" in d:
+        out["shat_counts"] = [int(c) for c in d["counts"]]
+    if "n" in d and "c" in d:
+        out["smega2_n"] = int(d["n"])
+    return out
+
+
+def resume_command(world_size: int, argv: list[str] | None = None) -> str:
+    """The command line that resumes this run from its checkpoints (``--resume auto``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            kept.append(a)
+    cmd = ["mpirun", "--with-ft", "ulfm", "-n", str(world_size), sys.executable, "-m", "hpcasync",
+           *kept, "--resume", "auto"]
+    return shlex.join(cmd)
+
+
+class SigtermCheckpoint:
+    """Write a checkpoint as soon as SIGTERM arrives at the PS (without ULFM a dead rank makes the
+    launcher SIGTERM, then SIGKILL, every survivor; a scheduler's SIGTERM is followed by SIGKILL
+    too). ``poll()`` is called where the PS state is consistent (between pushes, while waiting);
+    ``save(kind)`` writes the checkpoint and returns its path (None: no ``--checkpoint-dir``).
+    The usual stop protocol runs afterwards and, if it gets the time, writes a newer one."""
+
+    def __init__(self, flag, save: Callable[[str], object] | None, *, world_size: int,
+                 ulfm: bool):
+        self.flag, self.save = flag, save
+        self.world_size, self.ulfm = world_size, ulfm
+        self.saved = False
+
+    def poll(self) -> None:
+        if self.saved or self.flag is None or self.flag.signum != signal.SIGTERM:
+            return
+        self.saved = True
+        why = ("SIGTERM (a scheduler's preemption)" if self.ulfm else
+               "SIGTERM (a rank died and Open MPI without `--with-ft ulfm` is ending the job, or "
+               "a scheduler preempts it)")
+        if self.save is None:
+            log.warning("PS: %s without --checkpoint-dir: this run's progress is lost; rerun with "
+                        "--checkpoint-dir (and `mpirun --with-ft ulfm` to survive a worker's "
+                        "death)", why)
+            return
+        path = self.save("signal")
+        log.warning("PS: %s: wrote checkpoint %s; if the job ends now, resume with:\n  %s", why,
+                    path, resume_command(self.world_size))
+        for h in logging.getLogger("hpcasync").handlers + logging.getLogger().handlers:
+            h.flush()
