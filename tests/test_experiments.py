@@ -19,7 +19,8 @@ from hpcasync.errors import ConfigError
 from tests.mpi_util import REPO, clean_env, run_cli, wait_for
 
 pytestmark = pytest.mark.rank0
-STUDIES = ("shat", "smega2", "delay_compensation", "odsgd", "daso", "heterogeneity")
+STUDIES = ("shat", "smega2", "delay_compensation", "delay_compensation_64", "odsgd", "daso",
+           "heterogeneity")
 TINY_BASE = {"dataset": "fashion-mnist-mini", "train_limit": 256, "test_limit": 100, "epochs": 1}
 
 
