@@ -146,11 +146,10 @@ def translate(rank: int, src, dst) -> int:
     return -1 if r == MPI.UNDEFINED else int(r)
 
 
-def kill_hook(rank: int) -> Callable[[], None] | None:
-    """Testing hook: ``HPCASYNC_INJECT_KILL=RANK:N`` makes this rank SIGKILL itself at the N-th call
-    of the returned function (None when the variable does not name this rank)."""
-    spec = os.environ.get("HPCASYNC_INJECT_KILL", "")
-    r, _, n = spec.partition(":")
+def inject_hook(var: str, rank: int, sig: int) -> Callable[[], None] | None:
+    """Testing hook: the environment variable ``var=RANK:N`` makes this rank send itself ``sig``
+    at the N-th call of the returned function (None when ``var`` does not name this rank)."""
+    r, _, n = os.environ.get(var, "").partition(":")
     if not (r.isdigit() and n.isdigit() and int(r) == rank):
         return None
     calls = [0]
@@ -158,8 +157,13 @@ def kill_hook(rank: int) -> Callable[[], None] | None:
     def hook() -> None:
         calls[0] += 1
         if calls[0] == int(n):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
     return hook
+
+
+def kill_hook(rank: int) -> Callable[[], None] | None:
+    """``HPCASYNC_INJECT_KILL=RANK:N``: that rank SIGKILLs itself at the N-th call."""
+    return inject_hook("HPCASYNC_INJECT_KILL", rank, signal.SIGKILL)
 
 
 def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) -> None:

@@ -373,17 +373,7 @@ def signal_hook(rank: int):
     """Testing hook: ``HPCASYNC_INJECT_SIGNAL=RANK:N`` makes that rank send itself SIGUSR1 (a real
     signal, as Slurm's) at the N-th call of the returned function (workers: steps; the PS:
     accepted pushes), or returns None. Lets tests signal exactly one rank at a known point."""
-    spec = os.environ.get("HPCASYNC_INJECT_SIGNAL", "")
-    r, _, n = spec.partition(":")
-    if not (r.isdigit() and n.isdigit() and int(r) == rank):
-        return None
-    calls = [0]
-
-    def hook() -> None:
-        calls[0] += 1
-        if calls[0] == int(n):
-            os.kill(os.getpid(), signal.SIGUSR1)
-    return hook
+    return ft.inject_hook("HPCASYNC_INJECT_SIGNAL", rank, signal.SIGUSR1)
 
 
 def _nan_hook(rank: int):
