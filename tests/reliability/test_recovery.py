@@ -151,7 +151,10 @@ def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
     assert s["pushes"] == W * BUDGET and s["rejected_pushes"] == 0   # exactly the remaining work
     assert s["pushes_per_worker"] == [BUDGET] * W
     assert sorted(w["worker_start_step"] for w in s["workers"]) == sorted(positions)
-    assert s["test_accuracy"] > 0.5
+    # a sanity check, not the property (that is the exact work above): the resumed model kept what
+    # it had learned. Chance is 0.1 and a re-initialised model stays near it; 192 asgd pushes scored
+    # 0.44-0.6 on these 300 test images depending on the push order (0.437 once in CI at a 0.5 bar)
+    assert s["test_accuracy"] > 0.3
 
 
 # -- a writer killed before its rename -----------------------------------------------------------
