@@ -79,7 +79,10 @@ def mean_curve(group, use_time: bool) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def _accuracy(plt, exp, groups, path: Path, use_time: bool) -> None:
+def _faceted(plt, exp, groups, path: Path, draw, *, xlabel: str, ylabel: str,
+             log_y: bool = False, target: float | None = None) -> None:
+    """One subplot per facet value, ``draw(ax, group, color, label)`` for each of its groups, one
+    legend for the figure (a colour per label, the same in every subplot)."""
     facet, values = _facets(exp, groups)
     skip = ("seed", facet) if facet else ("seed",)
     colors = _colors(list(dict.fromkeys(g.label(skip) for g in groups)))
@@ -88,14 +91,12 @@ def _accuracy(plt, exp, groups, path: Path, use_time: bool) -> None:
         for g in groups:
             if facet and g.value(facet) != value:
                 continue
-            xs, ys = mean_curve(g, use_time)
-            if xs:
-                ax.plot(xs, ys, marker="o", markersize=3, color=colors[g.label(skip)],
-                        label=g.label(skip))
+            draw(ax, g, colors[g.label(skip)], g.label(skip))
+        if log_y:
+            ax.set_yscale("log")
         ax.set_title(f"{facet} = {value}" if facet else exp["name"])
-        ax.set_xlabel(TIME_LABELS[exp["report"].get("time", "wall")] if use_time else "epoch")
-        ax.set_ylabel("test accuracy (%)")
-        target = exp["report"].get("target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         if target is not None:
             ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
     handles = {}
@@ -109,38 +110,33 @@ def _accuracy(plt, exp, groups, path: Path, use_time: bool) -> None:
     _save(fig, path)
 
 
+def _accuracy(plt, exp, groups, path: Path, use_time: bool) -> None:
+    def draw(ax, g, color, label):
+        xs, ys = mean_curve(g, use_time)
+        if xs:
+            ax.plot(xs, ys, marker="o", markersize=3, color=color, label=label)
+
+    _faceted(plt, exp, groups, path, draw,
+             xlabel=TIME_LABELS[exp["report"].get("time", "wall")] if use_time else "epoch",
+             ylabel="test accuracy (%)", target=exp["report"].get("target"))
+
+
 def _staleness(plt, exp, groups, path: Path) -> bool:
     with_hist = [g for g in groups if any(r.staleness for r in g.runs)]
     if not with_hist:
         return False
-    facet, values = _facets(exp, with_hist)
-    skip = ("seed", facet) if facet else ("seed",)
-    colors = _colors(list(dict.fromkeys(g.label(skip) for g in with_hist)))
-    fig, axes = _grid(plt, len(values))
-    for ax, value in zip(axes, values):
-        for g in with_hist:
-            if facet and g.value(facet) != value:
-                continue
-            pooled: dict[int, int] = {}
-            for r in g.runs:
-                for k, v in r.staleness.items():
-                    pooled[k] = pooled.get(k, 0) + v
-            n = sum(pooled.values())
-            ks = sorted(pooled)
-            ax.step(ks, [pooled[k] / n for k in ks], where="mid", color=colors[g.label(skip)],
-                    label=g.label(skip))
-        ax.set_yscale("log")
-        ax.set_title(f"{facet} = {value}" if facet else exp["name"])
-        ax.set_xlabel("staleness τ (updates)")
-        ax.set_ylabel("fraction of pushes")
-    handles = {}
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles), loc="center left", fontsize=7,
-               bbox_to_anchor=(1 - 2.1 / fig.get_figwidth(), 0.5))
-    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
-    _save(fig, path)
+
+    def draw(ax, g, color, label):
+        pooled: dict[int, int] = {}
+        for r in g.runs:
+            for k, v in r.staleness.items():
+                pooled[k] = pooled.get(k, 0) + v
+        n = sum(pooled.values())
+        ks = sorted(pooled)
+        ax.step(ks, [pooled[k] / n for k in ks], where="mid", color=color, label=label)
+
+    _faceted(plt, exp, with_hist, path, draw, xlabel="staleness τ (updates)",
+             ylabel="fraction of pushes", log_y=True)
     return True
 
 

@@ -98,12 +98,20 @@ def failed_ranks(comm, exc: BaseException) -> list[int] | None:
     if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in codes:
         return None
     comm.Ack_failed()
-    failed, group = comm.Get_failed(), comm.Get_group()
+    return _ranks_in(comm.Get_failed(), comm)
+
+
+def _ranks_in(group, comm) -> list[int]:
+    """The ranks in ``comm`` of the members of ``group`` that belong to it, sorted; frees
+    ``group``."""
+    from mpi4py import MPI
+
+    mine = comm.Get_group()
     try:
-        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), mine)
     finally:
-        failed.Free()
         group.Free()
+        mine.Free()
     return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
 
 
@@ -121,16 +129,9 @@ def survivors(comm, ulfm: bool):
     not in it. Every survivor gets the same answer."""
     if not ulfm:
         return comm, []
-    from mpi4py import MPI
-
     new = comm.Shrink()
-    g_new, g_old = new.Get_group(), comm.Get_group()
-    try:
-        kept = MPI.Group.Translate_ranks(g_new, list(range(new.Get_size())), g_old)
-    finally:
-        g_new.Free()
-        g_old.Free()
-    return new, sorted(set(range(comm.Get_size())) - {int(r) for r in kept})
+    kept = _ranks_in(new.Get_group(), comm)
+    return new, sorted(set(range(comm.Get_size())) - set(kept))
 
 
 def translate(rank: int, src, dst) -> int:
