@@ -16,7 +16,9 @@ mpi4py.rc.finalize = False
 
 from . import __version__  # noqa: E402
 from .config import apply_config_file, config_from_args  # noqa: E402
-from .errors import ConfigError, run_guarded  # noqa: E402
+from .errors import run_guarded  # noqa: E402
+from .options import OptionParser as _Parser  # noqa: E402
+from .options import add_sim_arguments, add_train_arguments  # noqa: E402
 
 
 # name -> (module with add_arguments/run, one-line summary)
@@ -28,60 +30,13 @@ BENCHMARKS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError (one line) instead of printing usage and exiting."""
-
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
-def _add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from .runtime import algorithms, runtime_modules
-
-    p.add_argument("--config", help="TOML or JSON file of option defaults (the command line wins)")
-    p.add_argument("--algorithm", default="ssgd", help=f"one of: {', '.join(algorithms())}")
-    p.add_argument("--backend", default="mpi", help="mpi (own collectives) or horovod (ssgd, daso)")
-    p.add_argument("--dataset", default="fashion-mnist")
-    p.add_argument("--data-dir", default=None, help="directory of the data set files")
-    p.add_argument("--train-limit", type=int, default=None, help="use the first N training images")
-    p.add_argument("--test-limit", type=int, default=None, help="use the first N test images")
-    p.add_argument("--model", default="lenet", help="mlp, lenet or resnet20")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics", default=None, help="JSONL metrics file (rank 0 writes it)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="group the ranks of each machine into virtual nodes of K ranks "
-                        "(also HPCASYNC_RANKS_PER_NODE)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (local rank r -> cuda:r)")
-    p.add_argument("--ps-rank", type=int, default=0, help="world rank of the parameter server")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores/ranks)")
-    p.add_argument("--progress", default="auto", help="auto (bar on a terminal), on, off")
-    p.add_argument("--log-every", type=int, default=0, help="write a step record every N batches")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="write checkpoints here (each epoch end, on SIGTERM/SIGUSR1, periodically)")
-    p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="also checkpoint every N steps (0: epoch ends and preemption only)")
-    p.add_argument("--resume", default=None,
-                   help="auto (latest good checkpoint in --checkpoint-dir) or a checkpoint path")
-    p.add_argument("--divergence-factor", type=float, default=10.0,
-                   help="stop when the mean loss of the last 20 steps exceeds this many times its "
-                        "best and the first loss (0: only non-finite losses/weights stop the run)")
-    for module in runtime_modules():
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpcasync", description="Synchronous, asynchronous and hierarchical "
                      "data-parallel training on MPI.")
     parser.add_argument("--version", action="version", version=f"hpcasync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train a model (run under mpiexec/srun)")
-    _add_train_arguments(train)
+    add_train_arguments(train)
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (module, summary) in BENCHMARKS.items():
@@ -91,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--ranks-per-node", type=int, default=None,
                       help="group the ranks of each machine into virtual nodes of K ranks")
     info.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    from .sim import add_arguments as _sim_arguments
-    _sim_arguments(sub.add_parser("sim", help="simulate N workers in one process (no MPI)"))
+    add_sim_arguments(sub.add_parser("sim", help="simulate N workers in one process (no MPI)"))
     from .experiments.commands import add_experiment_arguments, add_report_arguments
     add_experiment_arguments(sub.add_parser("experiment", help="run an experiment file's matrix "
                                             "(resumable)"))
@@ -109,7 +63,7 @@ def _train(ns) -> int:
 
 
 def _sim(ns) -> int:
-    from .sim import main as sim_main
+    from .sim.driver import main as sim_main
 
     return sim_main(ns)
 

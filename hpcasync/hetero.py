@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from .errors import ConfigError
 
@@ -207,3 +210,52 @@ def _ranges(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
     return ", ".join(map(str, ranks))
+
+
+class StepDelay:
+    """Heterogeneity for a synchronous runtime: after rank ``rank``'s compute, sleep
+    ``natural · (factor − 1)`` and the push delay (:class:`~hpcasync.hetero.DelayModel`, worker
+    index = rank). ``natural`` is the median of the last 15 steps' forward/backward times: CPU time
+    of the process on a CPU device (a rank the OS kept waiting is not slow), wall time on a GPU.
+
+    Example::
+
+        delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
+        delay.begin(); loss.backward(); delay.end(step)      # sleeps if this rank is slow
+        opt.step()                                           # everyone waits for it here
+    """
+
+    def __init__(self, model: DelayModel, rank: int, device: str = "cpu"):
+        self.model, self.rank = model, rank
+        self.active = not model.trivial
+        self.cpu_clock = torch.device(device).type == "cpu"
+        self.recent: deque[float] = deque(maxlen=15)
+        self.slept = 0.0          # seconds slept so far
+        self._t0 = self._c0 = 0.0
+
+    @classmethod
+    def from_config(cls, cfg, *, rank: int, size: int, device: str = "cpu") -> "StepDelay":
+        return cls(DelayModel.from_options(cfg.options, worker_ranks=range(size), seed=cfg.seed),
+                   rank, device)
+
+    def begin(self) -> None:
+        if self.active:
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def end(self, step: int) -> float:
+        """After the compute of step ``step``: sleep as the model says; returns seconds slept."""
+        if not self.active:
+            return 0.0
+        natural = (time.process_time() - self._c0 if self.cpu_clock
+                   else time.perf_counter() - self._t0)
+        self.recent.append(natural)
+        t = self.model.sleep_extra(self.rank, step, statistics.median(self.recent))
+        if self.model.push_delay_s:
+            self.model.sleep_push()
+            t += self.model.push_delay_s
+        self.slept += t
+        return t
+
+    def record(self) -> dict:
+        """Summary fields: the delay model (as recorded and in words)."""
+        return {"hetero": self.model.to_record(), "hetero_describe": self.model.describe()}

@@ -79,7 +79,7 @@ def test_simulated_slow_worker_pushes_ten_times_less_often():
     from hpcasync.data import load_dataset
     from hpcasync.models import build_model
     from hpcasync.rules import make_rule
-    from hpcasync.sim_engine import AsyncSim
+    from hpcasync.sim.engine import AsyncSim
 
     train, _ = load_dataset("fashion-mnist-mini", train_limit=960, test_limit=10)
     torch.manual_seed(0)

@@ -19,10 +19,10 @@ from hpcasync.data import load_dataset
 from hpcasync.errors import ConfigError
 from hpcasync.metrics import read_metrics
 from hpcasync.models import build_model
-from hpcasync.rules.odsgd import global_step, local_step
-from hpcasync.runtime.odsgd import (GlobalState, ODSGDHyper, ODSGDWorker, WorkerState,
+from hpcasync.odsgd.steps import global_step, local_step
+from hpcasync.odsgd.runtime import (GlobalState, ODSGDHyper, ODSGDWorker, WorkerState,
                                     hyper_from_config, simulate_round, validate)
-from hpcasync.runtime.sync import DistributedOptimizer
+from hpcasync.ssgd.runtime import DistributedOptimizer
 from tests.mpi_util import COMM, RANK, SIZE, clean_env, run_cli, run_mpi
 
 f64 = torch.float64

@@ -15,8 +15,8 @@ from hpcasync.metrics import MetricsWriter, read_metrics
 from hpcasync.models import build_model
 from hpcasync.rules import make_rule
 from hpcasync.runtime.context import Progress, RunContext
-from hpcasync.runtime.ps_server import PSServer
-from hpcasync.runtime.ps_transport import TRANSPORTS, make_transport
+from hpcasync.ps.server import PSServer
+from hpcasync.ps.transport import TRANSPORTS, make_transport
 from tests.mpi_util import COMM, RANK, SIZE, run_mpi
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs the 4-rank MPI world (PS + 3 workers)")
@@ -143,7 +143,7 @@ def _ctx(algorithm: str, tmp_path=None, options=None, **over):
     ("lcasgd", {"lc_predictor": "oracle"}), ("dana", {"ps_transport": "p2p"}),
     ("nag", {"ps_transport": "rma-put"})])
 def test_runtime_counts_and_final_model_everywhere(algorithm, options):
-    from hpcasync.runtime import ps
+    from hpcasync.ps import runtime as ps
 
     ctx = _ctx(algorithm, options=options)
     result = ps.run(ctx)
@@ -169,7 +169,7 @@ def test_runtime_counts_and_final_model_everywhere(algorithm, options):
 
 @needs4
 def test_runtime_straggler_really_sleeps():
-    from hpcasync.runtime import ps
+    from hpcasync.ps import runtime as ps
 
     result = ps.run(_ctx("asgd", options={"hetero": "HE1", "push_delay": 1.0}))
     w = result.summary["workers"]
@@ -244,7 +244,7 @@ def _stop_phase(t, positions, stop_at=None):
     """Workers push _grad(w, s) from their position; worker stop_at[0] asks to stop with its push
     s = stop_at[1]. Returns (θ, server) on the PS, (pushes, replies' stop flags, end flag) on a
     worker."""
-    from hpcasync.runtime.ps_worker import WorkerStats, finish_worker
+    from hpcasync.ps.worker import WorkerStats, finish_worker
 
     if t.is_ps:
         return None

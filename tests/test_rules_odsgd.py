@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpcasync.errors import ConfigError
-from hpcasync.rules.odsgd import delta_gap, delta_last_step, global_step, local_step
+from hpcasync.odsgd.steps import delta_gap, delta_last_step, global_step, local_step
 
 f64 = torch.float64
 

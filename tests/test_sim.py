@@ -10,7 +10,7 @@ from hpcasync.hetero import DelayModel
 from hpcasync.metrics import read_metrics
 from hpcasync.models import build_model
 from hpcasync.rules import make_rule
-from hpcasync.sim_engine import AsyncSim
+from hpcasync.sim.engine import AsyncSim
 from tests.mpi_util import run_cli
 
 SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-limit", "300",

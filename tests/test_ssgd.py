@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hpcasync.comm import FlatModel
 from hpcasync.data import load_dataset
 from hpcasync.models import build_model
-from hpcasync.runtime.sync import DistributedOptimizer
+from hpcasync.ssgd.runtime import DistributedOptimizer
 from tests.mpi_util import COMM, RANK, SIZE
 
 B = 16
@@ -98,7 +98,7 @@ HVD = COMM.bcast(_horovod_available() if RANK == 0 else None, root=0)
 
 @pytest.mark.skipif(not HVD, reason="Horovod is not installed (scripts/install-horovod.sh)")
 def test_horovod_backend_matches_own_backend(data):
-    from hpcasync.runtime.horovod_backend import HorovodOptimizer
+    from hpcasync.ssgd.horovod import HorovodOptimizer
 
     ours = _replica()
     theirs = _replica()

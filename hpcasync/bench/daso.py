@@ -16,7 +16,7 @@ Methods:
 * ``daso``: :class:`hpcasync.daso.DASO` (node-local gradient averages, one global group per
   ``global_skip`` batches, bf16 global messages); the bench defaults to 1 warm-up and 1 cool-down
   epoch (the paper's 4 + 4 would make a short run all blocking);
-* ``ssgd``: own SSGD, :class:`hpcasync.runtime.sync.DistributedOptimizer` (flat allreduce over all
+* ``ssgd``: own SSGD, :class:`hpcasync.ssgd.runtime.DistributedOptimizer` (flat allreduce over all
   ranks, float32) — as ``hpcasync train --algorithm ssgd``;
 * ``ssgd-hier``: own SSGD through :func:`hpcasync.comm.hierarchical_allreduce` (node reduce-scatter,
   across-node allreduce, node allgather; float32);
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- the methods -------------------------------------------------------------------------------
 def _ssgd_hier(optimizer, flat, topo, delay):
     from ..comm import hierarchical_allreduce
-    from ..runtime.sync import DistributedOptimizer
+    from ..ssgd.runtime import DistributedOptimizer
 
     class HierarchicalSSGD(DistributedOptimizer):
         def synchronize(self):
@@ -91,7 +91,7 @@ def _ssgd_hier(optimizer, flat, topo, delay):
 
 
 def _horovod(optimizer, model, topo, delay):
-    from ..runtime.horovod_backend import HorovodOptimizer
+    from ..ssgd.horovod import HorovodOptimizer
 
     class DelayedHorovod(HorovodOptimizer):
         def step(self):
@@ -106,7 +106,7 @@ def build(method: str, model, topo, args, delay_us: float, nbatches: int):
     """(optimizer wrapper, per-epoch-end callable) for ``method``."""
     from ..comm import FlatModel
     from ..daso import DASO, LinkDelay
-    from ..runtime.sync import DistributedOptimizer
+    from ..ssgd.runtime import DistributedOptimizer
 
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     delay = LinkDelay(delay_us)

@@ -93,8 +93,8 @@ def measure_cell(comm, rule_name: str, numel: int, workers: int, transport: str,
     from mpi4py import MPI
 
     from ..rules import make_rule
-    from ..runtime.ps_server import PSServer
-    from ..runtime.ps_transport import make_transport
+    from ..ps.server import PSServer
+    from ..ps.transport import make_transport
 
     rank = comm.Get_rank()
     sub = comm.Split(0 if rank <= workers else MPI.UNDEFINED, rank)
@@ -187,7 +187,7 @@ def machine(comm) -> str:
 def run(args: argparse.Namespace, comm=None) -> int:
     """``hpcasync bench ps`` (every rank calls it); rank 0 prints the markdown report."""
     from ..rules import RULES
-    from ..runtime.ps_transport import TRANSPORTS
+    from ..ps.transport import TRANSPORTS
 
     sizes = [parse_count(s) for s in args.params]
     for r in args.rules:

@@ -9,7 +9,7 @@ One concern per module:
                     blocking global averages, the emulated slow link
 * :mod:`.optimizer` ``DASO``, the wrapper around the user's torch optimizer
 
-The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.runtime.daso`.
+The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.daso.runtime`.
 """
 from .comm import DasoComm, InFlight, LinkDelay, pack_state, unpack_state
 from .merge import merge, merge_, merge_weights

@@ -104,17 +104,16 @@ def run_id(axes: dict[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _parser():
-    from ..cli import build_parser
+def _parser(command: str):
+    from ..options import command_parser
 
-    return build_parser()
+    return command_parser(command)
 
 
 @functools.lru_cache(maxsize=None)
 def known_options(command: str) -> frozenset[str]:
     """Option names (argparse dests) of ``hpcasync sim`` or ``hpcasync train``."""
-    sub = _parser()._subparsers._group_actions[0].choices[command]  # noqa: SLF001
-    return frozenset(a.dest for a in sub._actions if a.dest != "help")  # noqa: SLF001
+    return frozenset(a.dest for a in _parser(command)._actions if a.dest != "help")  # noqa: SLF001
 
 
 def load_spec(path: str | Path, *, mini: bool = False, check_runs: bool = True) -> Spec:
@@ -202,10 +201,10 @@ def check_run(spec: Spec, run: Run) -> None:
     from ..config import config_from_args
 
     try:
-        ns = _parser().parse_args([spec.command, *option_args(run.options)])
+        ns = _parser(spec.command).parse_args(option_args(run.options))
         cfg = config_from_args(ns)
         if spec.mode == "sim":
-            from ..sim import check
+            from ..sim.driver import check
             check(cfg)
         else:
             from ..train import precheck

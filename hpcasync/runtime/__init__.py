@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 
 RUNTIMES: dict[str, str] = {
-    "ssgd": "hpcasync.runtime.sync",
-    "daso": "hpcasync.runtime.daso",
-    "odsgd": "hpcasync.runtime.odsgd",
-    **{name: "hpcasync.runtime.ps" for name in ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat",
+    "ssgd": "hpcasync.ssgd.runtime",
+    "daso": "hpcasync.daso.runtime",
+    "odsgd": "hpcasync.odsgd.runtime",
+    **{name: "hpcasync.ps.runtime" for name in ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat",
                                                 "shat-root", "ensemble", "asp", "smega2", "dana",
                                                 "nag")},
 }

@@ -10,7 +10,7 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
     from ``MPI_ANY_SOURCE``, whose request stays valid) instead of aborting: mpi4py's communicators
     use ``MPI_ERRORS_RETURN`` and raise it as ``MPI.Exception``. The PS-side transport turns that
     into :class:`WorkerFailed` after ``Comm.Ack_failed`` / ``Comm.Get_failed``
-    (:func:`failed_ranks`); ``ps_server`` retires the worker (``rule.retire``: SHAT's count,
+    (:func:`failed_ranks`); ``ps.server`` retires the worker (``rule.retire``: SHAT's count,
     DC-ASGD's backup, SMEGA2's N), drops its in-flight push and goes on. Workers talk only to the
     PS and never notice. At the end every survivor calls ``Comm.Shrink`` (:func:`survivors`; an
     agreement, also when nobody died, so every rank takes the same branch) and the end-of-run
@@ -239,3 +239,10 @@ class SigtermCheckpoint:
                     path, resume_command(self.world_size))
         for h in logging.getLogger("hpcasync").handlers + logging.getLogger().handlers:
             h.flush()
+
+
+def signal_hook(rank: int):
+    """Testing hook: ``HPCASYNC_INJECT_SIGNAL=RANK:N`` makes that rank send itself SIGUSR1 (a real
+    signal, as Slurm's) at the N-th call of the returned function (workers: steps; the PS:
+    accepted pushes), or returns None. Lets tests signal exactly one rank at a known point."""
+    return inject_hook("HPCASYNC_INJECT_SIGNAL", rank, signal.SIGUSR1)

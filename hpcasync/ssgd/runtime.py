@@ -26,169 +26,21 @@ Example (a user's own loop)::
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import statistics
-import time
-from collections import deque
 
 import torch
 import torch.nn.functional as F
 
-from ..comm import FlatModel, allreduce
-from ..comm.broadcast import broadcast
+from ..comm import FlatModel
 from ..daso.comm import LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
-from ..hetero import DelayModel
+from ..hetero import StepDelay
 from ..hetero import check_options as check_hetero
-from .context import RunContext, RunResult, max_over, mean_over
+from ..runtime.context import RunContext, RunResult, max_over, mean_over
+from .optimizer import DistributedOptimizer
 
 log = logging.getLogger("hpcasync")
-
-
-class DistributedOptimizer:
-    """Wrap a torch optimizer so ``step()`` first averages gradients across ``comm``.
-
-    Args:
-        optimizer: the user's optimizer over the parameters of ``flat``'s module.
-        flat: the :class:`~hpcasync.comm.FlatModel` whose ``grads`` buffer backs every ``p.grad``.
-        comm: the communicator to average over (all data-parallel ranks).
-        backward_passes_per_step: gradients of this many ``step()`` calls are accumulated locally
-            before one allreduce and one optimizer step (as Horovod's option of the same name).
-        compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce.
-
-    The wrapper forwards ``param_groups`` and ``state``, so LR schedulers work on it unchanged.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatModel, comm, *,
-                 backward_passes_per_step: int = 1, compress: str | None = None):
-        if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        self.optimizer = optimizer
-        self.flat = flat
-        self.comm = comm
-        self.backward_passes_per_step = backward_passes_per_step
-        self.compress = compress
-        self.passes = 0            # backward passes accumulated since the last step
-        self.steps = 0             # optimizer steps taken
-        self.bytes_sent = 0        # payload bytes handed to allreduce by this rank
-        self.comm_time = 0.0       # seconds spent in allreduce
-        self._synchronized = False
-        self._skip = False
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def broadcast_parameters(self, root: int = 0) -> None:
-        """Make every replica start from ``root``'s parameters and buffers (not from seeds)."""
-        for tensor in (self.flat.params, self.flat.buffers):
-            if tensor.numel():
-                broadcast(self.comm, tensor, root=root)
-
-    def synchronize(self) -> None:
-        """Average the flat gradient buffer across ranks, in place. Called by ``step()``."""
-        t0 = time.perf_counter()
-        allreduce(self.comm, self.flat.grads, average=True, compress=self.compress)
-        self.comm_time += time.perf_counter() - t0
-        self.bytes_sent += self.flat.grads.numel() * (2 if self.compress else 4)
-        self._synchronized = True
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Use after an explicit ``synchronize()`` (e.g. to clip averaged gradients) before step."""
-        if not self._synchronized:
-            log.warning("skip_synchronize() without synchronize(): gradients are not averaged")
-        self._skip = True
-        try:
-            yield
-        finally:
-            self._skip = False
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise ConfigError("DistributedOptimizer.step does not take a closure")
-        self.passes += 1
-        if self.passes < self.backward_passes_per_step:
-            return None          # keep accumulating into the flat gradient buffer
-        if not self._skip:
-            self.synchronize()
-        self.passes = 0
-        self._synchronized = False
-        self.steps += 1
-        return self.optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffer (``set_to_none`` would detach ``p.grad`` from it)."""
-        if self.passes:
-            return               # mid-accumulation: keep the partial sum
-        self.flat.grads.zero_()
-
-    def average_buffers(self) -> None:
-        """Average floating-point module buffers (BatchNorm running statistics) across ranks."""
-        if self.flat.buffers.numel():
-            allreduce(self.comm, self.flat.buffers, average=True)
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["steps"])
-
-
-class StepDelay:
-    """Heterogeneity for a synchronous runtime: after rank ``rank``'s compute, sleep
-    ``natural · (factor − 1)`` and the push delay (:class:`~hpcasync.hetero.DelayModel`, worker
-    index = rank). ``natural`` is the median of the last 15 steps' forward/backward times: CPU time
-    of the process on a CPU device (a rank the OS kept waiting is not slow), wall time on a GPU.
-
-    Example::
-
-        delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
-        delay.begin(); loss.backward(); delay.end(step)      # sleeps if this rank is slow
-        opt.step()                                           # everyone waits for it here
-    """
-
-    def __init__(self, model: DelayModel, rank: int, device: str = "cpu"):
-        self.model, self.rank = model, rank
-        self.active = not model.trivial
-        self.cpu_clock = torch.device(device).type == "cpu"
-        self.recent: deque[float] = deque(maxlen=15)
-        self.slept = 0.0          # seconds slept so far
-        self._t0 = self._c0 = 0.0
-
-    @classmethod
-    def from_config(cls, cfg, *, rank: int, size: int, device: str = "cpu") -> "StepDelay":
-        return cls(DelayModel.from_options(cfg.options, worker_ranks=range(size), seed=cfg.seed),
-                   rank, device)
-
-    def begin(self) -> None:
-        if self.active:
-            self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-    def end(self, step: int) -> float:
-        """After the compute of step ``step``: sleep as the model says; returns seconds slept."""
-        if not self.active:
-            return 0.0
-        natural = (time.process_time() - self._c0 if self.cpu_clock
-                   else time.perf_counter() - self._t0)
-        self.recent.append(natural)
-        t = self.model.sleep_extra(self.rank, step, statistics.median(self.recent))
-        if self.model.push_delay_s:
-            self.model.sleep_push()
-            t += self.model.push_delay_s
-        self.slept += t
-        return t
-
-    def record(self) -> dict:
-        """Summary fields: the delay model (as recorded and in words)."""
-        return {"hetero": self.model.to_record(), "hetero_describe": self.model.describe()}
 
 
 def add_arguments(parser) -> None:
@@ -222,7 +74,7 @@ def run(ctx: RunContext) -> RunResult:
     cfg, topo = ctx.cfg, ctx.topo
     model = ctx.make_model()
     if cfg.backend == "horovod":
-        from .horovod_backend import HorovodOptimizer
+        from .horovod import HorovodOptimizer
 
         opt = HorovodOptimizer(_make_optimizer(cfg, model), model, topo.world)
         flat = None

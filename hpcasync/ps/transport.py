@@ -20,7 +20,7 @@ Two transports with one interface (the PS loop and the workers do not know which
 sent with ``Isend``, the PS ``Recv``s the gradient into a per-worker buffer and answers with
 ``Isend`` of a per-worker copy of θ.
 
-Preemption (``ps_server``'s stop protocol): a push may carry a stop request; a reply carries a
+Preemption (``ps.server``'s stop protocol): a push may carry a stop request; a reply carries a
 stop flag (the third reply-header field); ``KIND_STOP`` is a stop request from a worker that has
 finished its budget (header only), ``KIND_DONE`` a worker's last message (header only; ``version``
 is its step count), and :meth:`send_end` / :meth:`wait_end` the PS's "no more work" message with
@@ -124,7 +124,7 @@ class _Base:
     def _failed(self, exc: BaseException, *, keep_head: bool = False):
         """PS: the :class:`WorkerFailed` for an MPI error that reports dead ranks (their worker
         indices), or ``exc`` itself for any other error. The caller raises it."""
-        from .ft import WorkerFailed, failed_ranks, is_pending
+        from ..runtime.ft import WorkerFailed, failed_ranks, is_pending
 
         ranks = failed_ranks(self.comm, exc)
         if ranks is None:

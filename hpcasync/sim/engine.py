@@ -27,10 +27,10 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .comm import FlatModel
-from .data import batches, num_batches, shard_indices
-from .rules import PushMeta
-from .runtime.ps_stats import PushStats
+from ..comm import FlatModel
+from ..data import batches, num_batches, shard_indices
+from ..rules import PushMeta
+from ..ps.stats import PushStats
 
 
 def _worker_batches(train, w: int, W: int, epochs: int, batch_size: int, seed: int

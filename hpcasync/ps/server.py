@@ -1,6 +1,6 @@
 """The parameter server's loop: receive a push, validate it, apply the rule, answer that worker.
 
-The loop is transport-agnostic (``ps_transport``) and rule-agnostic (``hpcasync.rules``)::
+The loop is transport-agnostic (``ps.transport``) and rule-agnostic (``hpcasync.rules``)::
 
     server = PSServer(transport, rule, pushes_per_epoch=W * batches, epochs=E, on_epoch=cb)
     stats = server.serve()          # returns when every worker has sent its last push
@@ -51,9 +51,9 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError
 from ..rules import PushMeta
-from .ft import WorkerFailed
-from .ps_stats import PushStats
-from .ps_transport import KIND_DONE, KIND_PEEK, KIND_PUSH, KIND_STOP
+from ..runtime.ft import WorkerFailed
+from .stats import PushStats
+from .transport import KIND_DONE, KIND_PEEK, KIND_PUSH, KIND_STOP
 
 log = logging.getLogger("hpcasync")
 

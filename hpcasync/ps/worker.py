@@ -12,13 +12,13 @@ num_shards=W, seed, epoch)`` for each epoch. Per batch::
 ``rule`` is a worker-side instance of the PS's rule class: ``on_reply`` needs nothing but the reply
 (SHAT mixes, the others copy).
 
-Preemption (``ps_server`` has the protocol): each push carries ``stop_requested()`` (this rank's
+Preemption (``ps.server`` has the protocol): each push carries ``stop_requested()`` (this rank's
 signal flag); a reply with the stop flag ends the loop after that step. :func:`finish_worker` then
 waits for the PS's end message (asking it to stop if a signal arrives meanwhile) and reports the
 step count. A resumed worker starts at its saved position (``start_step`` = batches pushed so far,
 over all epochs) from the PS's current θ.
 
-Example (inside a PS job, see ``hpcasync.runtime.ps.run``)::
+Example (inside a PS job, see ``hpcasync.ps.runtime.run``)::
 
     stats = run_worker(transport, rule, model, flat, train_set, epochs=2, batch_size=64, seed=0)
 """
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..data import batches, num_batches, shard_indices
 from ..rules import Reply
-from .ps_transport import KIND_DONE, KIND_PEEK
+from .transport import KIND_DONE, KIND_PEEK
 
 
 @dataclass

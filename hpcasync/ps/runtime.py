@@ -1,8 +1,8 @@
 """The asynchronous parameter server (ASGD, DC-ASGD, LC-ASGD, SHAT, SMEGA2, DANA-Zero, NAG-ASGD).
 
 One rank (``--ps-rank``, default 0) serves; every other rank is a worker. The PS owns MPI RMA
-windows with one slot per worker (``ps_transport``), applies the algorithm's update rule to each
-push (``ps_server``) and answers that worker; workers train their shards (``ps_worker``). The
+windows with one slot per worker (``ps.transport``), applies the algorithm's update rule to each
+push (``ps.server``) and answers that worker; workers train their shards (``ps.worker``). The
 rule objects are the same ones the simulator drives (``hpcasync.rules``, ``hpcasync.sim``).
 
 Per epoch (the PS crosses epoch e when e × W × batches pushes were accepted) the PS evaluates θ on
@@ -32,7 +32,7 @@ Decisions (the papers assume a PS; these are ours):
   counters and epoch progress, each worker's position (pushes answered) and latest buffers.
   Preemption (SIGTERM/SIGUSR1 at any rank): the PS answers each worker's next push (applied as
   usual) with a stop flag, writes the checkpoint once all are answered, and every rank exits 75
-  (protocol in ``ps_server``). On ``--resume`` each worker restarts at its position from the PS's θ
+  (protocol in ``ps.server``). On ``--resume`` each worker restarts at its position from the PS's θ
   (a fresh ``initial_reply``: DC-ASGD's backup, SHAT's counts restart there), so a resumed run
   is a valid async run with the same total work, not a replay of the interrupted one.
 * Worker failure (``ft``): under ``mpirun --with-ft ulfm`` a dead worker is retired and the others
@@ -56,8 +56,8 @@ from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
 from ..rules import make_rule, rule_hyperparameters, smega2_lr, warmup_lr
-from . import ft
-from .context import Preempted, RunContext, RunResult
+from ..runtime import ft
+from ..runtime.context import Preempted, RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
 
@@ -168,7 +168,7 @@ def reporting_rank(topo) -> int:
 def run(ctx: RunContext) -> RunResult:
     from mpi4py import MPI
 
-    from .ps_transport import make_transport
+    from .transport import make_transport
 
     cfg, topo = ctx.cfg, ctx.topo
     W = len(topo.workers)
@@ -199,7 +199,7 @@ def run(ctx: RunContext) -> RunResult:
         summary, stopping = _serve(ctx, transport, flat, model, W, batches_per_worker, state,
                                    stop_flag, ulfm)
     else:
-        from .ps_worker import finish_worker, run_worker
+        from .worker import finish_worker, run_worker
 
         rule = build_rule(cfg, flat.params.detach().cpu(), W)
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
@@ -208,7 +208,7 @@ def run(ctx: RunContext) -> RunResult:
             start = int(state["ps"]["positions"][transport.worker])
             if state["seen"][transport.worker]:
                 flat.buffers.copy_(state["buffers"][transport.worker])
-        inject = signal_hook(topo.rank)
+        inject = ft.signal_hook(topo.rank)
 
         def after_step() -> None:
             ctx.after_step()
@@ -270,13 +270,13 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
     ``flat``. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
 
-    from .ps_server import PSServer
+    from .server import PSServer
 
     cfg = ctx.cfg
     rule = build_rule(cfg, flat.params.detach().cpu(), W)
     buffers = torch.zeros(W, flat.buffer_numel)
     seen = [False] * W
-    inject, kill = signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
+    inject, kill = ft.signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
 
     def load_theta() -> None:
         flat.params.copy_(rule.theta)
@@ -367,13 +367,6 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
             "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
             "failed_workers": list(server.failed.values()),
             "rule_workers": ft.rule_worker_state(rule)}, server.stopping
-
-
-def signal_hook(rank: int):
-    """Testing hook: ``HPCASYNC_INJECT_SIGNAL=RANK:N`` makes that rank send itself SIGUSR1 (a real
-    signal, as Slurm's) at the N-th call of the returned function (workers: steps; the PS:
-    accepted pushes), or returns None. Lets tests signal exactly one rank at a known point."""
-    return ft.inject_hook("HPCASYNC_INJECT_SIGNAL", rank, signal.SIGUSR1)
 
 
 def _nan_hook(rank: int):

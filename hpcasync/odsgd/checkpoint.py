@@ -42,7 +42,7 @@ def local_state(worker) -> dict:
 
 def load_state(worker, shared: dict, local: dict) -> None:
     """Restore :func:`global_state` and this rank's :func:`local_state` into an
-    :class:`~hpcasync.runtime.odsgd.ODSGDWorker` (after its ``broadcast_parameters``);
+    :class:`~hpcasync.odsgd.runtime.ODSGDWorker` (after its ``broadcast_parameters``);
     CheckpointError when they do not fit (another model or local optimizer)."""
     try:
         for name in ("W", "W_prev", "buf"):

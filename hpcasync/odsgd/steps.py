@@ -36,9 +36,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..errors import ConfigError
-from .asgd import asgd_update
-from .base import check_choice, check_real
-from .dcasgd import dcasgd_adaptive_lambda
+from ..rules.asgd import asgd_update
+from ..rules.base import check_choice, check_real
+from ..rules.dcasgd import dcasgd_adaptive_lambda
 
 LOCAL_MODES = ("sgd", "dc", "dc-adaptive")
 DELTA_MODES = ("last-step", "gap")

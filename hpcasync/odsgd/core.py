@@ -1,5 +1,5 @@
 """OD-SGD's round as pure functions over flat tensors, shared by the MPI runtime
-(:mod:`hpcasync.runtime.odsgd`) and the simulator (Xu et al., arXiv 2005.06728).
+(:mod:`hpcasync.odsgd.runtime`) and the simulator (Xu et al., arXiv 2005.06728).
 
 State: the global model (:class:`GlobalState`: W_t, W_{t−1}, momentum buffer v; identical on every
 worker) and one :class:`WorkerState` per worker (the weights W^l_t its last gradient was computed on,
@@ -13,7 +13,7 @@ its dc-adaptive mean square). One round t, given each worker's g_t^k computed on
 Worker k's next gradient g_{t+1}^k is computed on W^l_{t+1,k} (while round t is in flight), and is
 applied in round t+1 to W_{t+1}: staleness exactly one round. In a warm-up round there is no local
 step: every worker computes its next gradient on W_{t+1} itself (plain SSGD). LocalOpt and the
-global step are :func:`hpcasync.rules.odsgd.local_step` / ``global_step``.
+global step are :func:`hpcasync.odsgd.steps.local_step` / ``global_step``.
 
 Example (the simulator's loop, N virtual workers)::
 
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..rules.base import check_choice, check_int, check_real
-from ..rules.odsgd import (DELTA_MODES, LOCAL_MODES, delta_gap, delta_last_step, global_step,
+from .steps import (DELTA_MODES, LOCAL_MODES, delta_gap, delta_last_step, global_step,
                            local_step)
 
 __all__ = ["ODSGDHyper", "GlobalState", "WorkerState", "local_update", "global_update",

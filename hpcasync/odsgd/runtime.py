@@ -1,7 +1,7 @@
 """OD-SGD runtime: one synchronous global round in flight while every worker computes ahead
 (Xu et al., "OD-SGD: One-step Delay Stochastic Gradient Descent for Distributed Training",
-arXiv 2005.06728). LocalOpt and the global step are in :mod:`hpcasync.rules.odsgd`, one round as
-pure functions (shared with the simulator) in :mod:`.odsgd_core`; the MPI pipeline is here.
+arXiv 2005.06728). LocalOpt and the global step are in :mod:`hpcasync.odsgd.steps`, one round as
+pure functions (shared with the simulator) in :mod:`.core`; the MPI pipeline in :mod:`.pipeline`; the CLI loop is here.
 
 Every rank is a worker. Round t is an allreduce-average of the N gradients g_t^k followed by the same
 momentum-SGD step on every rank, so the global model stays bitwise identical everywhere::
@@ -17,7 +17,7 @@ Per step: backward → wait for round t−1 (→ W_t) → start round t with g_t
 Staleness (tested): the gradient applied in round t (t ≥ warm-up + 1) was computed on
 LocalOpt(W_{t−1}, g_{t−1}^k) — local weights built from the global model exactly one round older than
 W_t, to which it is applied. The first ``warmup_iters`` steps are plain SSGD (blocking average,
-then the same step; bitwise equal to :class:`~hpcasync.runtime.sync.DistributedOptimizer` with
+then the same step; bitwise equal to :class:`~hpcasync.ssgd.runtime.DistributedOptimizer` with
 ``torch.optim.SGD``). Epochs end by completing the round in flight and evaluating on W; the
 next epoch resumes on the local weights, so staleness stays exactly one across epochs.
 
@@ -74,12 +74,12 @@ Defaults (LeNet / Fashion-MNIST, global --lr 0.05 --momentum 0.9): local ``dc-ad
 (86.5 % after 2 epochs; sgd 85.4 %, dc 85.7 %, Δ gap 85.8 %; η_l 0.5 and η_l 0 diverged). The spec's
 ResNet-20 / CIFAR reference: --lr 0.1 --momentum 0.95 --odsgd-local-lr 0.5.
 
-Checkpoints and preemption (:mod:`.odsgd_checkpoint`): the ranks agree on a stop every
+Checkpoints and preemption (:mod:`.checkpoint`): the ranks agree on a stop every
 ``ctx.check_every`` steps (one allreduce, as SSGD); a checkpoint completes the round in flight (the
 same operands, only earlier: the trajectory is unchanged, mid-epoch as at epoch ends) and gathers
 every rank's local weights, mean square and buffers to rank 0, which writes them with the global
 state; a resumed run ends bitwise equal to an uninterrupted one. Heterogeneity options act as in
-SSGD (:class:`~hpcasync.runtime.sync.StepDelay`: the straggler sleeps after its compute).
+SSGD (:class:`~hpcasync.ssgd.runtime.StepDelay`: the straggler sleeps after its compute).
 
 Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
 ``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during warm-up);
@@ -88,198 +88,26 @@ of global updates; the round is an allreduce, not a PS push/pull (reason above).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..comm import FlatModel, allreduce, iallreduce
-from ..comm.broadcast import broadcast
+from ..comm import FlatModel
 from ..data import batches, shard_indices
 from ..errors import ConfigError
-from ..rules.base import check_choice
-from .context import RunContext, RunResult, mean_over
-from .odsgd_checkpoint import consistent_point, load_state
-from .ps import signal_hook
-from .sync import StepDelay
-from .odsgd_core import (GlobalState, ODSGDHyper, WorkerState, global_update, local_update,
-                         simulate_round)
+from ..hetero import StepDelay
+from ..runtime.context import RunContext, RunResult, mean_over
+from ..runtime.ft import signal_hook
+from .checkpoint import consistent_point, load_state
+from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
+from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
 
 __all__ = ["ODSGDWorker", "StepTimes", "ODSGDHyper", "GlobalState", "WorkerState", "local_update",
            "global_update", "simulate_round", "add_arguments", "validate", "run"]
 
 log = logging.getLogger("hpcasync")
-
-PROGRESS_MODES = ("hooks", "thread", "none")
-POLL_S = 2e-4                     # thread mode: seconds between tests of the round in flight
-
-
-@dataclass
-class _Round:
-    """A round in flight: its handle, its index t, when it started and when it was seen done."""
-    handle: object
-    index: int
-    started: float
-    done_at: float | None = None
-    future: object = None
-
-
-@dataclass
-class StepTimes:
-    """Seconds this rank spent blocked on rounds (``wait``, including warm-up's blocking rounds),
-    updating weights (``update``), and rounds' start-to-completion time (``in_flight``)."""
-    wait: float = 0.0
-    update: float = 0.0
-    in_flight: float = 0.0
-
-    def overlap(self) -> float:
-        """Share of the rounds' in-flight time hidden behind compute (1 = never waited)."""
-        return 1.0 - self.wait / self.in_flight if self.in_flight > 0 else 0.0
-
-
-class ODSGDWorker:
-    """This rank's OD-SGD pipeline over the flat model ``flat`` and communicator ``comm``.
-
-    Args:
-        flat: the :class:`~hpcasync.comm.FlatModel`; its ``params`` are the weights computed on.
-        comm: the communicator of all workers. Rounds run on a private duplicate (freed by
-            :meth:`finish`, collective), so the caller may use ``comm`` while a round is in flight.
-        hp: :class:`ODSGDHyper`.
-        progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (module doc).
-
-    Attributes: ``glob`` (:class:`GlobalState`), ``ws`` (:class:`WorkerState`), ``steps`` (step
-    calls), ``rounds`` (rounds applied = t of W_t), ``times`` (:class:`StepTimes`), ``bytes_sent``.
-    """
-
-    def __init__(self, flat: FlatModel, comm, *, hp: ODSGDHyper, progress: str = "thread"):
-        from mpi4py import MPI
-
-        self.flat, self.comm, self.hp = flat, comm, hp
-        self.progress = check_choice("progress", progress, PROGRESS_MODES)
-        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            log.warning("odsgd: MPI is not THREAD_MULTIPLE; progress by hooks instead of a thread")
-            self.progress = progress = "hooks"
-        self.round_comm = comm.Dup()
-        self.glob = GlobalState.create(flat.params)
-        self.ws = WorkerState.create(flat.params, hp)
-        self.send = torch.empty_like(flat.grads)
-        self.steps = self.rounds = self.bytes_sent = 0
-        self.times = StepTimes()
-        self.round: _Round | None = None
-        self._hooks = []
-        self._pool = ThreadPoolExecutor(1, "odsgd-progress") if progress == "thread" else None
-        if progress == "hooks":
-            for m in flat.module.modules():
-                if not any(True for _ in m.children()):
-                    self._hooks.append(m.register_forward_pre_hook(self._poke))
-            for p in flat.module.parameters():
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._poke))
-
-    def broadcast_parameters(self, root: int = 0) -> None:
-        """Start every replica from ``root``'s parameters and buffers; W_0 = W_{−1} = them."""
-        for tensor in (self.flat.params, self.flat.buffers):
-            if tensor.numel():
-                broadcast(self.comm, tensor, root=root)
-        self.glob.W.copy_(self.flat.params)
-        self.glob.W_prev.copy_(self.flat.params)
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.steps < self.hp.warmup_iters
-
-    def step(self) -> None:
-        """After backward (gradient g_t in ``flat.grads``, computed on ``flat.params``): in warm-up
-        a blocking SSGD step; else complete round t−1, start round t, load W^l_{t+1} into params."""
-        t0 = time.perf_counter()
-        g = self.flat.grads
-        if self.in_warmup:
-            allreduce(self.comm, g, average=True)
-            t1 = time.perf_counter()
-            self.times.wait += t1 - t0
-            self.times.in_flight += t1 - t0
-            global_update(self.glob, g, hp=self.hp)
-            self.flat.params.copy_(self.glob.W)
-            self.rounds += 1
-        else:
-            self.synchronize()
-            t1 = time.perf_counter()
-            self.send.copy_(g)
-            handle = iallreduce(self.round_comm, self.send, average=True, name="odsgd",
-                                step=self.rounds)
-            self.round = _Round(handle, self.rounds, time.perf_counter())
-            if self._pool is not None:
-                self.round.future = self._pool.submit(_drive, handle)
-            local_update(self.glob, self.ws, g, hp=self.hp)
-        self.bytes_sent += g.numel() * g.element_size()
-        self.steps += 1
-        self.times.update += time.perf_counter() - t1
-
-    def synchronize(self) -> None:
-        """Complete and apply the round in flight, if any (W_t → W_{t+1}); the time blocked here
-        counts as wait. Afterwards ``glob.W`` includes every gradient passed to :meth:`step`."""
-        r = self.round
-        if r is None:
-            return
-        t0 = time.perf_counter()
-        done_at = r.future.result() if r.future is not None else None
-        r.handle.wait()
-        t1 = time.perf_counter()
-        done_at = done_at or r.done_at
-        end = done_at if done_at is not None and done_at <= t0 else t1   # seen done before waiting?
-        self.times.wait += t1 - t0
-        self.times.in_flight += max(end - r.started, t1 - t0)
-        self.round = None
-        global_update(self.glob, r.handle.tensor, hp=self.hp)
-        self.rounds += 1
-        self.times.update += time.perf_counter() - t1
-
-    @contextlib.contextmanager
-    def global_weights(self):
-        """Inside: the model holds the global W (e.g. to evaluate); after: the local weights again."""
-        self.synchronize()
-        stash = self.flat.params.clone()
-        self.flat.params.copy_(self.glob.W)
-        try:
-            yield self.glob.W
-        finally:
-            self.flat.params.copy_(stash)
-
-    def finish(self) -> None:
-        """Complete the pipeline: the model keeps the global W; hooks, thread and the private
-        communicator are released (collective)."""
-        self.synchronize()
-        if self.round_comm is not None:
-            self.round_comm.Free()
-            self.round_comm = None
-        self.flat.params.copy_(self.glob.W)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._pool is not None:
-            self._pool.shutdown()
-
-    def average_buffers(self) -> None:
-        """Average BatchNorm running statistics across workers (blocking; no round in flight)."""
-        if self.flat.buffers.numel():
-            self.synchronize()
-            allreduce(self.comm, self.flat.buffers, average=True)
-
-    def _poke(self, *_args) -> None:
-        r = self.round
-        if r is not None and r.done_at is None and r.handle.test():
-            r.done_at = time.perf_counter()
-
-
-def _drive(handle) -> float:
-    """Thread mode: test the round until it completes; returns when it did."""
-    while not handle.test():
-        time.sleep(POLL_S)
-    return time.perf_counter()
-
 
 # -- CLI ------------------------------------------------------------------------------------------
 

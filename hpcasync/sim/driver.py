@@ -3,8 +3,8 @@
 Takes every option of ``hpcasync train`` (same config object, same validation, data, models and
 metrics stream) plus ``--workers N`` and ``--sim-step-time``; the delay model is the one of the
 real runtimes (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``). Asynchronous
-algorithms drive the very same rule objects as the MPI parameter server (``sim_engine.AsyncSim``);
-``ssgd`` runs as synchronous rounds paced by the slowest worker (``sim_engine.SyncSim``).
+algorithms drive the very same rule objects as the MPI parameter server (``engine.AsyncSim``);
+``ssgd`` runs as synchronous rounds paced by the slowest worker (``engine.SyncSim``).
 
 The JSONL stream has the records of a real run (``config``, ``epoch``, ``summary``), each epoch and
 the summary with ``sim_time`` (simulated seconds: a natural step takes ``--sim-step-time``). A run
@@ -26,22 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("hpcasync")
 
 SYNC_ALGORITHMS = ("ssgd",)
-
-
-def add_arguments(parser) -> None:
-    """The options of ``train`` plus the simulator's own group."""
-    from .cli import _add_train_arguments
-
-    _add_train_arguments(parser)
-    g = parser.add_argument_group("simulator")
-    g.add_argument("--workers", type=int, default=4, help="number of virtual workers N (4)")
-    g.add_argument("--sim-step-time", type=float, default=0.01,
-                   help="simulated seconds of one undisturbed step (0.01)")
 
 
 class _LocalComm:
@@ -56,8 +45,8 @@ class _LocalComm:
 
 def check(cfg) -> None:
     """Pre-run checks: the driver's precheck plus the simulator's options."""
-    from .runtime.ps import ALGORITHMS as PS_ALGORITHMS
-    from .train import precheck
+    from ..ps.runtime import ALGORITHMS as PS_ALGORITHMS
+    from ..train import precheck
 
     workers = cfg.options.get("workers")
     if not isinstance(workers, int) or workers < 1:
@@ -75,12 +64,12 @@ def check(cfg) -> None:
 
 def simulate(cfg) -> dict:
     """Run the simulation described by ``cfg``; returns the summary record."""
-    from .data import load_dataset
-    from .hetero import DelayModel
-    from .metrics import MetricsWriter
-    from .models import build_model
-    from .runtime.context import Progress, RunContext
-    from .train import seed_everything, setup_logging
+    from ..data import load_dataset
+    from ..hetero import DelayModel
+    from ..metrics import MetricsWriter
+    from ..models import build_model
+    from ..runtime.context import Progress, RunContext
+    from ..train import seed_everything, setup_logging
 
     check(cfg)
     setup_logging(0)
@@ -137,8 +126,8 @@ def simulate(cfg) -> dict:
 
 
 def _run_async(ctx, model, delay, W: int) -> dict:
-    from .runtime.ps import build_rule, lr_schedule
-    from .sim_engine import AsyncSim
+    from ..ps.runtime import build_rule, lr_schedule
+    from .engine import AsyncSim
 
     cfg = ctx.cfg
     theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()
@@ -172,7 +161,7 @@ def _run_async(ctx, model, delay, W: int) -> dict:
 
 
 def _run_sync(ctx, model, delay, W: int) -> dict:
-    from .sim_engine import SyncSim
+    from .engine import SyncSim
 
     cfg = ctx.cfg
 
@@ -198,7 +187,7 @@ def _run_sync(ctx, model, delay, W: int) -> dict:
 
 def main(ns) -> int:
     """The ``hpcasync sim`` handler."""
-    from .config import config_from_args
+    from ..config import config_from_args
 
     simulate(config_from_args(ns))
     return 0

@@ -10,7 +10,7 @@ where every replica — parameters, buffers and optimizer state — is identical
 the job's; a preemption signal is acted upon at the next epoch end.
 
 Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``) works as in
-SSGD (:class:`~hpcasync.runtime.sync.StepDelay`): a slow rank sleeps after its forward/backward,
+SSGD (:class:`~hpcasync.ssgd.runtime.StepDelay`): a slow rank sleeps after its forward/backward,
 so the node-local average (and any blocking global one) waits for it.
 
 ``--backend horovod`` runs the node-local gradient averages through Horovod initialised on the
@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import DASO_CHUNK_ELEMS, FlatModel
-from ..daso import DASO, DasoSchedule, LinkDelay
+from . import DASO, DasoSchedule, LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
-from .context import RunContext, RunResult, max_over
-from .sync import StepDelay
+from ..runtime.context import RunContext, RunResult, max_over
+from ..hetero import StepDelay
 
 log = logging.getLogger("hpcasync")
 
