@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite under 4 MPI ranks:
 #   mpiexec -n 4 python -m mpi4py -m pytest
-# `python -m mpi4py` turns an exception on one rank into MPI_Abort instead of a deadlock;
-# pytest-timeout (thread method) kills a hung test so mpiexec ends the job.
+# `python -m mpi4py` turns an exception on one rank into MPI_Abort instead of a deadlock.
+# tests/conftest.py: a test that fails on some ranks only is reported by rank 0 (with that rank's
+# traceback), or, if the other ranks are stuck in a collective, the failing rank prints its failure
+# and aborts the job after HPCASYNC_TEST_AGREE_TIMEOUT s (default 5); a test still running after
+# HPCASYNC_TEST_TIMEOUT_PER_TEST s (default pytest.ini's 600) dumps its stacks on every rank and
+# aborts the job.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)

@@ -26,9 +26,18 @@ _LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "HWLOC_", "SLURM_")
 
 def idle_barrier(comm=COMM, poll: float = 0.002) -> None:
     """A barrier that sleeps between polls: 4 ranks on 2 cores must not burn CPU while waiting."""
-    req = comm.Ibarrier()
-    while not req.Test():
+    idle_wait(comm.Ibarrier(), poll=poll)
+
+
+def idle_wait(request, timeout: float | None = None, poll: float = 0.002) -> bool:
+    """Wait for a non-blocking MPI request, sleeping between polls; False if ``timeout`` seconds
+    passed first (the request is then still pending)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while not request.Test():
+        if end is not None and time.monotonic() > end:
+            return False
         time.sleep(poll)
+    return True
 
 
 def clean_env(**extra: str) -> dict[str, str]:
