@@ -170,6 +170,24 @@ class Topology:
                 pass
 
 
+_DEFAULT: Topology | None = None
+
+
+def default_topology(**kwargs) -> Topology:
+    """The job's topology for code that is given none: the one ``hpcasync.init`` built (or
+    :func:`set_default_topology` set), else one built now on ``COMM_WORLD`` with ``kwargs``
+    (collective: call it on every rank)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Topology.build(**kwargs)
+    return _DEFAULT
+
+
+def set_default_topology(topo: Topology | None) -> None:
+    global _DEFAULT
+    _DEFAULT = topo
+
+
 def pick_device(choice: str, local_rank: int) -> str:
     """Map a ``--device`` choice and a local rank to a torch device string."""
     if choice not in ("auto", "cpu", "cuda"):

@@ -244,7 +244,8 @@ def _stop_phase(t, positions, stop_at=None):
     """Workers push _grad(w, s) from their position; worker stop_at[0] asks to stop with its push
     s = stop_at[1]. Returns (θ, server) on the PS, (pushes, replies' stop flags, end flag) on a
     worker."""
-    from hpcasync.ps.worker import WorkerStats, finish_worker
+    from hpcasync.ps.transport import KIND_DONE
+    from hpcasync.ps.worker import WorkerStats
 
     if t.is_ps:
         return None
@@ -265,7 +266,9 @@ def _stop_phase(t, positions, stop_at=None):
             if head.stop and s < STEPS[w] - 1:
                 stats.stopped = True
                 break
-    return stats.steps - first, flags, finish_worker(t, stats)
+    end = t.wait_end()                          # what ParameterServer.finish() does
+    t.push(torch.zeros(0), kind=KIND_DONE, version=stats.steps)
+    return stats.steps - first, flags, end
 
 
 @needs4

@@ -13,10 +13,12 @@ Layout: parameters in ``module.named_parameters()`` order (shared parameters onc
 
 Rules that keep the views alive:
 
-* zero gradients with ``flat.zero_grad()`` (= ``grads.zero_()``), or ``optimizer.zero_grad(
-  set_to_none=False)``; the default ``set_to_none=True`` drops the views (the next backward then
-  allocates fresh, unshared ``.grad`` tensors). :meth:`check` finds that, :meth:`rebind_grads`
-  repairs it.
+* zero gradients with ``flat.zero_grad()`` (= ``grads.zero_()``), or any ``zero_grad()``: the
+  default ``set_to_none=True`` drops the views (the next backward then allocates fresh, unshared
+  ``.grad`` tensors); every algorithm calls :meth:`collect_grads` before it reads ``grads``, which
+  copies such gradients back and re-binds the views. :meth:`check` lists what is detached.
+* ``grads`` is the head of ``grads_and_buffers``, whose tail ``buffer_wire`` carries a copy of
+  ``buffers`` when a step averages both in one message.
 * build the FlatModel after moving the module to its device and before creating the optimizer; never
   ``module.to(...)`` afterwards.
 
@@ -87,11 +89,9 @@ class FlatModel:
         self.shapes = [tuple(p.shape) for p in self._params]
         self.offsets, self.numel = _layout(self._params)
         self.params = flatten(self._params, dtype=torch.float32).to(self.device)
-        self.grads = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for p, view in zip(self._params, self._slices(self.params)):
                 p.data = view
-        self.rebind_grads()
 
         float_bufs, int_bufs = [], []
         for name, buf in module.named_buffers():
@@ -104,9 +104,18 @@ class FlatModel:
         self.buffer_names = [n for n, _ in float_bufs]
         self._buffer_offsets, self.buffer_numel = _layout([b for _, b in float_bufs])
         self.buffers = flatten([b for _, b in float_bufs], dtype=torch.float32).to(self.device)
+        # the gradient storage has a tail the size of the buffers, [grads | buffer copy], so a
+        # synchronous step averages both in one message (``grads_and_buffers``) copying only the
+        # buffers. (The module's buffers cannot live in that storage: autograd saves BatchNorm's
+        # running statistics and checks the version counter, which views of one storage share.)
+        self.grads_and_buffers = torch.zeros(self.numel + self.buffer_numel, dtype=torch.float32,
+                                             device=self.device)
+        self.grads = self.grads_and_buffers[:self.numel]
+        self.buffer_wire = self.grads_and_buffers[self.numel:]
         for (name, buf), off in zip(float_bufs, self._buffer_offsets):
             owner, attr = _owner(module, name)
             owner._buffers[attr] = self.buffers[off: off + buf.numel()].view(buf.shape)
+        self.rebind_grads()
 
     # -- layout ---------------------------------------------------------------------------------
     @property
@@ -151,6 +160,28 @@ class FlatModel:
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
+
+    def collect_grads(self) -> int:
+        """Make ``grads`` hold this backward's gradients, whatever zeroed them.
+
+        ``zero_grad(set_to_none=True)`` (torch's default, on the module or on any optimizer) drops
+        the views: the next backward then writes fresh ``p.grad`` tensors. Each such gradient is
+        copied into its slot and ``p.grad`` becomes the view again; a parameter whose ``p.grad`` is
+        ``None`` (no gradient this step) gets a zero slot. Returns how many parameters needed it
+        (0 when every ``p.grad`` is still a view: then this costs one pointer check per tensor).
+        """
+        repaired = 0
+        for p, view in zip(self._params, self._slices(self.grads)):
+            g = p.grad
+            if g is not None and g.data_ptr() == view.data_ptr():
+                continue
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
+            repaired += 1
+        return repaired
 
     def check(self) -> list[str]:
         """Names of parameters, grads or buffers that are no longer views of the flat tensors."""

@@ -68,6 +68,8 @@ import torch
 from ..comm import DASO_CHUNK_ELEMS, flatten, unflatten_into
 from ..comm.broadcast import broadcast
 from ..errors import ConfigError
+from ..optim import AlgorithmOptimizer, as_flat
+from ..topology import default_topology
 from .comm import DasoComm, InFlight, pack_state, unpack_state
 from .merge import merge_
 from .schedule import BatchPlan, DasoSchedule
@@ -75,22 +77,27 @@ from .schedule import BatchPlan, DasoSchedule
 log = logging.getLogger(__name__)
 
 
-class DASO:
-    """See the module docstring."""
+class DASO(AlgorithmOptimizer):
+    """See the module docstring. A ``torch.optim.Optimizer`` sharing the wrapped optimizer's
+    ``param_groups``/``state`` (:mod:`hpcasync.optim`); ``topo`` defaults to the job's topology
+    (:func:`hpcasync.topology.default_topology`, as set by ``hpcasync.init``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, flat, topo, *, total_epochs: int,
+    algorithm = "daso"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, flat, topo=None, *, total_epochs: int,
                  batches_per_epoch: int, warmup_epochs: int = 4, cooldown_epochs: int = 4,
                  global_skip: int = 4, local_skip: int = 1, batches_to_wait: int = 1,
                  max_global_skips: int = 8, cast: str | None = "bf16",
                  chunk_elems: int = DASO_CHUNK_ELEMS, plateau_patience: int = 3,
                  plateau_threshold: float = 0.05, local_backend: str = "mpi",
                  link_delay_us_per_mb: float = 0.0):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"DASO wraps a torch optimizer, got {type(optimizer).__name__}")
         if not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
             raise ConfigError(f"DASO batches_per_epoch must be an integer >= 1, "
                               f"got {batches_per_epoch!r}")
-        self.optimizer, self.flat, self.topo = optimizer, flat, topo
+        self._wrap(as_flat(flat), optimizer)
+        flat = self.flat
+        self.topo = topo = default_topology() if topo is None else topo
+        topo.require_uniform("DASO")
         self.batches_per_epoch = batches_per_epoch
         self.schedule = DasoSchedule(
             total_epochs=total_epochs, num_groups=topo.local_size, warmup_epochs=warmup_epochs,
@@ -112,19 +119,6 @@ class DASO:
                         "--daso-warmup-epochs/--daso-cooldown-epochs to see DASO",
                         total_epochs, warmup_epochs, cooldown_epochs)
 
-    # -- the wrapped optimizer ----------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffer (``set_to_none`` would detach ``p.grad`` from it)."""
-        self.flat.grads.zero_()
-
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from world rank ``root``'s parameters and buffers."""
         for tensor in (self.flat.params, self.flat.buffers):
@@ -138,6 +132,7 @@ class DASO:
         if self._synced_plan is not None:
             raise ConfigError("DASO synchronize() called twice for one batch")
         plan = self.schedule.advance(self.batches_per_epoch)
+        self._collect()
         self.comm.progress(self.inflight)
         if plan.grad_sync == "global":
             self.comm.global_average(self.flat.grads)
@@ -233,16 +228,14 @@ class DASO:
         state = pack_state(self.flat.params, self.flat.buffers).cpu().contiguous()
         return hashlib.sha256(state.numpy().tobytes()).hexdigest()
 
-    def state_dict(self) -> dict:
+    def _extra_state(self) -> dict:
         if self.inflight:
             raise ConfigError("DASO state can only be saved between epochs (messages in flight)")
-        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
-                "steps": self.steps}
+        return {"schedule": self.schedule.state_dict(), "steps": self.steps}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.steps = int(state["steps"])
+    def _load_extra(self, extra: dict) -> None:
+        self.schedule.load_state_dict(extra["schedule"])
+        self.steps = int(extra["steps"])
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.nn.functional as F
 
 from ..comm import DASO_CHUNK_ELEMS, FlatModel
 from . import DASO, DasoSchedule, LinkDelay
@@ -35,6 +33,7 @@ from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..runtime.context import RunContext, RunResult, max_over
 from ..hetero import StepDelay
+from ..ssgd.runtime import make_optimizer
 
 log = logging.getLogger("hpcasync")
 
@@ -117,8 +116,7 @@ def run(ctx: RunContext) -> RunResult:
     if nbatches < 1:
         raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks give "
                           f"no batch of {cfg.batch_size}; lower --batch-size")
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(ctx, model)
     opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
                local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
     opt.broadcast_parameters(root=0)
@@ -152,7 +150,7 @@ def run(ctx: RunContext) -> RunResult:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             delay.begin()
-            loss = F.cross_entropy(model(x), y)
+            loss = ctx.loss_fn(model(x), y)
             loss.backward()
             delay.end(opt.steps)         # a straggler sleeps here; the local average waits for it
             opt.step()

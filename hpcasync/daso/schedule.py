@@ -172,7 +172,8 @@ class DasoSchedule:
                               f"now {nbatches}: the batch count must stay fixed within an epoch")
         if self.batch >= self.nbatches:
             raise ConfigError(f"DASO step {self.batch + 1} in epoch {self.epoch} of "
-                              f"{self.nbatches} batches: call end_epoch() after the last batch")
+                              f"{self.nbatches} batches: call epoch_end(loss) on the DASO optimizer after the "
+                              "last batch of every epoch")
         plan = plan_batch(self.batch, nbatches=self.nbatches, phase=self.phase, knobs=self.knobs,
                           num_groups=self.num_groups)
         self.batch += 1

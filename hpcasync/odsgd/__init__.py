@@ -7,7 +7,8 @@
 * :mod:`.runtime`    ``hpcasync train --algorithm odsgd``
 """
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
+from .optimizer import ODSGD
 from .pipeline import ODSGDWorker
 
-__all__ = ["GlobalState", "ODSGDHyper", "ODSGDWorker", "WorkerState", "global_update",
+__all__ = ["ODSGD", "GlobalState", "ODSGDHyper", "ODSGDWorker", "WorkerState", "global_update",
            "local_update", "simulate_round"]

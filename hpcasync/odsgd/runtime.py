@@ -58,15 +58,13 @@ warm-up rounds count whole), ``update_time_s`` (local/global steps, starting rou
 does not progress while computing, so there it is only an upper bound), ``wait_time_max_s``,
 ``compute_ms_per_step``, ``wait_ms_per_step``, ``warmup_steps``.
 
-Example (a user's own loop)::
+Example (a user's own loop; :class:`~hpcasync.odsgd.ODSGD`, also ``hpcasync.optimizer("odsgd", ...)``)::
 
-    flat = FlatModel(model)
-    worker = ODSGDWorker(flat, MPI.COMM_WORLD, hp=ODSGDHyper(lr=0.05, momentum=0.9))
-    worker.broadcast_parameters()
+    opt = ODSGD(model, lr=0.05, momentum=0.9)
     for x, y in loader:
-        flat.zero_grad(); F.cross_entropy(model(x), y).backward()
-        worker.step()                     # params now hold W^l_{t+1}
-    worker.finish()                       # params hold the global model W
+        opt.zero_grad(); F.cross_entropy(model(x), y).backward()
+        opt.step()                        # params now hold W^l_{t+1}
+    opt.finish()                          # params hold the global model W
 
 The simulator drives the same math for N virtual workers with :func:`simulate_round`.
 
@@ -88,13 +86,12 @@ of global updates; the round is an allreduce, not a PS push/pull (reason above).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
-import torch.nn.functional as F
 
-from ..comm import FlatModel
 from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import StepDelay
@@ -102,6 +99,7 @@ from ..runtime.context import RunContext, RunResult, mean_over
 from ..runtime.ft import signal_hook
 from .checkpoint import consistent_point, load_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
+from .optimizer import ODSGD
 from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
 
 __all__ = ["ODSGDWorker", "StepTimes", "ODSGDHyper", "GlobalState", "WorkerState", "local_update",
@@ -163,10 +161,9 @@ def run(ctx: RunContext) -> RunResult:
     cfg, topo = ctx.cfg, ctx.topo
     hp = hyper_from_config(cfg)
     model = ctx.make_model()
-    flat = FlatModel(model)
-    worker = ODSGDWorker(flat, topo.world, hp=hp,
-                         progress=cfg.options.get("odsgd_progress", "thread"))
-    worker.broadcast_parameters(root=0)
+    opt = ODSGD(model, comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
+                **dataclasses.asdict(hp))                   # the front door's object
+    worker = opt.worker
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root:
         log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s, %s",
@@ -192,14 +189,14 @@ def run(ctx: RunContext) -> RunResult:
                                    start=first):
             t0 = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            flat.zero_grad()
+            opt.zero_grad()
             delay.begin()
-            loss = F.cross_entropy(model(x), y)
+            loss = ctx.loss_fn(model(x), y)
             loss.backward()
             loss_value = loss.item()
             compute += time.perf_counter() - t0
             delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
-            worker.step()
+            opt.step()
             loss_sum += ctx.step_done(epoch, i + 1, loss_value)
             if inject is not None:
                 inject()
@@ -217,7 +214,7 @@ def run(ctx: RunContext) -> RunResult:
                           bytes_communicated=topo.world.allreduce(worker.bytes_sent), **times)
         consistent_point(ctx, worker, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
                           label=epoch)
-    worker.finish()
+    opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
     return RunResult(model=model, summary={
         "steps": worker.steps, "rounds": worker.rounds,
         "warmup_steps": min(worker.steps, hp.warmup_iters),

@@ -45,17 +45,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 
 import torch
 
-from ..comm import FlatModel
 from ..errors import CheckpointError, ConfigError, TopologyError
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
-from ..rules import make_rule, rule_hyperparameters, smega2_lr, warmup_lr
+from ..rules import MOMENTUM_RULES, make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 
@@ -63,7 +61,6 @@ log = logging.getLogger("hpcasync")
 
 ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp",
               "smega2", "dana", "nag")
-MOMENTUM_RULES = ("smega2", "dana", "nag")      # momentum is the algorithm: take --momentum
 _OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
            "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
            "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",)}
@@ -120,27 +117,10 @@ def build_rule(cfg, theta0: torch.Tensor, num_workers: int):
     return make_rule(cfg.algorithm, theta0, num_workers, **rule_hyper(cfg))
 
 
-def lr_schedule(cfg, num_workers: int):
-    """``lr_at(epoch_float)`` for the rule, or None for a constant ``cfg.lr``.
-
-    smega2, dana, nag: the SMEGA2 paper's schedule (``rules.smega2_lr``: warm-up from lr/N over
-    ``--ps-warmup-epochs`` (5), ×0.1 at epochs 80 and 120), which its simulator gives every
-    algorithm it compares. Others: constant, or a linear warm-up when ``--ps-warmup-epochs`` > 0.
-    """
-    warm = cfg.options.get("ps_warmup_epochs")
-    if cfg.algorithm in MOMENTUM_RULES:
-        warm = 5.0 if warm is None else warm
-
-        def lr_at(epoch_float: float) -> float:
-            return smega2_lr(epoch_float, base_lr=cfg.lr, num_workers=num_workers,
-                             warmup_epochs=warm)
-        return lr_at
-    if not warm:
-        return None
-
-    def warm_lr(epoch_float: float) -> float:
-        return warmup_lr(cfg.lr, epoch_float, warm, cfg.lr / num_workers)
-    return warm_lr
+def lr_factor_of(cfg, num_workers: int):
+    """The rule's lr schedule as a factor of the workers' lr (``rules.ps_lr_factor``), from
+    ``--ps-warmup-epochs``; None for a constant lr."""
+    return ps_lr_factor(cfg.algorithm, num_workers, cfg.options.get("ps_warmup_epochs"))
 
 
 def validate(cfg) -> None:
@@ -168,7 +148,8 @@ def reporting_rank(topo) -> int:
 def run(ctx: RunContext) -> RunResult:
     from mpi4py import MPI
 
-    from .transport import make_transport
+    from .optimizer import ParameterServer
+    from .worker import run_worker
 
     cfg, topo = ctx.cfg, ctx.topo
     W = len(topo.workers)
@@ -187,57 +168,58 @@ def run(ctx: RunContext) -> RunResult:
                               "--train-limit or --batch-size?)")      # every rank raises
     stop_flag = (lambda: ctx.preempt.requested) if ctx.preempt is not None else None
     model = ctx.make_model()
-    flat = FlatModel(model)
-    transport = make_transport(cfg.options.get("ps_transport", "rma"), topo.world, topo.ps_rank,
-                               flat.numel, extra=flat.buffer_numel,
-                               reply_scalars=build_rule(cfg, torch.zeros(1), 1).reply_scalars)
+    # the front door's object: a worker's optimizer, the server's rule and loop
+    opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
+                          transport=cfg.options.get("ps_transport", "rma"),
+                          steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
+                          warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
+                          **rule_hyper(cfg))
+    flat = opt.flat
     summary: dict = {}
     ulfm = ft.ulfm_enabled()
     if topo.is_ps:
         log.info("%s: PS rank %d, %d workers, transport %s, %s; %s", cfg.algorithm,
-                 topo.ps_rank, W, transport.name, delay.describe(), ft.describe(ulfm))
-        summary, stopping = _serve(ctx, transport, flat, model, W, batches_per_worker, state,
-                                   stop_flag, ulfm)
+                 topo.ps_rank, W, opt.transport.name, delay.describe(), ft.describe(ulfm))
+        summary, stopping = _serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm)
     else:
-        from .worker import finish_worker, run_worker
-
-        rule = build_rule(cfg, flat.params.detach().cpu(), W)
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
         start = 0
         if state is not None:          # its position, and its buffers as of its last push
-            start = int(state["ps"]["positions"][transport.worker])
-            if state["seen"][transport.worker]:
-                flat.buffers.copy_(state["buffers"][transport.worker])
+            start = int(state["ps"]["positions"][opt.worker])
+            if state["seen"][opt.worker]:
+                flat.buffers.copy_(state["buffers"][opt.worker])
         inject = ft.signal_hook(topo.rank)
 
         def after_step() -> None:
             ctx.after_step()
             if inject is not None:
                 inject()
-        transport.before_header = ft.kill_hook(topo.rank)
+        opt.transport.before_header = ft.kill_hook(topo.rank)
         try:
-            wstats = run_worker(transport, rule, model, flat, ctx.train, epochs=cfg.epochs,
+            wstats = run_worker(opt, model, ctx.train, epochs=cfg.epochs,
                                 batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
                                 delay=None if delay.trivial else delay, oracle=oracle,
                                 after_step=after_step, grad_hook=_nan_hook(topo.rank),
-                                start_step=start, stop_requested=stop_flag)
-            stopping = finish_worker(transport, wstats, stop_flag)
+                                start_step=start, stop_requested=stop_flag, loss_fn=ctx.loss_fn)
+            stopping = opt.finish(stop_requested=None if wstats.stop_sent or wstats.stopped
+                                  else stop_flag,
+                                  collective=False)
         except MPI.Exception as exc:
             if not ulfm or ft.failed_ranks(topo.world, exc) is None:
                 raise
-            if transport.worker:          # worker 0 says it once; its MPI_Abort ends this wait
+            if opt.worker:          # worker 0 says it once; its MPI_Abort ends this wait
                 time.sleep(10)
             raise _ps_failed(topo) from None
-        summary = {"worker": transport.worker, "worker_steps": wstats.steps,
+        summary = {"worker": opt.worker, "worker_steps": wstats.steps,
                    "worker_sleep_s": round(wstats.sleep_time, 3),
                    "worker_compute_s": round(wstats.compute_time, 3),
                    "worker_cpu_s": round(wstats.cpu_time, 3),
-                   "worker_wait_s": round(transport.wait_time, 3),
+                   "worker_wait_s": round(opt.transport.wait_time, 3),
                    "worker_start_step": wstats.start_step}
     # the survivors (all ranks without ULFM) go on together; a dead rank cannot free windows
     comm, lost = ft.survivors(topo.world, ulfm)
-    transport.close(collective=not lost)
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
+    opt.close(comm, root, collective=not lost, broadcast_model=False)
     if root < 0:             # the PS died after the end messages
         raise _ps_failed(topo)
     if stopping:             # the PS has written the checkpoint (if any) before closing
@@ -264,31 +246,17 @@ def _ps_failed(topo) -> ft.PSFailed:
                        "resume from its last checkpoint with --resume auto")
 
 
-def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: int,
+def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
            state: dict | None, stop_flag, ulfm: bool) -> tuple[dict, bool]:
     """The PS rank's part of :func:`run`: serve, record epochs, write checkpoints, leave θ in
-    ``flat``. Returns the summary and whether the run stops for a preemption."""
+    the model. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
 
-    from .server import PSServer
-
-    cfg = ctx.cfg
-    rule = build_rule(cfg, flat.params.detach().cpu(), W)
-    buffers = torch.zeros(W, flat.buffer_numel)
-    seen = [False] * W
+    cfg, rule, transport = ctx.cfg, opt.rule, opt.transport
     inject, kill = ft.signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
 
-    def load_theta() -> None:
-        flat.params.copy_(rule.theta)
-        if flat.buffer_numel and any(seen):
-            flat.buffers.copy_(buffers[torch.tensor(seen)].mean(0))
-
-    def on_buffers(w, extra) -> None:
-        buffers[w].copy_(extra)
-        seen[w] = True
-
     def on_epoch(epoch: int, record: dict) -> None:
-        load_theta()
+        opt.load_theta()
         train_loss = record.pop("train_loss")
         ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=MPI.COMM_SELF, **record,
                       ps_state_bytes=rule.state_bytes(), lr=rule.lr)
@@ -310,8 +278,7 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
         """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
-        snapshot = {"ps": server.state_dict(), "buffers": buffers.clone(),
-                    "seen": [int(x) for x in seen], "kind": kind,
+        snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
                     "batches_per_worker": batches_per_worker}
         path = ctx.checkpoints.save(snapshot, epoch=epoch, step=server.stats.accepted,
                                     **ctx.checkpoint_header())
@@ -329,22 +296,19 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
         return stop_flag is not None and stop_flag()
 
     pushes_per_epoch = W * batches_per_worker
-    server = PSServer(transport, rule, pushes_per_epoch=pushes_per_epoch, epochs=cfg.epochs,
-                      on_epoch=on_epoch, lr_at=lr_schedule(cfg, W), on_push=on_push,
-                      on_buffers=on_buffers if flat.buffer_numel else None,
-                      stop_requested=stop_requested,
-                      on_checkpoint=save if ctx.checkpoints is not None else None,
-                      checkpoint_every=ctx.checkpoint_every,
-                      on_failure=lambda record: ctx.metrics.write("worker_failed", **record),
-                      on_accept=lambda w, loss: ctx.divergence.check(loss,
-                                                                     step=server.stats.accepted))
+    server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
+                             on_checkpoint=save if ctx.checkpoints is not None else None,
+                             checkpoint_every=ctx.checkpoint_every,
+                             on_failure=lambda record: ctx.metrics.write("worker_failed",
+                                                                         **record),
+                             on_accept=lambda w, loss: ctx.divergence.check(
+                                 loss, step=server.stats.accepted))
     resumed_at = 0
     if state is not None:
         server.load_state_dict(state["ps"])
         budget = cfg.epochs * batches_per_worker          # --epochs may have changed
         server.finished = [p >= budget for p in server.positions]
-        buffers.copy_(state["buffers"])
-        seen[:] = [bool(x) for x in state["seen"]]
+        opt.load_buffer_state(state)
         resumed_at = server.stats.accepted
         log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
                  server.positions)
@@ -359,7 +323,7 @@ def _serve(ctx: RunContext, transport, flat, model, W: int, batches_per_worker: 
             save("stop")
         else:
             log.warning("preempted without --checkpoint-dir: this run's progress is lost")
-    load_theta()
+    opt.load_theta()
     return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
             "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
             "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),

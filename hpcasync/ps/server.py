@@ -46,6 +46,7 @@ and is recorded when the last worker stops. A stop (preemption) does not wait fo
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -53,7 +54,7 @@ from ..errors import CheckpointError
 from ..rules import PushMeta
 from ..runtime.ft import WorkerFailed
 from .stats import PushStats
-from .transport import KIND_DONE, KIND_PEEK, KIND_PUSH, KIND_STOP
+from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, KIND_PUSH, KIND_STOP
 
 log = logging.getLogger("hpcasync")
 
@@ -64,12 +65,15 @@ class PSServer:
     Args:
         transport: a PS-side transport (``recv_push``/``send_reply``).
         rule: the update rule (PS side).
-        pushes_per_epoch: pushes of all workers in one epoch (W × batches per worker).
-        epochs: epochs to record.
+        pushes_per_epoch: pushes of all workers in one epoch (W × batches per worker); None: no
+            epochs (a user's loop that did not say how long its epochs are).
+        epochs: epochs to record; None: open-ended (epochs are recorded as pushes cross them,
+            none is made up at the end).
         on_epoch: ``on_epoch(epoch, record)`` after the epoch's crossing push was answered;
             ``record`` holds the staleness histogram and push counts of that epoch.
-        lr_at: ``lr_at(epoch_float) -> lr`` set on the rule before each accepted push
-            (None: the rule's lr stays as built).
+        lr_factor: ``lr_factor(epoch_float) -> factor``: the rule's lr for an accepted push is
+            the pushing worker's lr (its optimizer's, carried in the push; the rule's lr as built
+            when a push carries none) times this factor (the paper's warm-up; None: 1).
         on_push: ``on_push(worker, staleness, loss)`` after each accepted push (progress, logs).
         on_buffers: ``on_buffers(worker, extra)`` with the float buffers of each accepted push.
         keep_log: keep every push in ``stats.log``.
@@ -85,9 +89,9 @@ class PSServer:
     ``failed`` (worker -> record of its death).
     """
 
-    def __init__(self, transport, rule, *, pushes_per_epoch: int, epochs: int,
+    def __init__(self, transport, rule, *, pushes_per_epoch: int | None, epochs: int | None,
                  on_epoch: Callable[[int, dict], Any] | None = None,
-                 lr_at: Callable[[float], float] | None = None,
+                 lr_factor: Callable[[float], float] | None = None,
                  on_push: Callable[[int, int, float], Any] | None = None,
                  on_buffers: Callable[[int, Any], Any] | None = None, keep_log: bool = True,
                  stop_requested: Callable[[], bool] | None = None,
@@ -99,7 +103,8 @@ class PSServer:
         self.pushes_per_epoch = pushes_per_epoch
         self.epochs = epochs
         self.on_epoch = on_epoch
-        self.lr_at = lr_at
+        self.lr_factor = lr_factor
+        self.base_lr = rule.lr
         self.on_push = on_push
         self.on_buffers = on_buffers
         self.stats = PushStats(transport.num_workers, keep_log=keep_log)
@@ -147,6 +152,9 @@ class PSServer:
             if push.kind == KIND_STOP:              # from a worker that has finished
                 self._begin_stop(f"a signal at worker {push.worker}")
                 continue
+            if push.kind == KIND_FINISH:            # no more pushes from it (a user's loop ended)
+                self.finished[push.worker] = done[push.worker] = True
+                continue
             if push.kind != KIND_PUSH:
                 raise RuntimeError(f"PS: unknown message kind {push.kind} from worker "
                                    f"{push.worker}")
@@ -160,8 +168,8 @@ class PSServer:
             if self.stopping:
                 log.info("PS: every worker had finished; completing the run instead of stopping")
             self.stopping = False
-            while self.next_epoch <= self.epochs:      # epochs not crossed (rejected pushes)
-                self._cross_epoch()
+            while self.epochs is not None and self.next_epoch <= self.epochs:
+                self._cross_epoch()                    # epochs not crossed (rejected pushes)
         return self.stats
 
     def _begin_stop(self, reason: str) -> None:
@@ -194,7 +202,7 @@ class PSServer:
                 continue
             if push.kind == KIND_DONE:
                 steps[push.worker] = push.version
-            elif push.kind != KIND_STOP:
+            elif push.kind not in (KIND_STOP, KIND_FINISH):
                 raise RuntimeError(f"PS: unexpected message kind {push.kind} from worker "
                                    f"{push.worker} after the end")
         steps = [self.positions[w] if s is None else s for w, s in enumerate(steps)]
@@ -271,8 +279,10 @@ class PSServer:
             self.apply_time += time.perf_counter() - t0
             self._send(w, reply.params, reply.version, False, reply.scalars, self.stopping)
             return
-        if self.lr_at is not None:
-            rule.lr = self.lr_at(self.stats.accepted / self.pushes_per_epoch)
+        lr = push.lr if math.isfinite(push.lr) else self.base_lr
+        if self.lr_factor is not None and self.pushes_per_epoch:
+            lr = lr * self.lr_factor(self.stats.accepted / self.pushes_per_epoch)
+        rule.lr = lr
         staleness = rule.staleness(meta)
         reply = rule.on_push(w, push.grad, meta)
         self.apply_time += time.perf_counter() - t0
@@ -284,7 +294,8 @@ class PSServer:
         self._send(w, reply.params, reply.version, True, reply.scalars, self.stopping)
         if self.on_push is not None:
             self.on_push(w, staleness, push.loss)
-        crossed = (self.next_epoch <= self.epochs
+        crossed = (bool(self.pushes_per_epoch)
+                   and (self.epochs is None or self.next_epoch <= self.epochs)
                    and self.stats.accepted >= self.next_epoch * self.pushes_per_epoch)
         if crossed:
             self._cross_epoch()

@@ -22,8 +22,9 @@ sent with ``Isend``, the PS ``Recv``s the gradient into a per-worker buffer and 
 
 Preemption (``ps.server``'s stop protocol): a push may carry a stop request; a reply carries a
 stop flag (the third reply-header field); ``KIND_STOP`` is a stop request from a worker that has
-finished its budget (header only), ``KIND_DONE`` a worker's last message (header only; ``version``
-is its step count), and :meth:`send_end` / :meth:`wait_end` the PS's "no more work" message with
+finished its budget (header only), ``KIND_FINISH`` a worker saying it has no more pushes (header
+only: a user's loop ends with ``ParameterServer.finish()``; the CLI's worker flags its last push
+instead), ``KIND_DONE`` a worker's last message (header only; ``version`` is its step count), and :meth:`send_end` / :meth:`wait_end` the PS's "no more work" message with
 the stop decision (the same on both transports: a small two-sided message).
 
 Nobody spins: every wait is ``Test`` + sleep with exponential backoff (20 µs doubling to 1 ms),
@@ -44,9 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop
-KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE = 1, 2, 3, 4
-_PUSH_HEADER = 7
+# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr
+# (the worker's current learning rate: NaN when it sends none)
+KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
+_PUSH_HEADER = 8
 _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
                                                                      4105, 4106)
 
@@ -82,6 +84,7 @@ class Push:
     grad: torch.Tensor
     extra: torch.Tensor
     stop: bool = False            # the worker asks the PS to stop (it received a signal)
+    lr: float = float("nan")      # the worker's learning rate (its optimizer's param group)
 
 
 @dataclass
@@ -151,7 +154,7 @@ class _Base:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
                     oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
-                    stop=bool(h[6]))
+                    stop=bool(h[6]), lr=float(h[7]))
 
     def _reply_header(self, w: int, version: int, accepted: bool, scalars,
                       stop: bool = False) -> np.ndarray:
@@ -172,9 +175,9 @@ class _Base:
 
     # -- worker side ---------------------------------------------------------------------------
     def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
-                     numel: int, stop: bool = False):
+                     numel: int, stop: bool = False, lr: float = float("nan")):
         h = self._head_in
-        h[:] = (kind, version, loss, oracle_loss, numel, float(last), float(stop))
+        h[:] = (kind, version, loss, oracle_loss, numel, float(last), float(stop), lr)
         return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
 
     def _parse_reply(self) -> ReplyHeader:
@@ -262,7 +265,7 @@ class RMATransport(_Base):
     # worker side
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
              version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False, stop: bool = False) -> None:
+             last: bool = False, stop: bool = False, lr: float = float("nan")) -> None:
         MPI = self.MPI
         if kind == KIND_PUSH:
             base = self.worker * self.slot
@@ -275,13 +278,13 @@ class RMATransport(_Base):
             self.win_in.Unlock(self.ps_rank)
             if self.before_header is not None:
                 self.before_header()
-        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)
+        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr)
         self.wait_time += wait(req)
 
-    def recv_reply(self, out: torch.Tensor) -> ReplyHeader:
+    def recv_reply(self, out: torch.Tensor, poll=None) -> ReplyHeader:
         MPI = self.MPI
         req = self.comm.Irecv([self._head_out, MPI.DOUBLE], source=self.ps_rank, tag=_TAG_REPLY)
-        self.wait_time += wait(req)
+        self.wait_time += wait(req, poll=poll)
         if self.reply_mode == "get":
             self.win_out.Lock(self.ps_rank, MPI.LOCK_SHARED)
             self.win_out.Get([_np(out), MPI.FLOAT], self.ps_rank,
@@ -353,9 +356,9 @@ class P2PTransport(_Base):
 
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
              version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False, stop: bool = False) -> None:
+             last: bool = False, stop: bool = False, lr: float = float("nan")) -> None:
         MPI = self.MPI
-        reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop)]
+        reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr)]
         if kind == KIND_PUSH:
             if self.before_header is not None:      # here: after the header, before the data
                 self.before_header()
@@ -367,11 +370,11 @@ class P2PTransport(_Base):
                                             tag=_TAG_EXTRA))
         self.wait_time += wait_all(reqs)
 
-    def recv_reply(self, out: torch.Tensor) -> ReplyHeader:
+    def recv_reply(self, out: torch.Tensor, poll=None) -> ReplyHeader:
         MPI = self.MPI
         reqs = [self.comm.Irecv([self._head_out, MPI.DOUBLE], source=self.ps_rank, tag=_TAG_REPLY),
                 self.comm.Irecv([_np(out), MPI.FLOAT], source=self.ps_rank, tag=_TAG_THETA)]
-        self.wait_time += wait_all(reqs)
+        self.wait_time += wait_all(reqs, poll=poll)
         return self._parse_reply()
 
     def close(self, collective: bool = True) -> None:

@@ -9,18 +9,18 @@ num_shards=W, seed, epoch)`` for each epoch. Per batch::
     [LC-ASGD oracle: PEEK the current θ, L_oracle ← loss(θ, same batch)]
     push (g, L, v) ; reply ← wait ; rule.on_reply(w, reply, g if accepted else None)
 
-``rule`` is a worker-side instance of the PS's rule class: ``on_reply`` needs nothing but the reply
-(SHAT mixes, the others copy).
+The push and the reply are :meth:`hpcasync.ps.ParameterServer.push` — the same call a user's
+``opt.step()`` makes; ``on_reply`` (SHAT mixes, the others copy) is the worker-side rule's.
 
 Preemption (``ps.server`` has the protocol): each push carries ``stop_requested()`` (this rank's
-signal flag); a reply with the stop flag ends the loop after that step. :func:`finish_worker` then
+signal flag); a reply with the stop flag ends the loop after that step. ``opt.finish()`` then
 waits for the PS's end message (asking it to stop if a signal arrives meanwhile) and reports the
 step count. A resumed worker starts at its saved position (``start_step`` = batches pushed so far,
 over all epochs) from the PS's current θ.
 
 Example (inside a PS job, see ``hpcasync.ps.runtime.run``)::
 
-    stats = run_worker(transport, rule, model, flat, train_set, epochs=2, batch_size=64, seed=0)
+    stats = run_worker(opt, model, train_set, epochs=2, batch_size=64, seed=0)
 """
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import batches, num_batches, shard_indices
-from ..rules import Reply
-from .transport import KIND_DONE, KIND_PEEK
+from .transport import KIND_PEEK
 
 
 @dataclass
@@ -52,26 +51,24 @@ class WorkerStats:
     stop_sent: bool = False       # a push of this worker carried a stop request
 
 
-def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: int,
+def run_worker(opt, model: torch.nn.Module, train, *, epochs: int,
                batch_size: int, seed: int, device: str = "cpu", delay=None,
                oracle: bool = False, after_step: Callable[[], None] | None = None,
                grad_hook: Callable[[int, torch.Tensor], None] | None = None,
                start_step: int = 0,
-               stop_requested: Callable[[], bool] | None = None) -> WorkerStats:
-    """Run worker ``transport.worker`` to the end of its budget (``epochs`` passes over its
+               stop_requested: Callable[[], bool] | None = None,
+               loss_fn: Callable = F.cross_entropy) -> WorkerStats:
+    """Run worker ``opt.worker`` (a :class:`~hpcasync.ps.ParameterServer`) to the end of its budget (``epochs`` passes over its
     shard) or until the PS answers with the stop flag; its last push carries the ``last`` flag.
     ``grad_hook(step, grad)`` may alter the gradient before it is pushed (tests inject NaN this
     way). ``start_step``: resume at this position (a spent budget: no initial reply, nothing to do).
     ``stop_requested()``: this rank's preemption flag, sent with each push. Returns the counters."""
-    w, W = transport.worker, transport.num_workers
+    w, W, flat = opt.worker, opt.num_workers, opt.flat
     stats = WorkerStats(steps=start_step, start_step=start_step)
     per_epoch = num_batches(len(train) // W, batch_size)
     if start_step >= epochs * per_epoch:
         return stats
-    reply_buf = torch.empty(flat.numel)
-    head = transport.recv_reply(reply_buf)                       # the initial reply
-    rule.on_reply(flat.params, Reply(reply_buf, head.version, head.scalars), None)
-    version = head.version
+    opt.start()                                                  # the initial reply
     first_epoch, first_batch = divmod(start_step, per_epoch)
     model.train()
     cpu_clock = torch.device(device).type == "cpu"
@@ -85,8 +82,8 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
                                    start=start):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             t0, c0 = time.perf_counter(), time.process_time()
-            flat.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
             loss.backward()
             loss_value = loss.item()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -101,19 +98,14 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
                 stats.sleep_time += delay.sleep_extra(w, stats.steps, statistics.median(recent))
             oracle_loss = math.nan
             if oracle:
-                oracle_loss = _oracle_loss(transport, model, flat, reply_buf, x, y)
+                oracle_loss = _oracle_loss(opt, model, x, y, loss_fn)
             if delay is not None and delay.push_delay_s:
                 delay.sleep_push()
                 stats.sleep_time += delay.push_delay_s
             last = epoch == epochs and b == per_epoch - 1
             stop = stop_requested is not None and stop_requested()
             stats.stop_sent |= stop
-            transport.push(grad.cpu(), flat.buffers.cpu(), version=version, loss=loss_value,
-                           oracle_loss=oracle_loss, last=last, stop=stop)
-            head = transport.recv_reply(reply_buf)
-            rule.on_reply(flat.params, Reply(reply_buf.to(flat.params.device), head.version,
-                                             head.scalars), grad if head.accepted else None)
-            version = head.version
+            head = opt.push(grad, loss=loss_value, oracle_loss=oracle_loss, last=last, stop=stop)
             stats.steps += 1
             stats.rejected += not head.accepted
             stats.loss_sum += loss_value
@@ -125,27 +117,16 @@ def run_worker(transport, rule, model: torch.nn.Module, flat, train, *, epochs: 
     return stats
 
 
-def finish_worker(transport, stats: WorkerStats,
-                  stop_requested: Callable[[], bool] | None = None) -> bool:
-    """After :func:`run_worker`: wait for the PS's end message, report this worker's step count
-    (``KIND_DONE``); returns True when the job stops for a preemption. A signal arriving while
-    waiting (this worker has finished, others have not) asks the PS to stop."""
-    def ask() -> bool:
-        return (stop_requested is not None and not stats.stopped and not stats.stop_sent
-                and stop_requested())
-    stop = transport.wait_end(ask)
-    transport.push(torch.zeros(0), kind=KIND_DONE, version=stats.steps)
-    return stop
-
-
 @torch.no_grad()
-def _oracle_loss(transport, model, flat, reply_buf, x, y) -> float:
+def _oracle_loss(opt, model, x, y, loss_fn) -> float:
     """LC-ASGD's oracle: the loss at the PS's current θ on this batch (θ fetched by a PEEK)."""
-    transport.push(flat.grads, kind=KIND_PEEK)
-    transport.recv_reply(reply_buf)
+    flat = opt.flat
+    theta = torch.empty(flat.numel)
+    opt.transport.push(flat.grads, kind=KIND_PEEK)
+    opt.transport.recv_reply(theta)
     params, buffers = flat.params.clone(), flat.buffers.clone()
-    flat.params.copy_(reply_buf)
-    loss = F.cross_entropy(model(x), y).item()
+    flat.params.copy_(theta)
+    loss = loss_fn(model(x), y).item()
     flat.params.copy_(params)
     flat.buffers.copy_(buffers)
     return loss

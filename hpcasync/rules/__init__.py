@@ -56,6 +56,36 @@ RULES: dict[str, functools.partial] = {
 }
 
 
+#: rules whose momentum is the algorithm (``momentum`` is theirs; the others' is an option)
+MOMENTUM_RULES = ("smega2", "dana", "nag")
+
+
+def ps_lr_factor(name: str, num_workers: int, warmup_epochs: float | None = None):
+    """The paper default learning-rate schedule of rule ``name`` as ``factor(epoch_float)`` of the
+    base lr (the server's lr for a push = the pushing worker's lr × factor), or None (constant).
+
+    smega2, dana, nag: the SMEGA2 paper's schedule (:func:`smega2_lr`: linear warm-up from lr/N
+    over ``warmup_epochs`` (default 5), ×0.1 at epochs 80 and 120), which its simulator gives
+    every algorithm it compares. The others: constant, or a linear warm-up from lr/N when
+    ``warmup_epochs`` > 0.
+    """
+    if name in MOMENTUM_RULES:
+        warm = 5.0 if warmup_epochs is None else warmup_epochs
+        return functools.partial(_smega2_factor, num_workers=num_workers, warmup_epochs=warm)
+    if not warmup_epochs:
+        return None
+    return functools.partial(_warmup_factor, num_workers=num_workers, warmup_epochs=warmup_epochs)
+
+
+def _smega2_factor(epoch_float: float, *, num_workers: int, warmup_epochs: float) -> float:
+    return smega2_lr(epoch_float, base_lr=1.0, num_workers=num_workers,
+                     warmup_epochs=warmup_epochs)
+
+
+def _warmup_factor(epoch_float: float, *, num_workers: int, warmup_epochs: float) -> float:
+    return warmup_lr(1.0, epoch_float, warmup_epochs, 1.0 / num_workers)
+
+
 def rule_hyperparameters(name: str) -> dict[str, Any]:
     """The hyperparameters rule ``name`` accepts, with their defaults (``inspect.Parameter.empty``
     for required ones such as ``lr``)."""
@@ -88,6 +118,6 @@ def _factory(name: str) -> functools.partial:
     return RULES[name]
 
 
-__all__ = ["RULES", "make_rule", "rule_hyperparameters", "PushMeta", "Reply", "Rule", "ASGD",
+__all__ = ["RULES", "MOMENTUM_RULES", "make_rule", "ps_lr_factor", "rule_hyperparameters", "PushMeta", "Reply", "Rule", "ASGD",
            "DCASGD", "LCASGD", "SHAT", "SMEGA2", "DANAZero", "NAG", "asgd_update", "shat_alpha",
            "smega2_estimate", "smega2_lr", "step_decay_lr", "warmup_lr"]

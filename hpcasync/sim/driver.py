@@ -126,7 +126,7 @@ def simulate(cfg) -> dict:
 
 
 def _run_async(ctx, model, delay, W: int) -> dict:
-    from ..ps.runtime import build_rule, lr_schedule
+    from ..ps.runtime import build_rule, lr_factor_of
     from .engine import AsyncSim
 
     cfg = ctx.cfg
@@ -153,7 +153,7 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     sim = AsyncSim(rule, worker_rule, model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
                    batch_size=cfg.batch_size, seed=cfg.seed,
                    step_time=cfg.options["sim_step_time"], on_epoch=on_epoch,
-                   lr_at=lr_schedule(cfg, W), oracle=oracle, on_push=on_push)
+                   lr_factor=lr_factor_of(cfg, W), oracle=oracle, on_push=on_push)
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()

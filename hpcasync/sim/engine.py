@@ -52,7 +52,8 @@ class AsyncSim:
         step_time: simulated seconds of a natural step (factor 1).
         on_epoch: ``on_epoch(epoch, record)`` when the accepted pushes reach e · W · batches;
             ``record`` has the PushStats epoch fields plus ``sim_time``.
-        lr_at: as in ``PSServer`` (SMEGA2's warm-up).
+        lr_factor: as in ``PSServer``: the rule's lr is ``base lr × lr_factor(epoch)`` (SMEGA2's
+            warm-up), the same arithmetic as the MPI server's (a worker's lr is the base lr).
         oracle: LC-ASGD's oracle: also compute the loss at the current θ on the same batch.
         on_push: ``on_push(worker, staleness, loss, sim_time)`` after every push (progress).
     """
@@ -60,13 +61,14 @@ class AsyncSim:
     def __init__(self, rule, worker_rule, model, train, delay, *, num_workers: int, epochs: int,
                  batch_size: int, seed: int, step_time: float = 0.01,
                  on_epoch: Callable[[int, dict], None] | None = None,
-                 lr_at: Callable[[float], float] | None = None, oracle: bool = False,
+                 lr_factor: Callable[[float], float] | None = None, oracle: bool = False,
                  on_push: Callable[[int, int, float, float], None] | None = None):
         self.rule, self.worker_rule, self.model = rule, worker_rule, model
         self.train, self.delay = train, delay
         self.W, self.epochs, self.batch_size, self.seed = num_workers, epochs, batch_size, seed
         self.step_time = step_time
-        self.on_epoch, self.lr_at, self.oracle, self.on_push = on_epoch, lr_at, oracle, on_push
+        self.on_epoch, self.lr_factor, self.oracle, self.on_push = on_epoch, lr_factor, oracle, on_push
+        self.base_lr = rule.lr
         self.flat = FlatModel(model)
         self.per_worker = num_batches(len(train) // num_workers, batch_size)
         self.pushes_per_epoch = self.per_worker * num_workers
@@ -105,8 +107,9 @@ class AsyncSim:
                 self.stats.reject(w, version[w], reason, loss)
                 reply, pushed = rule.initial_reply(w), None
             else:
-                if self.lr_at is not None:
-                    rule.lr = self.lr_at(self.stats.accepted / self.pushes_per_epoch)
+                if self.lr_factor is not None:
+                    rule.lr = self.base_lr * self.lr_factor(self.stats.accepted
+                                                            / self.pushes_per_epoch)
                 tau = rule.staleness(meta)
                 reply, pushed = rule.on_push(w, grad, meta), grad
                 self.stats.accept(w, version[w], tau, loss)

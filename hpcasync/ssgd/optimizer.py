@@ -14,50 +14,65 @@ import time
 
 import torch
 
-from ..comm import FlatModel, allreduce
+from ..comm import allreduce
 from ..comm.broadcast import broadcast
 from ..errors import ConfigError
+from ..optim import AlgorithmOptimizer, as_flat
+from ..topology import init_mpi
 
 log = logging.getLogger("hpcasync")
 
 
-class DistributedOptimizer:
-    """Wrap a torch optimizer so ``step()`` first averages gradients across ``comm``.
+class DistributedOptimizer(AlgorithmOptimizer):
+    """SSGD: wrap a torch optimizer so ``step()`` first averages gradients across ``comm``.
 
     Args:
-        optimizer: the user's optimizer over the parameters of ``flat``'s module.
-        flat: the :class:`~hpcasync.comm.FlatModel` whose ``grads`` buffer backs every ``p.grad``.
-        comm: the communicator to average over (all data-parallel ranks).
+        optimizer: the user's optimizer over the model's parameters (any torch optimizer).
+        model: the model (an ``nn.Module``, flattened here; or its :class:`FlatModel`).
+        comm: the communicator to average over (default: every rank, ``MPI.COMM_WORLD``).
         backward_passes_per_step: gradients of this many ``step()`` calls are accumulated locally
             before one allreduce and one optimizer step (as Horovod's option of the same name).
         compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce.
+        average_buffers: average floating buffers (BatchNorm running statistics) in the same
+            allreduce as the gradients, every step (default True: replicas stay bitwise identical,
+            buffers included; the cost is the buffers' few bytes). False: only when
+            :meth:`average_buffers` is called (the CLI did this at epoch ends before).
 
-    The wrapper forwards ``param_groups`` and ``state``, so LR schedulers work on it unchanged.
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``/``state`` are the wrapped optimizer's,
+    so LR schedulers and ``state_dict`` work on it (:mod:`hpcasync.optim`).
+
+    Example::
+
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
+        opt.broadcast_parameters(root=0)
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatModel, comm, *,
-                 backward_passes_per_step: int = 1, compress: str | None = None):
+    algorithm = "ssgd"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
+                 backward_passes_per_step: int = 1, compress: str | None = None,
+                 average_buffers: bool = True):
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        self.optimizer = optimizer
-        self.flat = flat
+        if compress not in (None, "bf16", "fp16"):
+            raise ConfigError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
+        self._wrap(as_flat(model), optimizer)
+        if comm is None:
+            comm = init_mpi().COMM_WORLD
         self.comm = comm
         self.backward_passes_per_step = backward_passes_per_step
         self.compress = compress
+        self.sync_buffers = bool(average_buffers) and self.flat.buffer_numel > 0
         self.passes = 0            # backward passes accumulated since the last step
         self.steps = 0             # optimizer steps taken
         self.bytes_sent = 0        # payload bytes handed to allreduce by this rank
         self.comm_time = 0.0       # seconds spent in allreduce
         self._synchronized = False
         self._skip = False
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from ``root``'s parameters and buffers (not from seeds)."""
@@ -66,11 +81,20 @@ class DistributedOptimizer:
                 broadcast(self.comm, tensor, root=root)
 
     def synchronize(self) -> None:
-        """Average the flat gradient buffer across ranks, in place. Called by ``step()``."""
+        """Average the flat gradient buffer (and the float buffers, with ``average_buffers``)
+        across ranks, in place. Called by ``step()``."""
+        self._collect()
         t0 = time.perf_counter()
-        allreduce(self.comm, self.flat.grads, average=True, compress=self.compress)
+        if self.sync_buffers:
+            self.flat.buffer_wire.copy_(self.flat.buffers)
+            wire = self.flat.grads_and_buffers
+        else:
+            wire = self.flat.grads
+        allreduce(self.comm, wire, average=True, compress=self.compress)
+        if self.sync_buffers:
+            self.flat.buffers.copy_(self.flat.buffer_wire)
         self.comm_time += time.perf_counter() - t0
-        self.bytes_sent += self.flat.grads.numel() * (2 if self.compress else 4)
+        self.bytes_sent += wire.numel() * (2 if self.compress else 4)
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -97,20 +121,20 @@ class DistributedOptimizer:
         self.steps += 1
         return self.optimizer.step()
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffer (``set_to_none`` would detach ``p.grad`` from it)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffer (the gradients stay its views whatever ``set_to_none``
+        says); mid-accumulation (``backward_passes_per_step``) it keeps the partial sum."""
         if self.passes:
-            return               # mid-accumulation: keep the partial sum
-        self.flat.grads.zero_()
+            return
+        self.flat.zero_grad()
 
     def average_buffers(self) -> None:
         """Average floating-point module buffers (BatchNorm running statistics) across ranks."""
         if self.flat.buffers.numel():
             allreduce(self.comm, self.flat.buffers, average=True)
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps}
+    def _extra_state(self) -> dict:
+        return {"steps": self.steps}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["steps"])
+    def _load_extra(self, extra: dict) -> None:
+        self.steps = int(extra.get("steps", 0))

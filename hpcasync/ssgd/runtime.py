@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
@@ -65,7 +64,12 @@ def validate(cfg) -> None:
                               "run scripts/install-horovod.sh") from None
 
 
-def _make_optimizer(cfg, model):
+def make_optimizer(ctx, model) -> torch.optim.Optimizer:
+    """The optimizer of ``--optimizer`` (``ctx.make_optimizer``; SGD with --lr/--momentum/
+    --weight-decay when the context has none), for ssgd and daso."""
+    if ctx.make_optimizer is not None:
+        return ctx.make_optimizer(model.parameters())
+    cfg = ctx.cfg
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay)
 
@@ -76,12 +80,12 @@ def run(ctx: RunContext) -> RunResult:
     if cfg.backend == "horovod":
         from .horovod import HorovodOptimizer
 
-        opt = HorovodOptimizer(_make_optimizer(cfg, model), model, topo.world)
+        opt = HorovodOptimizer(make_optimizer(ctx, model), model, topo.world)
         flat = None
     else:
         flat = FlatModel(model)
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
-        opt = DistributedOptimizer(_make_optimizer(cfg, model), flat, topo.world, compress=compress)
+        opt = DistributedOptimizer(make_optimizer(ctx, model), flat, topo.world, compress=compress)
     opt.broadcast_parameters(root=0)
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
@@ -118,7 +122,7 @@ def run(ctx: RunContext) -> RunResult:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             delay.begin()
-            loss = F.cross_entropy(model(x), y)
+            loss = ctx.loss_fn(model(x), y)
             loss.backward()
             delay.end(opt.steps)         # a straggler sleeps here; the allreduce waits for it
             opt.step()
@@ -127,7 +131,8 @@ def run(ctx: RunContext) -> RunResult:
             if i + 1 < nbatches:
                 ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
                                      epoch=epoch, step=opt.steps, writer=topo.rank == 0)
-        opt.average_buffers()
+        if not getattr(opt, "sync_buffers", False):      # (averaged with every step otherwise)
+            opt.average_buffers()
         train_loss = mean_over(topo.world, loss_sum / max(1, nbatches))
         ctx.epoch_end(epoch, model, train_loss=train_loss,
                       bytes_communicated=topo.world.allreduce(opt.bytes_sent),

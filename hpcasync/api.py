@@ -1,0 +1,302 @@
+"""The front door: every algorithm in a user's own loop, through ``import hpcasync``.
+
+::
+
+    import hpcasync, torch, torch.nn.functional as F
+
+    ctx = hpcasync.init("ssgd")                    # MPI, roles, device, threads, fail-fast errors
+    model = Net().to(ctx.device)
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)       # it is a torch Optimizer
+    for epoch in range(epochs):
+        for x, y in loader:                        # shard with ctx.shard_index / ctx.num_shards
+            opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+        sched.step()
+        hpcasync.save_checkpoint("ckpt", model, opt, epoch=epoch)
+
+Changing algorithm is changing the name and its hyperparameters:
+
+=========================== =========================================================================
+``ssgd``                    :class:`hpcasync.ssgd.DistributedOptimizer` (wraps your optimizer)
+``daso``                    :class:`hpcasync.daso.DASO` (wraps your optimizer; needs ``epochs``,
+                            ``steps_per_epoch``; call ``opt.epoch_end(loss)`` after each epoch)
+``odsgd``                   :class:`hpcasync.odsgd.ODSGD` (its own global momentum SGD)
+asgd, dcasgd, dcasgd-a,     :class:`hpcasync.ps.ParameterServer` (the rule runs on the server rank:
+lcasgd, shat, shat-root,    ``if ctx.is_server: opt.serve()`` else the loop, then ``opt.finish()``)
+ensemble, asp, smega2,
+dana, nag
+=========================== =========================================================================
+
+Where an algorithm runs your optimizer (ssgd, daso) pass it; where it runs its own update (odsgd,
+the PS rules) you may still pass a ``torch.optim.SGD``: its lr, weight decay and (for odsgd, smega2,
+dana, nag) momentum become the algorithm's, so one loop serves every name. Keywords override.
+
+Errors are one line on every rank within seconds: :func:`init` installs an exception hook that
+prints the failing rank's error and ends the whole job (``MPI_Abort``) instead of leaving the other
+ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+log = logging.getLogger("hpcasync")
+
+SYNC_ALGORITHMS = ("ssgd", "daso", "odsgd")
+PS_ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp",
+                 "smega2", "dana", "nag")
+
+
+def algorithms() -> tuple[str, ...]:
+    """The 14 algorithm names."""
+    return SYNC_ALGORITHMS + PS_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What this rank is in the job (:func:`init`)."""
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: int
+    num_nodes: int
+    device: str                 # "cpu" or "cuda:<local rank>"
+    algorithm: str | None
+    ps_rank: int
+    is_server: bool             # this rank serves a parameter-server algorithm
+    worker_index: int | None    # PS algorithms: 0..num_workers-1 on workers, None on the server
+    num_workers: int            # ranks that train
+    topology: Any               # hpcasync.topology.Topology (communicators)
+
+    @property
+    def is_worker(self) -> bool:
+        return not self.is_server
+
+    @property
+    def shard_index(self) -> int:
+        """The data shard this rank trains (e.g. ``DistributedSampler(rank=...)``)."""
+        return self.rank if self.worker_index is None else self.worker_index
+
+    @property
+    def num_shards(self) -> int:
+        return self.num_workers
+
+    @property
+    def is_root(self) -> bool:
+        """The rank that should print and write files: rank 0, or the server of a PS job."""
+        return self.rank == (self.ps_rank if self.algorithm in PS_ALGORITHMS else 0)
+
+
+def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
+         device: str = "auto", ps_rank: int = 0, threads: int | None = None,
+         seed: int | None = None, fail_fast: bool = True, verbose: bool = False) -> Roles:
+    """Start MPI (if needed) and say what this rank is.
+
+    Args:
+        algorithm: the algorithm you will run (decides the PS roles; None: every rank trains).
+        ranks_per_node: group the ranks of each machine into virtual nodes (DASO on one box).
+        device: ``"auto"`` (local rank r -> ``cuda:r`` when CUDA is there, else CPU), ``"cpu"``,
+            ``"cuda"``. Move your model to ``ctx.device`` before building the optimizer.
+        ps_rank: the server's rank for PS algorithms (0).
+        threads: torch threads per rank (default: the cores of this process / ranks per node).
+        seed: seed Python, numpy and torch identically on every rank.
+        fail_fast: install the exception hook that ends the job on any rank's error (module doc).
+    """
+    from .topology import Topology, set_default_topology
+
+    if algorithm is not None and algorithm not in algorithms():
+        raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
+    if fail_fast:
+        install_fail_fast()
+    topo = Topology.build(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
+    set_default_topology(topo)
+    ps = algorithm in PS_ALGORITHMS
+    if ps and topo.size < 2:
+        raise ConfigError(f"{algorithm} needs a parameter server and at least one worker: start 2 "
+                          "or more ranks (mpiexec -n 2 ...)")
+    report = ps_rank if ps else 0
+    logging.basicConfig(level=(logging.DEBUG if verbose else logging.INFO) if topo.rank == report
+                        else logging.WARNING, stream=sys.stderr,
+                        format=f"[%(asctime)s r{topo.rank}] %(message)s", datefmt="%H:%M:%S")
+    if threads is None:
+        threads = max(1, len(os.sched_getaffinity(0)) // topo.local_size)
+    torch.set_num_threads(threads)
+    if seed is not None:
+        from .train import seed_everything
+
+        seed_everything(seed)
+    workers = topo.workers if ps else list(range(topo.size))
+    return Roles(rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
+                 local_size=topo.local_size, node=topo.node, num_nodes=topo.num_nodes,
+                 device=topo.device, algorithm=algorithm, ps_rank=topo.ps_rank,
+                 is_server=ps and topo.is_ps,
+                 worker_index=(workers.index(topo.rank) if not topo.is_ps else None) if ps else None,
+                 num_workers=len(workers), topology=topo)
+
+
+def install_fail_fast() -> None:
+    """Make an uncaught exception on any rank end the whole job: its message (one line for an
+    hpcasync error, else the traceback) on stderr, then ``MPI_Abort``."""
+    from .errors import fail_fast
+
+    previous = sys.excepthook
+    if getattr(previous, "_hpcasync", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            fail_fast(exc, code=130)
+        fail_fast(exc)
+
+    hook._hpcasync = True
+    sys.excepthook = hook
+
+
+# -- one optimizer-shaped object per algorithm ------------------------------------------------------
+
+def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              **hyper: Any):
+    """The optimizer-shaped object of ``algorithm`` over ``model`` (module doc).
+
+    It is a ``torch.optim.Optimizer``: LR schedulers, ``state_dict``/``load_state_dict`` and
+    ``zero_grad`` work on it. Collective: call it on every rank. Initial parameters are made equal
+    on every rank (rank 0's; the server's for PS algorithms).
+    """
+    if algorithm not in algorithms():
+        raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
+    if algorithm in ("ssgd", "daso"):
+        if optimizer is None:
+            raise ConfigError(f"{algorithm} runs your torch optimizer: "
+                              f"hpcasync.optimizer({algorithm!r}, model, torch.optim.SGD(...))")
+        return _sync_optimizer(algorithm, model, optimizer, hyper)
+    hyper = {**_from_torch_optimizer(algorithm, optimizer), **hyper}
+    if "lr" not in hyper:
+        raise ConfigError(f"{algorithm} needs a learning rate: pass lr=... (or a torch.optim.SGD)")
+    if algorithm == "odsgd":
+        from .odsgd.optimizer import ODSGD
+
+        return ODSGD(model, **hyper)
+    from .ps.optimizer import ParameterServer
+
+    return ParameterServer(model, algorithm, **hyper)
+
+
+def _sync_optimizer(algorithm, model, opt, hyper):
+    broadcast = hyper.pop("broadcast", True)
+    if algorithm == "ssgd":
+        from .ssgd.optimizer import DistributedOptimizer
+
+        result = DistributedOptimizer(opt, model, **hyper)
+    else:
+        from .daso.optimizer import DASO
+
+        missing = [k for k in ("epochs", "steps_per_epoch") if k not in hyper]
+        if missing:
+            raise ConfigError(f"daso schedules its phases by epoch: pass "
+                              f"{' and '.join(f'{k}=...' for k in missing)} (steps_per_epoch: "
+                              "batches per rank and epoch, e.g. len(loader))")
+        hyper["total_epochs"] = hyper.pop("epochs")
+        hyper["batches_per_epoch"] = hyper.pop("steps_per_epoch")
+        result = DASO(opt, model, **hyper)
+    if broadcast:
+        result.broadcast_parameters(root=0)
+    return result
+
+
+def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
+    """lr, weight decay and (where momentum is the algorithm's) momentum of a torch SGD."""
+    if opt is None:
+        return {}
+    if type(opt) is not torch.optim.SGD:
+        raise ConfigError(f"{algorithm} runs its own update: pass lr=... and its hyperparameters, "
+                          f"or a torch.optim.SGD to take them from (got {type(opt).__name__})")
+    if len(opt.param_groups) != 1:
+        raise ConfigError(f"{algorithm} takes one learning rate: the SGD has "
+                          f"{len(opt.param_groups)} param groups")
+    group = opt.param_groups[0]
+    out = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
+    from .rules import MOMENTUM_RULES
+
+    if algorithm == "odsgd" or algorithm in MOMENTUM_RULES:
+        out["momentum"] = group["momentum"]
+    elif group["momentum"]:
+        log.info("%s: the SGD's momentum %g is not used (the server's shared momentum of %s is "
+                 "the hyperparameter momentum=..., default 0)", algorithm, group["momentum"],
+                 algorithm)
+    return out
+
+
+# -- checkpoints, metrics, divergence: the CLI's own code, one call each -----------------------------
+
+def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer, *,
+                    epoch: int, step: int = 0, keep: int = 3, **extra: Any) -> Path | None:
+    """Write an atomic, checksummed checkpoint of ``model`` and ``optimizer`` (plus ``extra``) to
+    ``directory`` (the CLI's format; the newest ``keep`` are kept).
+
+    Synchronous algorithms (replicas identical): call on every rank; rank 0 writes, then every rank
+    waits for the file. A parameter-server algorithm: call on the server alone (e.g. in
+    ``serve(on_epoch=...)``): its state is θ and the rule's. Returns the path on the writer.
+    """
+    from .checkpoint import CheckpointManager
+
+    algorithm = getattr(optimizer, "algorithm", type(optimizer).__name__)
+    comm = getattr(optimizer, "comm", None)
+    ps = algorithm in PS_ALGORITHMS
+    writer = ps or comm is None or comm.Get_rank() == 0
+    path = None
+    if writer:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "epoch": epoch, "step": step, "extra": extra}
+        path = CheckpointManager(directory, keep=keep).save(
+            state, epoch=epoch, step=step, algorithm=algorithm, model=type(model).__name__)
+    if not ps and comm is not None:
+        comm.Barrier()
+    return path
+
+
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer=None
+                    ) -> dict | None:
+    """Restore the newest intact checkpoint of ``directory`` (or the file ``directory``) into
+    ``model`` and ``optimizer``; returns ``{"epoch", "step", **extra}``, or None when there is none.
+    A torn or foreign file is skipped with a warning; one of another algorithm or model is an
+    error. Not collective (every rank reads the file)."""
+    from .checkpoint import CheckpointManager, load_checkpoint as load_file
+
+    algorithm = getattr(optimizer, "algorithm", None)
+    expect = {"model": type(model).__name__, **({"algorithm": algorithm} if algorithm else {})}
+    p = Path(directory)
+    if p.is_file():
+        state = load_file(p, expect=expect)
+    else:
+        found = CheckpointManager(p).load_latest(expect=expect) if p.is_dir() else None
+        if found is None:
+            return None
+        state = found[2]
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+
+
+def open_metrics(path: str | os.PathLike | None, *, roles: Roles | None = None):
+    """The JSONL metrics stream of the CLI (``MetricsWriter``): written by the root rank alone
+    (rank 0, or the server of a PS job), to ``PATH.partial`` and renamed when closed. Use
+    ``m.write("epoch", epoch=e, test_accuracy=acc, ...)`` and ``m.close()`` (or ``with``)."""
+    from .metrics import MetricsWriter
+    from .topology import default_topology
+
+    if roles is not None:
+        enabled = roles.is_root
+    else:
+        topo = default_topology()
+        enabled = topo.rank == 0
+    return MetricsWriter(path, enabled=enabled)

@@ -1,0 +1,189 @@
+"""What every algorithm's optimizer-shaped object shares: it *is* a ``torch.optim.Optimizer``.
+
+Each family has one class (:class:`hpcasync.ssgd.DistributedOptimizer`, :class:`hpcasync.daso.DASO`,
+:class:`hpcasync.odsgd.ODSGD`, :class:`hpcasync.ps.ParameterServer`), built on
+:class:`AlgorithmOptimizer`, so everything in torch that checks ``isinstance(opt, Optimizer)``
+accepts it: LR schedulers (they write ``param_groups[i]["lr"]``, which the algorithm reads at every
+step), ``register_step_pre_hook``/``post_hook``, ``state_dict``/``load_state_dict``.
+
+Two shapes:
+
+* **wrapping** the user's optimizer (SSGD, DASO): ``param_groups`` and ``state`` *are* the user
+  optimizer's (the same objects), so a scheduler on either drives both;
+* **owning** its hyperparameters (OD-SGD, the parameter-server rules): one param group over the
+  model's parameters with the algorithm's ``lr`` (and momentum, ...); the algorithm reads
+  ``param_groups[0]["lr"]`` at every step (PS: each push carries it to the server).
+
+State dicts are a plain torch optimizer's plus one key: ``{"state", "param_groups", "hpcasync":
+{"algorithm": name, ...}}``. So :meth:`AlgorithmOptimizer.load_state_dict` takes a plain torch
+optimizer's state dict (e.g. from a single-process run: its momentum buffers and lr continue), and a
+plain torch optimizer takes ours (torch ignores the extra key).
+
+Gradients: every algorithm reads the flat gradient buffer of :class:`~hpcasync.comm.FlatModel`;
+before it does, :meth:`AlgorithmOptimizer._collect` re-binds gradients that a ``zero_grad(
+set_to_none=True)`` on the model or on any optimizer detached (one pointer check per tensor when
+nothing was detached), so communication never silently stops.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import FlatModel
+from .errors import CheckpointError, ConfigError
+
+log = logging.getLogger("hpcasync")
+
+_STATE_KEY = "hpcasync"
+
+
+def as_flat(model: nn.Module | FlatModel) -> FlatModel:
+    """The :class:`FlatModel` of ``model``, made once per module (later calls return the same).
+
+    Build it after ``model.to(device)``: parameters are re-bound to views of one flat tensor on the
+    model's device. Optimizers made before or after keep working (the Parameter objects stay)."""
+    if isinstance(model, FlatModel):
+        return model
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    flat = model.__dict__.get("_hpcasync_flat")
+    if flat is not None and not [n for n in flat.check() if not n.endswith(".grad")]:
+        return flat
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no parameters to train")
+    flat = FlatModel(model)
+    model.__dict__["_hpcasync_flat"] = flat
+    return flat
+
+
+class AlgorithmOptimizer(torch.optim.Optimizer):
+    """Base of the optimizer-shaped object of every algorithm (module doc).
+
+    Subclasses call :meth:`_wrap` or :meth:`_own` in ``__init__``, and may extend
+    :meth:`_extra_state` / :meth:`_load_extra` (their counters) and :meth:`_load_plain` (how a
+    plain torch optimizer's state maps onto an owned algorithm).
+    """
+
+    algorithm: str = ""
+
+    def _wrap(self, flat: FlatModel, optimizer: torch.optim.Optimizer) -> None:
+        """Share the user optimizer's param groups and state; check it optimizes this model."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"{self.algorithm} wraps a torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}")
+        if isinstance(optimizer, AlgorithmOptimizer):
+            raise ConfigError(f"{self.algorithm}: the optimizer is already an hpcasync "
+                              f"{optimizer.algorithm} optimizer; wrap the plain torch optimizer")
+        mine = {id(p) for p in flat.module.parameters()}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        foreign = [p for p in params if id(p) not in mine]
+        if foreign:
+            raise ConfigError(f"{self.algorithm}: the optimizer holds {len(foreign)} tensor(s) that "
+                              "are not parameters of the model")
+        torch.optim.Optimizer.__init__(self, params, dict(optimizer.defaults))
+        self.flat, self.optimizer = flat, optimizer     # from here on groups and state are its
+        self.defaults = optimizer.defaults
+
+    def _own(self, flat: FlatModel, defaults: dict[str, Any]) -> None:
+        """One param group over the model's parameters holding the algorithm's hyperparameters."""
+        torch.optim.Optimizer.__init__(self, list(flat.module.parameters()), dict(defaults))
+        self.flat, self.optimizer = flat, None
+
+    # -- what torch's optimizer API needs -----------------------------------------------------------
+    # param_groups and state are the wrapped optimizer's (always its current ones: its
+    # load_state_dict replaces the list), or this object's own when it owns its hyperparameters
+    @property
+    def param_groups(self) -> list[dict]:
+        inner = self.__dict__.get("optimizer")
+        return inner.param_groups if inner is not None else self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is not None:
+            inner.param_groups = value
+        else:
+            self.__dict__["_groups"] = value
+
+    @property
+    def state(self):
+        inner = self.__dict__.get("optimizer")
+        return inner.state if inner is not None else self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is not None:
+            inner.state = value
+        else:
+            self.__dict__["_state"] = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients. They stay views of the flat buffer whatever ``set_to_none`` says
+        (the buffer is what the algorithm communicates)."""
+        self.flat.zero_grad()
+
+    def _collect(self) -> None:
+        """Before reading ``flat.grads``: take back gradients a ``set_to_none`` detached."""
+        if self.flat.collect_grads() and not getattr(self, "_told_set_to_none", False):
+            self._told_set_to_none = True
+            log.debug("%s: gradients detached by zero_grad(set_to_none=True) were re-bound to "
+                      "the flat buffer (one copy this step)", self.algorithm)
+
+    def lr(self, group: int = 0) -> float:
+        """The learning rate the algorithm uses now (``param_groups[group]["lr"]``)."""
+        value = self.param_groups[group]["lr"]
+        return float(value.item() if torch.is_tensor(value) else value)
+
+    def state_dict(self) -> dict[str, Any]:
+        base = (self.optimizer.state_dict() if self.optimizer is not None
+                else torch.optim.Optimizer.state_dict(self))
+        return {**base, _STATE_KEY: {"algorithm": self.algorithm, **self._extra_state()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load our state dict, or a plain torch optimizer's (its ``state``/``param_groups``)."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise CheckpointError(f"{self.algorithm}: not an optimizer state dict (keys: {keys})")
+        extra = state_dict.get(_STATE_KEY)
+        base = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
+        if extra is not None and extra.get("algorithm") != self.algorithm:
+            raise CheckpointError(f"optimizer state of algorithm {extra.get('algorithm')!r} cannot "
+                                  f"be loaded into {self.algorithm!r}")
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(base)
+        else:
+            self._load_plain(base, ours=extra is not None)
+        if extra is not None:
+            self._load_extra(extra)
+
+    # -- subclass hooks -----------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        pass
+
+    def _load_plain(self, base: dict[str, Any], *, ours: bool) -> None:
+        """Owned algorithms: take the hyperparameters of the saved param groups (lr, momentum,
+        weight decay, initial_lr of a scheduler) that this algorithm has; per-parameter state of
+        a plain torch optimizer is dropped with a warning unless the subclass maps it."""
+        groups = base["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise CheckpointError(f"{self.algorithm}: the state has {len(groups)} param groups, "
+                                  f"this optimizer {len(self.param_groups)}")
+        for mine, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params" and (key in mine or key == "initial_lr"):
+                    mine[key] = value
+        if not ours and base.get("state"):
+            log.warning("%s: the per-parameter state of the loaded torch optimizer (%s) has no "
+                        "counterpart here and is not used", self.algorithm,
+                        ", ".join(sorted({k for s in base["state"].values() for k in s})))
+
+    def __repr__(self) -> str:
+        inner = f" wrapping {type(self.optimizer).__name__}" if self.optimizer is not None else ""
+        return f"{type(self).__name__}({self.algorithm}{inner}, lr={self.lr():g})"

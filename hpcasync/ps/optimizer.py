@@ -1,0 +1,366 @@
+"""``ParameterServer``: the eleven parameter-server algorithms as one optimizer-shaped object.
+
+On a worker rank it is an optimizer (``zero_grad / backward / step``): ``step()`` pushes this
+rank's gradient (and its BatchNorm buffers and current lr) to the server and replaces the model's
+parameters by the reply (θ, SMEGA2's look-ahead θ̂, SHAT's mix, ... — the rule's ``on_reply``).
+On the server rank, :meth:`ParameterServer.serve` applies the rule to every push until every worker
+has called :meth:`~ParameterServer.finish`, and returns the final model; every rank ends with the
+server's θ (and the mean of the workers' latest buffers)::
+
+    ctx = hpcasync.init()                               # rank 0 serves, the others train
+    opt = hpcasync.ParameterServer(model, "smega2", lr=0.1, momentum=0.9,
+                                   steps_per_epoch=len(loader))
+    if ctx.is_server:
+        opt.serve()
+    else:
+        for epoch in range(epochs):
+            for x, y in loader:                         # shard by ctx.worker_index / num_workers
+                opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+        opt.finish()
+    # here every rank's model holds the server's final θ
+
+Construction is collective (it broadcasts the server's parameters, so every worker starts from
+them, and allocates the RMA windows). A worker takes the server's first reply (θ as the server has
+it: a resumed server's, DC-ASGD's backup taken) at its first forward pass or ``step()``, whichever
+comes first; the server sends it when it enters ``serve()``. So the script may do anything,
+collectives included, between construction and ``serve()``; a worker that waits over 30 s for that
+first reply says so in the log.
+
+Defaults that the CLI applies apply here too, each a keyword: the rule's paper schedule
+(``warmup_epochs``: SMEGA2/DANA/NAG warm the lr up from lr/N over 5 epochs, so they need
+``steps_per_epoch``; ``warmup_epochs=0`` turns it off); ``average_buffers=True`` (the server keeps
+the mean of the workers' latest float buffers). The learning rate is the workers': each push carries
+``param_groups[0]["lr"]``, so an LR scheduler on a worker's optimizer drives the server's lr for
+that worker's pushes (times the warm-up factor).
+
+Misuse is an error, not a hang: ``step()`` on the server or ``serve()`` on a worker raise at once; a
+worker that exits without ``finish()`` finishes at interpreter exit (with a warning); a server that
+exits without ``serve()`` ends the job (MPI_Abort) with a line saying so.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..comm.broadcast import broadcast
+from ..errors import ConfigError, TopologyError
+from ..optim import AlgorithmOptimizer, as_flat
+from ..rules import RULES, Reply, make_rule, ps_lr_factor, rule_hyperparameters
+from ..topology import default_topology
+from .server import PSServer
+from .transport import KIND_DONE, KIND_FINISH, make_transport
+
+log = logging.getLogger("hpcasync")
+
+ALGORITHMS = tuple(RULES)
+
+
+class ParameterServer(AlgorithmOptimizer):
+    """One PS algorithm: the server's rule on the server rank, an optimizer on the workers.
+
+    Args:
+        model: the model (same architecture on every rank; the server's initial parameters win).
+        algorithm: one of asgd, dcasgd, dcasgd-a, lcasgd, shat, shat-root, ensemble, asp, smega2,
+            dana, nag.
+        lr: the base learning rate (a worker's ``param_groups[0]["lr"]``, sent with each push).
+        **hyper: the rule's other hyperparameters (``momentum``, ``weight_decay``, ``lam``, ...;
+            :func:`hpcasync.rules.rule_hyperparameters` lists them per rule).
+        comm: the communicator (default: the job's world).
+        ps_rank: the server's rank in ``comm`` (default: the topology's, 0 unless ``hpcasync.init``
+            was told otherwise).
+        transport: ``"rma"`` (default), ``"rma-put"`` or ``"p2p"`` (:mod:`.transport`).
+        steps_per_epoch: pushes per worker per epoch; gives the server epochs (records,
+            ``serve(on_epoch=...)``) and the warm-up its clock.
+        epochs: epochs to record at the server (None: as many as the pushes cross).
+        warmup_epochs: the paper schedule's warm-up (None: the rule's default, 5 for smega2/dana/
+            nag, 0 for the others).
+        average_buffers: the server's model takes the mean of the workers' latest float buffers.
+        start: a worker takes its first reply at its first forward pass (a one-shot forward
+            pre-hook) or step; False: only when :meth:`start` is called (the CLI's worker loop,
+            whose resumed workers may have nothing left to do).
+    """
+
+    def __init__(self, model, algorithm: str = "asgd", *, lr: float, comm=None,
+                 ps_rank: int | None = None, transport: str = "rma",
+                 steps_per_epoch: int | None = None, epochs: int | None = None,
+                 warmup_epochs: float | None = None, average_buffers: bool = True,
+                 start: bool = True, **hyper: Any):
+        if algorithm not in RULES:
+            raise ConfigError(f"unknown parameter-server algorithm {algorithm!r} "
+                              f"(choose from {', '.join(RULES)})")
+        self.algorithm = algorithm
+        self.hyper = {"lr": lr, **hyper}
+        make_rule(algorithm, torch.zeros(1), 1, **self.hyper)      # check before any collective
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int)
+                                            or steps_per_epoch < 1):
+            raise ConfigError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+        if ps_lr_factor(algorithm, 2, warmup_epochs) is not None and steps_per_epoch is None:
+            raise ConfigError(
+                f"{algorithm} warms its learning rate up over "
+                f"{5 if warmup_epochs is None else warmup_epochs:g} epochs (the paper's schedule): "
+                "pass steps_per_epoch=<pushes per worker and epoch, e.g. len(loader)>, or "
+                "warmup_epochs=0 to train without it")
+        flat = as_flat(model)
+        if comm is None or ps_rank is None:
+            topo = default_topology()
+            comm = topo.world if comm is None else comm
+            ps_rank = topo.ps_rank if ps_rank is None else ps_rank
+        if comm.Get_size() < 2:
+            raise TopologyError(f"{algorithm} needs a parameter server and at least one worker: "
+                                "start 2 or more ranks")
+        if not 0 <= ps_rank < comm.Get_size():
+            raise TopologyError(f"ps rank {ps_rank} does not exist in a world of "
+                                f"{comm.Get_size()} ranks")
+        self._own(flat, {"lr": lr})
+        self.comm, self.ps_rank = comm, ps_rank
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.warmup_epochs = warmup_epochs
+        self.sync_buffers = bool(average_buffers) and flat.buffer_numel > 0
+        for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
+            if tensor.numel():
+                broadcast(comm, tensor, root=ps_rank)
+        self.transport = make_transport(transport, comm, ps_rank, flat.numel,
+                                        extra=flat.buffer_numel,
+                                        reply_scalars=RULES[algorithm].func.reply_scalars)
+        self.num_workers, self.worker = self.transport.num_workers, self.transport.worker
+        self.is_server = self.transport.is_ps
+        W = self.num_workers
+        self.rule = make_rule(algorithm, flat.params.detach().cpu().clone(), W, **self.hyper)
+        self.needs_loss = algorithm == "lcasgd"
+        # worker side
+        self.version = 0
+        self.steps = self.rejected = 0
+        self.started = self.finished = self.stopped = False
+        self._reply = torch.empty(flat.numel) if not self.is_server else None
+        # server side
+        self.served = False
+        self._buffers = torch.zeros(W, flat.buffer_numel) if self.is_server else None
+        self._seen = [False] * W
+        self._closed = False
+        atexit.register(_at_exit, weakref.ref(self))
+        self._hook = None
+        if not self.is_server and start:
+            ref = weakref.ref(self)
+            self._hook = flat.module.register_forward_pre_hook(
+                lambda module, args: ref() is not None and ref().start())
+
+    # -- worker side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Worker: take the server's first reply (done at construction unless ``start=False``)."""
+        self._worker_only("start")
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if not self.started:
+            head = self.transport.recv_reply(self._reply, poll=_Patience(
+                f"{self.algorithm} worker {self.worker}: waiting for the parameter server's first "
+                f"reply for %d s: does rank {self.ps_rank} call opt.serve()?"))
+            self.rule.on_reply(self.flat.params,
+                               Reply(self._reply.to(self.flat.device), head.version, head.scalars),
+                               None)
+            self.version, self.started = head.version, True
+
+    def step(self, closure=None, *, loss=None):
+        """Push this rank's gradient, take the reply into the model (the worker's step).
+
+        ``loss``: the mini-batch loss at the parameters the gradient was computed on (a tensor or
+        float); lcasgd needs it, the others send it for the server's divergence check and logs.
+        """
+        if closure is not None:
+            raise ConfigError(f"{self.algorithm}: step() does not take a closure")
+        self._worker_only("step")
+        if loss is None and self.needs_loss:
+            raise ConfigError(f"{self.algorithm} predicts each worker's loss: call "
+                              "opt.step(loss=loss) with the batch's loss")
+        value = math.nan if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
+        self._collect()
+        self.push(loss=value)
+        return None
+
+    def push(self, grad: torch.Tensor | None = None, *, loss: float = math.nan,
+             oracle_loss: float = math.nan, last: bool = False, stop: bool = False):
+        """Worker: one push of ``grad`` (default: the flat gradient buffer) and this rank's float
+        buffers, then the reply into the model's parameters. Returns the reply's header. The
+        CLI's worker loop uses the keywords (LC-ASGD's oracle, its last-push flag, preemption)."""
+        if self.finished:
+            raise ConfigError(f"{self.algorithm}: step() after finish()")
+        if not self.started:
+            self.start()
+        g = self.flat.grads if grad is None else grad
+        self.transport.push(g.cpu(), self.flat.buffers.cpu(), version=self.version, loss=loss,
+                            oracle_loss=oracle_loss, last=last, stop=stop, lr=self.lr())
+        head = self.transport.recv_reply(self._reply)
+        self.rule.on_reply(self.flat.params, Reply(self._reply.to(self.flat.device), head.version,
+                                                   head.scalars), g if head.accepted else None)
+        self.version = head.version
+        self.steps += 1
+        self.rejected += not head.accepted
+        if last:
+            self.finished = True
+        elif head.stop:
+            self.finished = self.stopped = True         # the server stopped the job (preemption)
+        return head
+
+    def finish(self, *, stop_requested: Callable[[], bool] | None = None, collective=True):
+        """Worker: no more pushes. Waits for the server's end message, reports the step count,
+        then (``collective``) takes the final model with every other rank. Returns the model on
+        ``collective``, else whether the server stopped the job (preemption)."""
+        self._worker_only("finish")
+        if self._closed:
+            return self.flat.module
+        if self.started and not self.finished:
+            self.transport.push(torch.zeros(0), kind=KIND_FINISH, version=self.version)
+        self.finished = True
+        stop = self.transport.wait_end(stop_requested)
+        self.transport.push(torch.zeros(0), kind=KIND_DONE, version=self.steps)
+        if not collective:
+            return stop
+        self.close()
+        return self.flat.module
+
+    # -- server side ----------------------------------------------------------------------------
+    def make_server(self, **callbacks: Any) -> PSServer:
+        """Server: the :class:`PSServer` loop over this rule, with the epoch clock, the lr factor
+        and (``average_buffers``) the workers' buffers wired in; ``callbacks`` go to PSServer."""
+        self._server_only("serve")
+        self.served = True
+        W = self.num_workers
+        ppe = W * self.steps_per_epoch if self.steps_per_epoch else None
+        on_buffers = self._take_buffers if self.sync_buffers else None
+        return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
+                        lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
+                        on_buffers=on_buffers, **callbacks)
+
+    def serve(self, *, on_epoch: Callable[[int, torch.nn.Module], Any] | None = None,
+              collective: bool = True, **callbacks: Any):
+        """Server: apply the rule to every push until every worker has finished; then every rank
+        takes the final model (``collective``). ``on_epoch(epoch, model)`` is called with θ in the
+        model at each epoch crossing (with ``steps_per_epoch``), e.g. to evaluate. Returns the
+        model."""
+        def crossed(epoch: int, record: dict) -> None:
+            self.load_theta()
+            log.info("PS %s: epoch %d crossed at version %d (staleness mean %.2f)", self.algorithm,
+                     epoch, self.rule.version, record.get("staleness_mean", float("nan")))
+            if on_epoch is not None:
+                on_epoch(epoch, self.flat.module)
+        server = self.make_server(on_epoch=crossed, **callbacks)
+        self.server = server
+        server.serve()
+        server.finish()
+        self.load_theta()
+        if collective:
+            self.close()
+        return self.flat.module
+
+    def _take_buffers(self, w: int, extra: torch.Tensor) -> None:
+        self._buffers[w].copy_(extra)
+        self._seen[w] = True
+
+    def load_theta(self) -> None:
+        """Server: the model takes θ (and the mean of the workers' latest buffers)."""
+        self._server_only("load_theta")
+        self.flat.params.copy_(self.rule.theta)
+        if self.sync_buffers and any(self._seen):
+            self.flat.buffers.copy_(self._buffers[torch.tensor(self._seen)].mean(0))
+
+    def buffer_state(self) -> dict:
+        """Server: the workers' latest buffers, for a checkpoint."""
+        return {"buffers": self._buffers.clone(), "seen": [int(x) for x in self._seen]}
+
+    def load_buffer_state(self, state: dict) -> None:
+        self._buffers.copy_(state["buffers"])
+        self._seen[:] = [bool(x) for x in state["seen"]]
+
+    # -- both -----------------------------------------------------------------------------------
+    def close(self, comm=None, root: int | None = None, *, collective: bool = True,
+              broadcast_model: bool = True) -> None:
+        """Collective: free the transport and give every rank of ``comm`` (default the job's) the
+        server's final parameters and buffers (``root``: the server's rank in ``comm``).
+        ``collective=False``: a rank died, the windows are left to MPI_Finalize."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close(collective=collective)
+        if not broadcast_model:
+            return
+        comm = self.comm if comm is None else comm
+        root = self.ps_rank if root is None else root
+        for tensor in (self.flat.params, self.flat.buffers):
+            if tensor.numel():
+                broadcast(comm, tensor, root=root)
+
+    def _worker_only(self, what: str) -> None:
+        if self.is_server:
+            raise ConfigError(f"rank {self.comm.Get_rank()} is the parameter server of "
+                              f"{self.algorithm}: call opt.serve() there, not {what}() "
+                              "(hpcasync.init() tells each rank its role: ctx.is_server)")
+
+    def _server_only(self, what: str) -> None:
+        if not self.is_server:
+            raise ConfigError(f"rank {self.comm.Get_rank()} is a worker of {self.algorithm}: "
+                              f"{what}() runs on the parameter server (rank {self.ps_rank}); "
+                              "workers call step() and finish()")
+
+    def _extra_state(self) -> dict:
+        state = {"hyper": {k: v for k, v in self.hyper.items() if k != "lr"}}
+        if self.is_server:
+            state.update(rule=self.rule.state_dict(), **self.buffer_state())
+        else:
+            state.update(version=self.version, steps=self.steps)
+        return state
+
+    def _load_extra(self, extra: dict) -> None:
+        if self.is_server and "rule" in extra:
+            self.rule.load_state_dict(extra["rule"])
+            self.load_buffer_state(extra)
+            self.load_theta()
+
+    def __repr__(self) -> str:
+        role = "server" if self.is_server else f"worker {self.worker}/{self.num_workers}"
+        return f"ParameterServer({self.algorithm}, {role}, lr={self.lr():g})"
+
+
+class _Patience:
+    """A wait's poll callback that logs ``message % seconds`` once, after ``after`` seconds."""
+
+    def __init__(self, message: str, after: float = 30.0):
+        self.message, self.after = message, after
+        self.t0, self.said = time.monotonic(), False
+
+    def __call__(self) -> None:
+        waited = time.monotonic() - self.t0
+        if not self.said and waited > self.after:
+            self.said = True
+            log.warning(self.message, waited)
+
+
+def hyperparameters(algorithm: str) -> dict[str, Any]:
+    """The hyperparameters ``algorithm`` takes with their defaults (``lr`` is required)."""
+    return rule_hyperparameters(algorithm)
+
+
+def _at_exit(ref) -> None:
+    """Interpreter exit: a worker that never called finish() finishes now (so the server can end);
+    a server that never served ends the job, saying so (the workers wait for it)."""
+    opt = ref()
+    if opt is None or opt._closed:
+        return
+    from ..errors import fail_fast
+
+    try:
+        if opt.is_server and not opt.served:
+            fail_fast(ConfigError(f"rank {opt.ps_rank} is the parameter server of {opt.algorithm} "
+                                  "and exited without calling opt.serve(): the workers wait for "
+                                  "it. Call opt.serve() on the server rank (ctx.is_server)"))
+        elif not opt.is_server and opt.started:
+            log.warning("%s worker %d: finish() was not called; finishing at exit",
+                        opt.algorithm, opt.worker)
+            opt.finish()
+    except Exception as exc:  # noqa: BLE001 - at exit: report and end the job, never hang
+        fail_fast(exc)

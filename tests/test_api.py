@@ -1,0 +1,359 @@
+"""The front door (``import hpcasync``): every family as a torch Optimizer in a user's own loop,
+and each hazard of the old API as a property that fails on it.
+
+Runs under ``mpiexec -n 4 python -m mpi4py -m pytest`` (tests that need 4 ranks skip otherwise).
+Subprocess tests (a user's script that exits without ``finish()`` / ``serve()``) run on rank 0.
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpcasync
+from hpcasync.errors import ConfigError
+from tests.mpi_util import COMM, RANK, SIZE, run_mpi
+
+needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
+
+
+@pytest.fixture(scope="module")
+def data():
+    from hpcasync.data import load_dataset
+
+    train, _ = load_dataset("fashion-mnist-mini")
+    return train
+
+
+class SmallBN(nn.Module):
+    """A model that is not in the zoo: conv + BatchNorm + linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 5, stride=3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallBN()
+
+
+def batch(data, step: int, rank: int = RANK, bs: int = 16):
+    lo = (step * SIZE + rank) * bs
+    return data.images[lo: lo + bs], data.labels[lo: lo + bs]
+
+
+def digest(model: nn.Module) -> bytes:
+    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()]
+                      if t.is_floating_point()]).numpy().tobytes()
+
+
+def identical_everywhere(model: nn.Module) -> bool:
+    return len(set(COMM.allgather(digest(model)))) == 1
+
+
+# -- it is a torch Optimizer: schedulers, state dicts ---------------------------------------------
+
+@needs4
+@pytest.mark.parametrize("algorithm", ["ssgd", "daso", "odsgd"])
+def test_lr_schedulers_drive_the_algorithm(algorithm, data):
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    from hpcasync.topology import Topology
+
+    topo = Topology.build(ranks_per_node=2)
+    kw = {"daso": dict(epochs=2, steps_per_epoch=2, warmup_epochs=0, cooldown_epochs=0,
+                       topo=topo), "odsgd": dict(warmup_iters=1)}.get(algorithm, {})
+    opt = hpcasync.optimizer(algorithm, model, sgd, **kw)
+    assert isinstance(opt, torch.optim.Optimizer)
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
+    for epoch in range(2):
+        for s in range(2):
+            x, y = batch(data, 2 * epoch + s)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        if algorithm == "daso":
+            opt.epoch_end(1.0)
+        for sch in scheds:
+            sch.step()
+    assert opt.lr() == pytest.approx(0.025)
+    if algorithm == "odsgd":
+        assert opt.hp.lr == pytest.approx(0.05)   # read at the last step (after one decay)
+        opt.finish()
+    else:
+        assert sgd.param_groups[0]["lr"] == pytest.approx(0.025)   # one set of groups
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5)
+    assert opt.lr() == pytest.approx(0.05)                # initial_lr 0.1 x 0.5
+    del lam
+    one = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)
+    assert opt.lr() == pytest.approx(one.get_last_lr()[0])
+    assert identical_everywhere(model)
+    topo.free()
+
+
+@needs4
+@pytest.mark.parametrize("algorithm", ["ssgd", "daso", "odsgd"])
+def test_state_dict_round_trips_and_takes_a_plain_torch_state(algorithm, data):
+    from hpcasync.topology import Topology
+
+    topo = Topology.build(ranks_per_node=2)
+    model = make_model()
+    kw = {"daso": dict(epochs=1, steps_per_epoch=4, warmup_epochs=0, cooldown_epochs=0,
+                       topo=topo)}.get(algorithm, {})
+    # a plain torch optimizer that trained a step: its momentum and lr must carry over
+    ref = make_model()
+    plain = torch.optim.SGD(ref.parameters(), lr=0.07, momentum=0.9)
+    x, y = batch(data, 0, rank=0)
+    F.cross_entropy(ref(x), y).backward()
+    plain.step()
+    opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.01,
+                                                               momentum=0.9), **kw)
+    opt.load_state_dict(plain.state_dict())
+    assert opt.lr() == pytest.approx(0.07)
+    if algorithm == "odsgd":       # SGD's momentum buffers become the global momentum buffer
+        want = torch.cat([plain.state[p]["momentum_buffer"].reshape(-1) for p in ref.parameters()])
+        assert torch.equal(opt.worker.glob.buf, want)
+    else:
+        bufs = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+        assert all(torch.equal(a, plain.state[q]["momentum_buffer"])
+                   for a, q in zip(bufs, ref.parameters()))
+    sd = opt.state_dict()
+    assert sd["hpcasync"]["algorithm"] == algorithm
+    if algorithm != "odsgd":
+        m2 = make_model()
+        again = hpcasync.optimizer(algorithm, m2, torch.optim.SGD(m2.parameters(), lr=0.5), **kw)
+        again.load_state_dict(sd)
+        assert again.lr() == pytest.approx(0.07)
+    back = torch.optim.SGD(make_model().parameters(), lr=1.0)     # ours into a plain torch one
+    if algorithm != "odsgd":
+        back.load_state_dict(sd)
+        assert back.param_groups[0]["lr"] == pytest.approx(0.07)
+    with pytest.raises(Exception, match="algorithm"):
+        bad = dict(sd, hpcasync={"algorithm": "asgd"})
+        opt.load_state_dict(bad)
+    if algorithm == "odsgd":
+        opt.finish()
+    topo.free()
+
+
+# -- zero_grad(set_to_none=True) never silently stops communication ---------------------------
+
+@needs4
+@pytest.mark.parametrize("how", ["model", "inner", "wrapper"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "daso"])
+def test_set_to_none_keeps_replicas_bitwise_equal(algorithm, how, data):
+    from hpcasync.topology import Topology
+
+    topo = Topology.build(ranks_per_node=2)
+
+    def train(zero) -> nn.Module:
+        model = make_model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        kw = dict(epochs=1, steps_per_epoch=6, warmup_epochs=0, cooldown_epochs=0,
+                  topo=topo) if algorithm == "daso" else {}
+        opt = hpcasync.optimizer(algorithm, model, sgd, **kw)
+        for s in range(6):
+            zero(model, sgd, opt)
+            x, y = batch(data, s)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        if algorithm == "daso":
+            opt.epoch_end(1.0)
+        return model
+
+    zero = {"model": lambda m, s, o: m.zero_grad(),                 # set_to_none=True (default)
+            "inner": lambda m, s, o: s.zero_grad(set_to_none=True),
+            "wrapper": lambda m, s, o: o.zero_grad(set_to_none=True)}[how]
+    model = train(zero)
+    reference = train(lambda m, s, o: o.zero_grad(set_to_none=False))
+    assert identical_everywhere(model)
+    assert digest(model) == digest(reference)       # the same training, not merely equal replicas
+    topo.free()
+
+
+@needs4
+def test_ssgd_averages_batchnorm_buffers_every_step(data):
+    model = make_model()
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = batch(data, 0)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert identical_everywhere(model)            # buffers included
+    assert not torch.equal(model.bn.running_mean, torch.zeros(4))
+
+
+# -- the parameter server in a user's loop -------------------------------------------------------
+
+@needs4
+def test_ps_user_loop_buffers_lr_and_final_model(data):
+    from hpcasync.ps.optimizer import ParameterServer
+
+    model = make_model(seed=RANK)                  # the server's initial parameters win
+    opt = hpcasync.optimizer("asgd", model, torch.optim.SGD(model.parameters(), lr=0.08))
+    assert isinstance(opt, ParameterServer) and isinstance(opt, torch.optim.Optimizer)
+    assert identical_everywhere(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    if opt.is_server:
+        with pytest.raises(ConfigError, match="parameter server"):
+            opt.step()
+        lrs = []
+        opt.serve(on_push=lambda w, tau, loss: lrs.append(opt.rule.lr))
+        # each push carried its worker's lr: 3 workers x (2 at 0.08, then 2 at 0.04)
+        assert sorted(lrs) == pytest.approx([0.04] * 6 + [0.08] * 6)
+        # the server's model holds the mean of the workers' latest buffers
+        assert torch.allclose(model.bn.running_mean, opt._buffers.mean(0)[:4])
+    else:
+        with pytest.raises(ConfigError, match="worker"):
+            opt.serve()
+        for epoch in range(2):
+            for s in range(2):
+                x, y = batch(data, 2 * epoch + s)
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step(loss=loss)
+            sched.step()
+        opt.finish()
+    assert identical_everywhere(model)              # every rank ends with the server's θ
+
+
+@needs4
+def test_smega2_warmup_applies_by_default(data):
+    model = make_model()
+    with pytest.raises(ConfigError, match="steps_per_epoch.*warmup_epochs=0"):
+        hpcasync.optimizer("smega2", model, lr=0.1, momentum=0.9)
+    opt = hpcasync.optimizer("smega2", model, lr=0.1, momentum=0.9, steps_per_epoch=10)
+    if opt.is_server:
+        lrs = []
+        opt.serve(on_push=lambda w, tau, loss: lrs.append(opt.rule.lr))
+        assert lrs[0] == pytest.approx(0.1 / 3)                 # warm-up from lr/N, N = 3
+        assert all(a <= b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 0.1
+    else:
+        for s in range(3):
+            x, y = batch(data, s)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.finish()
+
+
+@needs4
+def test_lcasgd_asks_for_the_loss(data):
+    model = make_model()
+    opt = hpcasync.optimizer("lcasgd", model, lr=0.05)
+    if opt.is_server:
+        opt.serve()
+    else:
+        x, y = batch(data, 0)
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(ConfigError, match=r"step\(loss=loss\)"):
+            opt.step()
+        opt.finish()
+
+
+_SCRIPT = """
+import sys, torch, torch.nn.functional as F, hpcasync
+from hpcasync.data import load_dataset
+mode = sys.argv[1]
+ctx = hpcasync.init("asgd")
+train, _ = load_dataset("fashion-mnist-mini")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+opt = hpcasync.optimizer("asgd", model, lr=0.05)
+if ctx.is_server:
+    if mode != "no-serve":
+        opt.serve()
+        print("served", flush=True)
+else:
+    for s in range(3):
+        i = (s * ctx.num_shards + ctx.shard_index) * 16
+        opt.zero_grad()
+        F.cross_entropy(model(train.images[i:i+16]), train.labels[i:i+16]).backward()
+        opt.step()
+    # no opt.finish(): the script just ends
+"""
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("mode", ["no-finish", "no-serve"])
+def test_a_forgotten_call_never_hangs(mode, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    t0 = time.time()
+    proc = run_mpi(4, ["--", sys.executable, str(script), mode], timeout=120)
+    took = time.time() - t0
+    out = proc.stdout + proc.stderr
+    if mode == "no-finish":        # the workers finish at exit, the server's serve() returns
+        assert proc.returncode == 0, out[-3000:]
+        assert "served" in out and "finish() was not called" in out
+    else:                          # the server ends the job, saying what to do
+        assert proc.returncode != 0
+        assert "exited without calling opt.serve()" in out, out[-3000:]
+        assert took < 60
+
+
+# -- checkpoints and metrics from a user's loop --------------------------------------------------
+
+@needs4
+def test_checkpoint_resume_from_a_user_loop_is_bitwise(data, tmp_path_factory):
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt")) if RANK == 0 else None)
+
+    def run(steps, resume=False):
+        model = make_model()
+        opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                                momentum=0.9))
+        first = 0
+        if resume:
+            state = hpcasync.load_checkpoint(directory, model, opt)
+            first = state["step"]
+        for s in range(first, steps):
+            opt.zero_grad()
+            x, y = batch(data, s)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if s + 1 == 3 and not resume:
+                hpcasync.save_checkpoint(directory, model, opt, epoch=0, step=3, note="three")
+        return model
+
+    whole = run(6)
+    run(3)
+    resumed = run(6, resume=True)
+    assert digest(resumed) == digest(whole)
+
+
+@needs4
+def test_metrics_stream_from_a_user_loop(tmp_path_factory):
+    from hpcasync.metrics import read_metrics
+
+    path = COMM.bcast(str(tmp_path_factory.mktemp("m") / "run.jsonl") if RANK == 0 else None)
+    with hpcasync.open_metrics(path) as m:
+        m.write("epoch", epoch=1, test_accuracy=0.5, rank=RANK)
+    COMM.Barrier()
+    if RANK == 0:
+        records = read_metrics(path)
+        assert [r["rank"] for r in records if r["event"] == "epoch"] == [0]   # rank 0 alone
+
+
+def test_unknown_algorithm_and_missing_pieces_are_one_line_errors():
+    model = make_model()
+    with pytest.raises(ConfigError, match="unknown algorithm 'sgdx'"):
+        hpcasync.optimizer("sgdx", model)
+    with pytest.raises(ConfigError, match="runs your torch optimizer"):
+        hpcasync.optimizer("ssgd", model)
+    with pytest.raises(ConfigError, match="epochs=... and steps_per_epoch"):
+        hpcasync.optimizer("daso", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="runs its own update"):
+        hpcasync.optimizer("asgd", model, torch.optim.Adam(model.parameters()))
+    assert len(hpcasync.algorithms()) == 14
