@@ -37,6 +37,7 @@ ranks waiting in a collective.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -119,6 +120,8 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         install_fail_fast()
     topo = Topology.build(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
     set_default_topology(topo)
+    if fail_fast and topo.size > 1:
+        atexit.register(_agree_at_exit, topo.world.Dup())
     ps = algorithm in PS_ALGORITHMS
     if ps and topo.size < 2:
         raise ConfigError(f"{algorithm} needs a parameter server and at least one worker: start 2 "
@@ -159,6 +162,33 @@ def install_fail_fast() -> None:
 
     hook._hpcasync = True
     sys.excepthook = hook
+
+
+#: seconds a rank waits at interpreter exit for the others (HPCASYNC_EXIT_TIMEOUT)
+EXIT_TIMEOUT_S = 30.0
+
+
+def _agree_at_exit(comm) -> None:
+    """At interpreter exit (after the algorithms' own exit hooks): every rank joins a nonblocking
+    barrier. A rank that waits longer than ``HPCASYNC_EXIT_TIMEOUT`` seconds (30) ends the job
+    saying why: another rank is still inside a collective, most often because the ranks took
+    different numbers of steps (uneven data shards), which would otherwise hang forever."""
+    import time
+
+    from .errors import HpcasyncError, fail_fast
+
+    limit = float(os.environ.get("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S))
+    req, t0, pause = comm.Ibarrier(), time.monotonic(), 1e-4
+    while not req.Test():
+        if time.monotonic() - t0 > limit:
+            fail_fast(HpcasyncError(
+                f"rank {comm.Get_rank()} ended its script but other ranks have not after "
+                f"{limit:g} s: they are most likely waiting in a collective that this rank no "
+                "longer joins. Give every rank the same number of steps (e.g. drop_last=True, or "
+                "the same number of batches per shard); HPCASYNC_EXIT_TIMEOUT sets this wait"))
+        time.sleep(pause)
+        pause = min(0.01, pause * 2)
+    comm.Free()
 
 
 # -- one optimizer-shaped object per algorithm ------------------------------------------------------

@@ -264,15 +264,25 @@ def test_lcasgd_asks_for_the_loss(data):
 
 
 _SCRIPT = """
-import sys, torch, torch.nn.functional as F, hpcasync
+import os, sys, torch, torch.nn.functional as F, hpcasync
 from hpcasync.data import load_dataset
 mode = sys.argv[1]
-ctx = hpcasync.init("asgd")
+algorithm = {"no-finish-odsgd": "odsgd", "uneven": "ssgd"}.get(mode, "asgd")
+ctx = hpcasync.init(algorithm)
 train, _ = load_dataset("fashion-mnist-mini")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
-opt = hpcasync.optimizer("asgd", model, lr=0.05)
-if ctx.is_server:
+opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.05),
+                         **({"warmup_iters": 1} if algorithm == "odsgd" else {}))
+if algorithm != "asgd":
+    steps = 3 + (ctx.rank == 1 and mode == "uneven")      # rank 1 has one batch more
+    for s in range(steps):
+        i = (s * ctx.num_shards + ctx.shard_index) * 16
+        opt.zero_grad()
+        F.cross_entropy(model(train.images[i:i+16]), train.labels[i:i+16]).backward()
+        opt.step()
+    print("trained", flush=True)
+elif ctx.is_server:
     if mode != "no-serve":
         opt.serve()
         print("served", flush=True)
@@ -287,20 +297,33 @@ else:
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("mode", ["no-finish", "no-serve"])
+@pytest.mark.parametrize("mode", ["no-finish", "no-serve", "no-finish-odsgd", "uneven"])
 def test_a_forgotten_call_never_hangs(mode, tmp_path):
+    """A user's script that forgets a call, or gives one rank a step more, ends: by itself where
+    that is safe (a worker's finish at exit), else with one line saying what to do."""
+    from tests.mpi_util import clean_env
+
     script = tmp_path / "loop.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     t0 = time.time()
-    proc = run_mpi(4, ["--", sys.executable, str(script), mode], timeout=120)
+    proc = run_mpi(4, ["--", sys.executable, str(script), mode], timeout=120,
+                   env=clean_env(HPCASYNC_EXIT_TIMEOUT="10"))
     took = time.time() - t0
     out = proc.stdout + proc.stderr
     if mode == "no-finish":        # the workers finish at exit, the server's serve() returns
         assert proc.returncode == 0, out[-3000:]
         assert "served" in out and "finish() was not called" in out
-    else:                          # the server ends the job, saying what to do
+    elif mode == "no-finish-odsgd":   # the round in flight is completed at exit
+        assert proc.returncode == 0, out[-3000:]
+        assert "finish() was not called" in out
+    elif mode == "no-serve":       # the server ends the job, saying what to do
         assert proc.returncode != 0
         assert "exited without calling opt.serve()" in out, out[-3000:]
+        assert took < 60
+    else:                          # rank 1 waits in an allreduce the others never join
+        assert proc.returncode != 0
+        assert "other ranks have not after 10 s" in out and "same number of steps" in out, \
+            out[-3000:]
         assert took < 60
 
 
