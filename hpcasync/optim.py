@@ -26,6 +26,7 @@ nothing was detached), so communication never silently stops.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -68,6 +69,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     """
 
     algorithm: str = ""
+    _skip = False                      # inside skip_synchronize()
 
     def _wrap(self, flat: FlatModel, optimizer: torch.optim.Optimizer) -> None:
         """Share the user optimizer's param groups and state; check it optimizes this model."""
@@ -132,6 +134,20 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
             self._told_set_to_none = True
             log.debug("%s: gradients detached by zero_grad(set_to_none=True) were re-bound to "
                       "the flat buffer (one copy this step)", self.algorithm)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """After an explicit ``synchronize()`` (e.g. to clip the averaged gradients):
+        ``with opt.skip_synchronize(): opt.step()`` steps without synchronizing again."""
+        self._check_skip()
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def _check_skip(self) -> None:
+        """Called by :meth:`skip_synchronize`: complain when no ``synchronize()`` came first."""
 
     def lr(self, group: int = 0) -> float:
         """The learning rate the algorithm uses now (``param_groups[group]["lr"]``)."""

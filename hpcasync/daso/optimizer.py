@@ -58,7 +58,6 @@ Differences from the paper / Heat (see also :mod:`.schedule` and :mod:`.merge`):
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from collections import deque
@@ -141,15 +140,9 @@ class DASO(AlgorithmOptimizer):
         self._synced_plan = plan
         return plan
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
+    def _check_skip(self) -> None:
         if self._synced_plan is None:
             raise ConfigError("DASO skip_synchronize() without synchronize() first")
-        self._skip = True
-        try:
-            yield
-        finally:
-            self._skip = False
 
     def step(self, closure=None):
         """Gradient sync, the user's step, then this batch's global receive / send / average."""

@@ -8,7 +8,6 @@ the user's ``optimizer.step()`` reads the averaged ``p.grad`` views.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -97,16 +96,9 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self.bytes_sent += wire.numel() * (2 if self.compress else 4)
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Use after an explicit ``synchronize()`` (e.g. to clip averaged gradients) before step."""
+    def _check_skip(self) -> None:
         if not self._synchronized:
             log.warning("skip_synchronize() without synchronize(): gradients are not averaged")
-        self._skip = True
-        try:
-            yield
-        finally:
-            self._skip = False
 
     def step(self, closure=None):
         if closure is not None:
