@@ -3,6 +3,10 @@
 Common options live in :class:`TrainConfig`; each runtime adds its own argument group (see
 ``hpcasync.runtime.RUNTIMES``) whose values arrive in ``TrainConfig.options``. A config file
 (``--config run.toml`` or ``.json``) gives defaults that the command line overrides.
+
+``--model``, ``--dataset``, ``--loss`` and ``--optimizer`` take a built-in name or user code,
+``MODULE:FACTORY`` (:mod:`hpcasync.plugins`); here a spec is only checked for form, the driver's
+pre-check imports it.
 """
 from __future__ import annotations
 
@@ -19,17 +23,23 @@ from .errors import ConfigError
 
 DATASETS = ("fashion-mnist", "fashion-mnist-mini", "mnist", "cifar10")
 MODELS = ("mlp", "lenet", "resnet20")
+LOSSES = ("cross_entropy", "nll")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
+#: the algorithms that train with --optimizer (the others have their own update rules)
+OPTIMIZER_ALGORITHMS = ("ssgd", "daso")
 
 
 @dataclass
 class TrainConfig:
     algorithm: str = "ssgd"
     backend: str = "mpi"                 # ssgd/daso: own MPI collectives or "horovod"
-    dataset: str = "fashion-mnist"
+    dataset: str = "fashion-mnist"       # a name of DATASETS or a user factory MODULE:FACTORY
     data_dir: str | None = None
     train_limit: int | None = None       # use the first N training images (quick runs, tests)
     test_limit: int | None = None
-    model: str = "lenet"
+    model: str = "lenet"                 # a name of MODELS or a user factory MODULE:FACTORY
+    loss: str = "cross_entropy"          # a name of LOSSES or MODULE:FACTORY
+    optimizer: str = "sgd"               # a name of OPTIMIZERS or MODULE:FACTORY (ssgd, daso)
     epochs: int = 2
     batch_size: int = 32                 # per worker
     lr: float = 0.05
@@ -52,8 +62,13 @@ class TrainConfig:
     def validate(self, algorithms: tuple[str, ...]) -> "TrainConfig":
         _choice("--algorithm", self.algorithm, algorithms)
         _choice("--backend", self.backend, ("mpi", "horovod"))
-        _choice("--dataset", self.dataset, DATASETS)
-        _choice("--model", self.model, MODELS)
+        _name_or_spec("--dataset", self.dataset, DATASETS)
+        _name_or_spec("--model", self.model, MODELS)
+        _name_or_spec("--loss", self.loss, LOSSES)
+        _name_or_spec("--optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer != "sgd" and self.algorithm not in OPTIMIZER_ALGORITHMS:
+            raise ConfigError(f"--optimizer applies to {' and '.join(OPTIMIZER_ALGORITHMS)} only; "
+                              f"{self.algorithm} has its own update rule (leave --optimizer sgd)")
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--progress", self.progress, ("auto", "on", "off"))
         _positive("--epochs", self.epochs)
@@ -100,6 +115,17 @@ class TrainConfig:
 def _choice(flag: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _name_or_spec(flag: str, value, choices) -> None:
+    """A built-in name, or user code ``MODULE:FACTORY`` checked for form (not imported)."""
+    if isinstance(value, str) and ":" in value:
+        from .plugins import parse_spec
+
+        parse_spec(value, flag)
+    elif value not in choices:
+        raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)} "
+                          "(or a user factory MODULE:FACTORY)")
 
 
 def _positive(flag: str, value) -> None:

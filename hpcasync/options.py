@@ -23,11 +23,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML or JSON file of option defaults (the command line wins)")
     p.add_argument("--algorithm", default="ssgd", help=f"one of: {', '.join(algorithms())}")
     p.add_argument("--backend", default="mpi", help="mpi (own collectives) or horovod (ssgd, daso)")
-    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--dataset", default="fashion-mnist",
+                   help="fashion-mnist, fashion-mnist-mini, mnist, cifar10, or user code "
+                        "MODULE:FACTORY (pkg.module:factory or path/file.py:factory; factory() "
+                        "returns (train, test) torch Datasets of (tensor, int label) items)")
     p.add_argument("--data-dir", default=None, help="directory of the data set files")
     p.add_argument("--train-limit", type=int, default=None, help="use the first N training images")
     p.add_argument("--test-limit", type=int, default=None, help="use the first N test images")
-    p.add_argument("--model", default="lenet", help="mlp, lenet or resnet20")
+    p.add_argument("--model", default="lenet",
+                   help="mlp, lenet, resnet20, or user code MODULE:FACTORY (pkg.module:factory or "
+                        "path/file.py:factory; factory(input_shape, num_classes) returns an "
+                        "nn.Module). Modules are imported with the working directory on sys.path")
+    p.add_argument("--loss", default="cross_entropy",
+                   help="cross_entropy, nll (a model ending in log_softmax), or MODULE:FACTORY "
+                        "(factory() returns loss(output, target) -> scalar tensor)")
+    p.add_argument("--optimizer", default="sgd",
+                   help="ssgd and daso only: sgd, adam, adamw, rmsprop, or MODULE:FACTORY "
+                        "(factory(params, lr=, momentum=, weight_decay=) returns a "
+                        "torch.optim.Optimizer); given --lr, --momentum, --weight-decay as they "
+                        "apply. Other algorithms use their own update rules")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)

@@ -1,8 +1,10 @@
 """The training driver: algorithm-agnostic set-up around one runtime.
 
 Order matters for failure behaviour: everything that can be checked without MPI (options,
-runtime-specific option checks, a checkpoint named by ``--resume``, the data files, which are read
-whole) is checked first, so bad input fails with one line before any rank waits on another. Then
+runtime-specific option checks, a checkpoint named by ``--resume``, user code named by ``--model``,
+``--dataset``, ``--loss``, ``--optimizer`` (imported, then tried: a forward pass of the model on two
+training items, on the CPU), the data files, which are read whole) is checked first, so bad input
+fails with one line before any rank waits on another. Then
 MPI starts, the topology is built, the model is made identically on every rank, and the runtime
 runs. Rank 0 writes the metrics stream and shows progress.
 
@@ -13,6 +15,7 @@ another run) leaves nothing behind: a metrics stream that holds no more than its
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -44,7 +47,7 @@ def setup_logging(rank: int, verbose: bool = False, *, report_rank: int = 0) -> 
 def precheck(cfg: TrainConfig):
     """Checks that need no MPI: options, the runtime's own options, a checkpoint named by
     ``--resume PATH`` (intact, same algorithm and model; the world size is checked once MPI runs),
-    the data files."""
+    that user code (``MODULE:FACTORY``) imports, the data files."""
     cfg.validate(algorithms())
     runtime = runtime_module(cfg.algorithm)
     if hasattr(runtime, "validate"):
@@ -53,6 +56,12 @@ def precheck(cfg: TrainConfig):
         from .checkpoint import read_checkpoint
 
         read_checkpoint(cfg.resume, expect={"algorithm": cfg.algorithm, "model": cfg.model})
+    from . import plugins
+
+    for flag, value in (("--model", cfg.model), ("--dataset", cfg.dataset), ("--loss", cfg.loss),
+                        ("--optimizer", cfg.optimizer)):
+        if plugins.is_spec(value):
+            plugins.load_factory(value, flag)
     from .data import locate_dataset
 
     locate_dataset(cfg.dataset, data_dir=cfg.data_dir, warn=False)
@@ -94,6 +103,7 @@ def train(cfg: TrainConfig) -> dict:
     """Run one training job described by ``cfg`` on the MPI world; returns the summary record."""
     runtime = precheck(cfg)
 
+    from . import plugins
     from .data import load_dataset
     from .models import build_model
     from .topology import Topology
@@ -102,6 +112,15 @@ def train(cfg: TrainConfig) -> dict:
     setup_logging(launcher_rank())
     train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                        train_limit=cfg.train_limit, test_limit=cfg.test_limit)
+    # try the model, loss and optimizer on the data (CPU) while an error is still said once
+    loss_fn = plugins.make_loss(cfg.loss)
+    opt_kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+    plugins.check_run(cfg.model, train_set, loss=cfg.loss, loss_fn=loss_fn,
+                      optimizer=cfg.optimizer, **opt_kwargs)
+    shape = {"input_shape": list(train_set.input_shape), "num_classes": train_set.num_classes}
+    specs = {f"{key}_spec": {**plugins.spec_record(value, f"--{key}"), **shape}
+             for key, value in (("model", cfg.model), ("dataset", cfg.dataset))
+             if plugins.is_spec(value)}
     topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device, ps_rank=cfg.ps_rank)
     # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank)
     report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
@@ -124,12 +143,14 @@ def train(cfg: TrainConfig) -> dict:
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
                      metrics=metrics, progress=Progress(progress_on and topo.rank == report),
                      checkpoints=checkpoints, preempt=PreemptionFlag(),
-                     checkpoint_every=cfg.checkpoint_every)
+                     checkpoint_every=cfg.checkpoint_every, loss_fn=loss_fn,
+                     make_optimizer=functools.partial(plugins.make_optimizer, cfg.optimizer,
+                                                      **opt_kwargs))
     metrics.write("config", config=cfg.to_record(), world_size=topo.size,
                   num_nodes=topo.num_nodes, ranks_per_node=topo.local_size, device=topo.device,
                   threads_per_rank=threads, torch=torch.__version__, python=platform.python_version(),
                   train_size=len(train_set), test_size=len(test_set),
-                  slurm=SlurmEnv.from_environ().record())
+                  slurm=SlurmEnv.from_environ().record(), **shape, **specs)
     t0 = time.time()
     try:
         result = runtime.run(ctx)

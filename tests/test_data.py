@@ -308,6 +308,23 @@ def test_registry_errors(tmp_path, monkeypatch):
         load_dataset("fashion-mnist-mini", train_limit=0)
 
 
+def test_user_factory_spec(tmp_path):
+    """A name holding ':' is user code (hpcasync.plugins): (train, test) torch Datasets, stacked
+    into ArrayDatasets of any item shape; the limits apply."""
+    (tmp_path / "tiny.py").write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\n"
+        "def make():\n"
+        "    return (TensorDataset(torch.randn(9, 6), torch.arange(9) % 4),\n"
+        "            TensorDataset(torch.randn(5, 6), torch.arange(5) % 2))\n")
+    train, test = load_dataset(f"{tmp_path}/tiny.py:make", train_limit=6, test_limit=100)
+    assert (len(train), len(test), train.input_shape, train.num_classes) == (6, 5, (6,), 4)
+    assert isinstance(train, ArrayDataset) and train.labels.tolist() == [0, 1, 2, 3, 0, 1]
+    assert ds.locate_dataset(f"{tmp_path}/tiny.py:make") == (tmp_path.resolve(), "plugin")
+    with pytest.raises(ConfigError) as info:
+        load_dataset(f"{tmp_path}/none.py:make")
+    assert "no such file" in one_line(info)
+
+
 def test_builtin_mini_set():
     train, test = load_dataset("fashion-mnist-mini")
     assert (len(train), len(test)) == (6000, 1000)

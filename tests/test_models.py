@@ -84,3 +84,18 @@ def test_lenet_padding_reaches_lenet5_geometry():
         model = build_model("lenet", shape)
         assert model.features(torch.zeros(1, *shape)).shape == (1, 16, 5, 5)
     assert build_model("lenet", (1, 8, 8))(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_user_factory_spec():
+    """A name holding ':' is user code (hpcasync.plugins): factory(input_shape, num_classes)."""
+    from pathlib import Path
+
+    spec = f"{Path(__file__).resolve().parent.parent / 'examples/plugins/my_models.py'}:gru"
+    torch.manual_seed(0)
+    model = build_model(spec, (28, 28), 7)
+    assert model(torch.zeros(3, 28, 28)).shape == (3, 7)
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 7)
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        build_model(spec.replace(":gru", ":nope"), (28, 28), 7)
+    with pytest.raises(ConfigError, match="the factory raised ValueError"):
+        build_model(spec, (3, 32, 32), 10)           # gru reads (H, W) or (1, H, W) items

@@ -1,5 +1,6 @@
 """Data layer: strict readers (IDX, CIFAR-10 without executing pickles), the data set registry and
 deterministic per-shard batching. Pure numpy/torch; no MPI here -- ranks pass their shard number.
+``load_dataset`` also takes user code, ``MODULE:FACTORY`` (see :mod:`hpcasync.plugins`).
 
 Example::
 

@@ -16,6 +16,11 @@ data set's sub-directory: ``fashion-mnist/``, ``mnist/``, ``cifar-10-batches-py/
 2. else ``$HPCASYNC_DATA_DIR``, then ``/usr/share/datasets/<name>`` (Debian's
    ``dataset-fashion-mnist`` package installs Fashion-MNIST there).
 
+A name holding ``:`` is user code, ``MODULE:FACTORY`` (``pkg.module:factory`` or
+``path/file.py:factory``): ``factory()`` returns ``(train, test)`` torch Datasets of
+``(tensor, int label)`` items, converted once into :class:`ArrayDataset` s by
+:func:`hpcasync.plugins.user_dataset` (the contract is in :mod:`hpcasync.plugins`).
+
 If Fashion-MNIST is found in neither place of step 2, the built-in mini set is used and a warning
 says so and how to get the full set. Data is never made up: no random fallback.
 
@@ -27,6 +32,7 @@ Example::
 
     train, test = load_dataset("fashion-mnist", train_limit=6000)
     train.images.shape, train.labels.dtype, train.input_shape   # (6000,1,28,28), int64, (1,28,28)
+    train, test = load_dataset("my_data:rows")                  # my_data.py in the working dir
 """
 from __future__ import annotations
 
@@ -73,10 +79,11 @@ _DEBIAN_DIRS = {"fashion-mnist": "fashion-mnist", "mnist": "mnist", "cifar10": "
 
 
 class ArrayDataset:
-    """A whole data set in memory: ``images`` float32 N×C×H×W (normalised), ``labels`` int64 N.
+    """A whole data set in memory: ``images`` float32 N×C×H×W (normalised; a user data set's
+    items may have any shape: N×...), ``labels`` int64 N.
 
     Args:
-        images: float32 tensor N×C×H×W.
+        images: float32 tensor N×C×H×W (the zoo's image sets) or N×... (one row per example).
         labels: int64 tensor N, values in ``0 .. num_classes-1``.
         num_classes: number of classes (default 10).
         name: data set name, for messages.
@@ -84,8 +91,8 @@ class ArrayDataset:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, num_classes: int = 10,
                  name: str = "dataset"):
-        if images.dim() != 4 or images.dtype != torch.float32:
-            raise DataError(f"{name}: images must be a float32 N×C×H×W tensor, got "
+        if images.dim() < 1 or images.dtype != torch.float32:
+            raise DataError(f"{name}: images must be a float32 N×... tensor, got "
                             f"{images.dtype} {tuple(images.shape)}")
         if labels.dim() != 1 or labels.dtype != torch.int64 or labels.shape[0] != images.shape[0]:
             raise DataError(f"{name}: labels must be an int64 vector of {images.shape[0]} entries, "
@@ -94,7 +101,7 @@ class ArrayDataset:
         self.num_classes, self.name = int(num_classes), name
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
+    def input_shape(self) -> tuple[int, ...]:
         return tuple(self.images.shape[1:])
 
     def __len__(self) -> int:
@@ -179,15 +186,23 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None,
     """Load a registered data set as normalised ``(train, test)``.
 
     Args:
-        name: one of :data:`DATASETS`.
+        name: one of :data:`DATASETS`, or a user factory ``MODULE:FACTORY`` (see
+            :func:`hpcasync.plugins.user_dataset`; ``data_dir`` does not apply to it).
         data_dir: directory holding the files (or the data set's sub-directory); default None =
             ``$HPCASYNC_DATA_DIR``, then ``/usr/share/datasets/<name>``, then (Fashion-MNIST only)
             the built-in mini set with a warning.
         train_limit, test_limit: keep only the first n examples of each split (default all).
 
     Raises:
-        ConfigError: unknown name or bad limit. DataError: files missing or malformed.
+        ConfigError: unknown name or bad limit; a user factory that does not import, raises or
+            returns no pair of Datasets. DataError: files missing or malformed; bad user items.
     """
+    from hpcasync.plugins import is_spec
+
+    if is_spec(name):
+        from hpcasync.plugins import user_dataset
+
+        return user_dataset(name, train_limit=train_limit, test_limit=test_limit)
     directory, kind = locate_dataset(name, data_dir=data_dir)
     if kind == "builtin":
         return _read_idx_dir(BUILTIN_DIR, name, train_limit, test_limit)
@@ -202,12 +217,23 @@ def locate_dataset(name: str, *, data_dir: str | os.PathLike | None = None,
                    warn: bool = True) -> tuple[Path, str]:
     """Find a data set's files without reading them: ``(directory, kind)`` with kind ``idx``,
     ``builtin`` or a CIFAR kind. Cheap enough to run before MPI starts (the driver's pre-check).
+    A user factory ``MODULE:FACTORY`` is imported (not called): ``(directory of its module file,
+    "plugin")``.
 
     Raises:
-        ConfigError: unknown name. DataError: files missing (the message says what was looked for).
+        ConfigError: unknown name; a user factory that does not import. DataError: files missing
+            (the message says what was looked for).
     """
+    from hpcasync.plugins import is_spec
+
+    if is_spec(name):
+        from hpcasync.plugins import spec_record
+
+        file = spec_record(name, "--dataset")["file"]
+        return (Path(file).parent if file else Path.cwd()), "plugin"
     if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+        raise ConfigError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} "
+                          "(or a user factory MODULE:FACTORY)")
     if name == "fashion-mnist-mini":
         return BUILTIN_DIR, "builtin"
     if data_dir is not None:

@@ -6,6 +6,10 @@
 | ``lenet`` | LeNet-5 style, ReLU + max-pool | 61,706 | 62,006 |
 | ``resnet20`` | He et al. CIFAR ResNet-20, BatchNorm | 269,434 | 269,722 |
 
+A name holding ``:`` is user code, ``MODULE:FACTORY`` (``pkg.module:factory`` or
+``path/file.py:factory``), built by :func:`hpcasync.plugins.user_model` as
+``factory(input_shape, num_classes)``; see :mod:`hpcasync.plugins` for the contract.
+
 Models draw their initial weights from torch's global generator only, so ``torch.manual_seed(s)``
 before ``build_model`` gives bitwise-identical models on every rank. No MPI here.
 
@@ -13,6 +17,7 @@ Example::
 
     torch.manual_seed(0)
     model = build_model("resnet20", (3, 32, 32))
+    model = build_model("my_models:gru", (28, 28), 10)     # my_models.py in the working directory
 """
 from __future__ import annotations
 
@@ -33,15 +38,24 @@ def build_model(name: str, input_shape, num_classes: int = 10) -> nn.Module:
     """A freshly initialised model.
 
     Args:
-        name: one of :data:`MODELS`.
-        input_shape: (C, H, W) of one example, e.g. ``dataset.input_shape``.
+        name: one of :data:`MODELS`, or a user factory ``MODULE:FACTORY``.
+        input_shape: (C, H, W) of one example, e.g. ``dataset.input_shape`` (a user factory gets
+            it as a tuple of any length).
         num_classes: output width (default 10).
 
     Raises:
-        ConfigError: unknown name, malformed shape or class count.
+        ConfigError: unknown name, malformed shape or class count; for a user factory, a spec that
+            does not import, a factory that raises or returns no nn.Module.
     """
+    from hpcasync.plugins import is_spec
+
+    if is_spec(name):
+        from hpcasync.plugins import user_model
+
+        return user_model(name, input_shape, num_classes)
     if name not in _BUILDERS:
-        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)} "
+                          "(or a user factory MODULE:FACTORY)")
     shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
     if shape is None or len(shape) != 3 or not all(
             isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):

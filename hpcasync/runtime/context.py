@@ -30,12 +30,18 @@ log = logging.getLogger("hpcasync")
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 1000,
-             device: str = "cpu") -> tuple[float, float]:
+             device: str = "cpu", loss_fn: Callable | None = None) -> tuple[float, float]:
     """Mean loss and accuracy of ``model`` on ``dataset``; collective over ``comm`` when given.
 
     Every rank of ``comm`` evaluates a contiguous slice and the sums are allreduced, so the result is
     the full-set figure on every rank (the model must be identical on those ranks).
+
+    ``loss_fn(output, target)`` is the batch-mean loss (default cross entropy); it is summed as
+    mean × batch size (torch's cross entropy and NLL are summed directly, ``reduction="sum"``).
     """
+    if loss_fn is None:
+        loss_fn = F.cross_entropy
+    summed = loss_fn in (F.cross_entropy, F.nll_loss)
     n = len(dataset)
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     lo, hi = n * rank // size, n * (rank + 1) // size
@@ -47,7 +53,10 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
         x = dataset.images[start:stop].to(device, non_blocking=True)
         y = dataset.labels[start:stop].to(device, non_blocking=True)
         out = model(x)
-        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        if summed:
+            loss_sum += float(loss_fn(out, y, reduction="sum"))
+        else:
+            loss_sum += float(loss_fn(out, y)) * (stop - start)
         correct += int((out.argmax(1) == y).sum())
     model.train(was_training)
     if comm is not None and size > 1:
@@ -126,6 +135,12 @@ class RunContext:
     preempt: Any = None                    # PreemptionFlag (SIGTERM / SIGUSR1)
     check_every: int = 10                  # steps between preemption agreements (one allreduce)
     checkpoint_every: int = 0              # steps between periodic checkpoints (0: epoch ends only)
+    # the loss to train with, loss(output, target) -> scalar batch mean (--loss); epoch_end
+    # evaluates with it too
+    loss_fn: Callable = F.cross_entropy
+    # make_optimizer(params) -> the optimizer of --optimizer/--lr/--momentum/--weight-decay
+    # (ssgd, daso); None: the runtime builds its own torch.optim.SGD from cfg
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     _fault_step: int | None = field(default=None, init=False)
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
@@ -232,7 +247,8 @@ class RunContext:
         """
         comm = self.topo.world if eval_comm is None else eval_comm
         self.divergence.check_weights(model, where=f"the end of epoch {epoch}")
-        test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device)
+        test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device,
+                                       loss_fn=self.loss_fn)
         record = {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
                   "test_accuracy": test_acc, "wall_time_s": round(time.time() - self.t0, 3), **extra}
         self.history.append(record)

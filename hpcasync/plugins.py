@@ -1,0 +1,497 @@
+"""User code for ``hpcasync train``: models, data sets, losses and optimizers named by a spec.
+
+A *spec* is ``MODULE:FACTORY``. ``MODULE`` is a dotted module name (``pkg.module``), imported with
+the current working directory first on ``sys.path`` (as ``python -m`` would), or the path of a
+``.py`` file (anything ending in ``.py`` or holding a ``/``), relative to the working directory;
+the file's directory is appended to ``sys.path`` so it can import its siblings. ``FACTORY`` is a
+callable attribute of the module (dotted for a nested one: ``Nets.small``). The zoo names
+(``mlp``, ``lenet``, ``resnet20``; ``fashion-mnist``, ``fashion-mnist-mini``, ``mnist``,
+``cifar10``) stay as shortcuts.
+
+The contract:
+
+``--model SPEC``
+    ``factory(input_shape, num_classes) -> torch.nn.Module``. ``input_shape`` is the shape of one
+    item of the training data (a tuple, any rank), ``num_classes`` = largest label + 1. On a batch
+    of B items the model must return a tensor of shape (B, num_classes) (logits, or log
+    probabilities with ``--loss nll``). Weights must come from torch's global generator only, so
+    every rank builds the same model from the same seed.
+``--dataset SPEC``
+    ``factory() -> (train, test)``: two map-style ``torch.utils.data.Dataset`` objects whose items
+    are ``(x, y)``, ``x`` a floating tensor (one shape for all items of both sets), ``y`` an int
+    label >= 0 (a Python int, a numpy integer or a 0-d integer tensor). They are read once, at
+    load, into in-memory :class:`~hpcasync.data.ArrayDataset` pairs (float32), so sharding,
+    batching and evaluation are the zoo's; ``--train-limit`` / ``--test-limit`` keep the first N
+    items (and only those are read). Every rank calls the factory: it must return the same data.
+``--loss NAME|SPEC``
+    ``cross_entropy`` (default), ``nll`` (for a model ending in ``log_softmax``) or a spec whose
+    ``factory()`` returns ``loss(output, target) -> scalar tensor`` (the mean over the batch).
+``--optimizer NAME|SPEC`` (ssgd and daso only)
+    ``sgd`` (default), ``adam``, ``adamw``, ``rmsprop`` (each given those of ``--lr``,
+    ``--momentum``, ``--weight-decay`` it accepts) or a spec whose factory is called as
+    ``factory(params, lr=..., momentum=..., weight_decay=...)`` and returns a
+    ``torch.optim.Optimizer``.
+
+Every problem -- a spec that does not import (no module, no file, a syntax error, no such
+attribute, not callable), a factory that raises or returns the wrong thing, data items that are not
+``(floating tensor, int >= 0)`` of one shape, an empty set, a model whose output on two training
+items is not (2, num_classes), a loss that is not a differentiable scalar -- is a one-line
+:class:`~hpcasync.errors.ConfigError` (or :class:`~hpcasync.errors.DataError` for the data's
+contents) naming the spec, raised by ``hpcasync train`` before MPI starts
+(:func:`hpcasync.train.precheck` imports the factories, :func:`check_run` tries the model on the
+data).
+
+Example, ``my_models.py`` in the working directory::
+
+    from torch import nn
+
+    def wide_mlp(input_shape, num_classes):
+        width = 1
+        for s in input_shape:
+            width *= s
+        return nn.Sequential(nn.Flatten(), nn.Linear(width, 512), nn.ReLU(),
+                             nn.Linear(512, num_classes))
+
+and then::
+
+    mpiexec -n 4 hpcasync train --model my_models:wide_mlp --dataset fashion-mnist
+    mpiexec -n 4 hpcasync train --model path/to/my_models.py:wide_mlp --optimizer adam --lr 1e-3
+
+See ``examples/plugins/`` for a GRU and a BatchNorm conv net (``my_models.py``) and a data set
+factory (``my_data.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError, DataError
+
+log = logging.getLogger("hpcasync")
+
+__all__ = ["LOSSES", "OPTIMIZERS", "is_spec", "parse_spec", "load_factory", "spec_record",
+           "user_model", "user_dataset", "make_loss", "make_optimizer", "check_run"]
+
+#: --loss names -> torch functional losses (batch mean).
+LOSSES: dict[str, Callable] = {"cross_entropy": F.cross_entropy, "nll": F.nll_loss}
+#: --optimizer names -> torch optimizer classes.
+OPTIMIZERS: dict[str, type] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                               "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop}
+
+SPEC_FORM = "MODULE:FACTORY (pkg.module:factory or path/file.py:factory)"
+
+# spec -> {"spec", "module", "file", "sha256"} of the module it was imported from
+_RECORDS: dict[str, dict[str, Any]] = {}
+
+
+def is_spec(value: Any) -> bool:
+    """True when ``value`` names user code (holds a ``:``) rather than a built-in name."""
+    return isinstance(value, str) and ":" in value
+
+
+def _is_file(module: str) -> bool:
+    return module.endswith(".py") or "/" in module or os.sep in module
+
+
+def parse_spec(spec: str, what: str) -> tuple[str, str]:
+    """``(module, factory)`` of ``spec``, checked for form only (nothing is imported).
+
+    Raises:
+        ConfigError: not of the form :data:`SPEC_FORM`.
+    """
+    module, _, attr = spec.rpartition(":")
+    bad = None
+    if not module or not attr:
+        bad = "expected " + SPEC_FORM
+    elif not all(part.isidentifier() for part in attr.split(".")):
+        bad = f"factory {attr!r} is not a (dotted) Python name"
+    elif not _is_file(module) and not all(part.isidentifier() for part in module.split(".")):
+        bad = f"module {module!r} is neither a dotted module name nor a path to a .py file"
+    if bad:
+        raise ConfigError(f"{what} {spec}: {bad}")
+    return module, attr
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message (at file:line)`` of an exception, on one line."""
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    msg = _one_line(str(exc))
+    return f"{type(exc).__name__}{': ' + msg if msg else ''}{where}"
+
+
+def _file_module(path_text: str, spec: str, what: str):
+    path = Path(path_text).expanduser()
+    path = (path if path.is_absolute() else Path.cwd() / path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"{what} {spec}: no such file {path}")
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
+    name = f"_hpcasync_plugin_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    ispec = importlib.util.spec_from_file_location(name, path)
+    if ispec is None or ispec.loader is None:
+        raise ConfigError(f"{what} {spec}: {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(ispec)
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))          # so the file can import its siblings
+    sys.modules[name] = module                     # dataclasses, pickling look it up there
+    try:
+        ispec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _import(module: str, spec: str, what: str):
+    try:
+        if _is_file(module):
+            return _file_module(module, spec, what)
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.insert(0, cwd)                 # as `python -m` does
+        return importlib.import_module(module)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            raise ConfigError(f"{what} {spec}: no module named {exc.name!r} (looked in the "
+                              f"working directory {os.getcwd()} and on sys.path)") from None
+        raise ConfigError(f"{what} {spec}: importing {module} failed: {_describe(exc)}") from None
+    except SyntaxError as exc:
+        raise ConfigError(f"{what} {spec}: syntax error in {exc.filename}, line {exc.lineno}: "
+                          f"{exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module: any failure is bad input
+        raise ConfigError(f"{what} {spec}: importing {module} raised {_describe(exc)}") from None
+
+
+def _file_of(module) -> str | None:
+    path = getattr(module, "__file__", None)
+    return str(Path(path).resolve()) if path else None
+
+
+def load_factory(spec: str, what: str) -> Callable:
+    """Import ``spec``'s module and return its factory (imports are cached).
+
+    Args:
+        spec: ``MODULE:FACTORY`` (:data:`SPEC_FORM`).
+        what: the option it came from, for messages (``--model``, ``--dataset``, ...).
+
+    Raises:
+        ConfigError: bad form, no such module or file, an import that fails (syntax error,
+            exception), no such attribute, not callable.
+    """
+    module_name, attr = parse_spec(spec, what)
+    module = _import(module_name, spec, what)
+    file = _file_of(module)
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{what} {spec}: {module_name} ({file or 'no file'}) has no "
+                              f"attribute {attr!r}") from None
+    if not callable(obj):
+        raise ConfigError(f"{what} {spec}: {attr} is {_kind(obj)}, not callable")
+    if spec not in _RECORDS:
+        sha = None
+        if file is not None and Path(file).is_file():
+            sha = hashlib.sha256(Path(file).read_bytes()).hexdigest()
+        _RECORDS[spec] = {"spec": spec, "module": module.__name__, "file": file, "sha256": sha}
+    return obj
+
+
+def spec_record(spec: str, what: str) -> dict[str, Any]:
+    """``{"spec", "module", "file", "sha256"}``: where ``spec``'s code came from (the file's
+    SHA-256 as it was when first imported), for the metrics stream."""
+    load_factory(spec, what)
+    return dict(_RECORDS[spec])
+
+
+def _call(factory: Callable, spec: str, what: str, *args, **kwargs):
+    try:
+        return factory(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure is bad input
+        raise ConfigError(f"{what} {spec}: the factory raised {_describe(exc)}") from None
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+def user_model(spec: str, input_shape, num_classes: int) -> nn.Module:
+    """``factory(tuple(input_shape), num_classes)`` of a ``--model`` spec, checked to be a Module.
+
+    Raises:
+        ConfigError: import problems (:func:`load_factory`), the factory raised, not an nn.Module.
+    """
+    try:
+        shape = tuple(input_shape)
+    except TypeError:
+        shape = None
+    if shape is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                for s in shape):
+        raise ConfigError(f"--model {spec}: input shape must be a tuple of integers >= 0, "
+                          f"got {input_shape!r}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"--model {spec}: number of classes must be a positive integer, "
+                          f"got {num_classes!r}")
+    factory = load_factory(spec, "--model")
+    model = _call(factory, spec, "--model", shape, num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {spec}: the factory returned {_kind(model)}, "
+                          "not a torch.nn.Module")
+    return model
+
+
+# -- data sets -------------------------------------------------------------------------------------
+
+def _check_limit(limit, what: str) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"{what} must be a positive integer, got {limit!r}")
+
+
+def _label(y) -> int | None:
+    """The int value of an int-like label, else None."""
+    if isinstance(y, (bool, np.bool_)):
+        return None
+    if isinstance(y, (int, np.integer)):
+        return int(y)
+    if isinstance(y, torch.Tensor) and y.dim() == 0 and not y.is_floating_point() \
+            and not y.is_complex() and y.dtype != torch.bool:
+        return int(y.item())
+    return None
+
+
+def _a(word: str) -> str:
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _a(f"{str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}")
+    return _a(type(value).__name__)
+
+
+def _length(value) -> str:
+    return f" of length {len(value)}" if isinstance(value, (tuple, list)) else ""
+
+
+def _read_split(ds, split: str, limit, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    head = f"--dataset {spec}: {split} set"
+    try:
+        n = len(ds)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"{head}: len() raised {_describe(exc)}") from None
+    if n == 0:
+        raise DataError(f"{head} is empty")
+    if limit is not None:
+        n = min(n, limit)
+    tensors = getattr(ds, "tensors", None)
+    if (type(ds) is torch.utils.data.TensorDataset and len(tensors) == 2
+            and tensors[1].dim() == 1 and tensors[0].dim() >= 1):
+        # fast path, same checks: the items are (tensors[0][i], tensors[1][i])
+        x, y = tensors[0][:n].detach(), tensors[1][:n].detach()
+        if not x.is_floating_point():
+            raise DataError(f"{head}, item 0: x must be a floating tensor, got {_kind(x[0])}")
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+            raise DataError(f"{head}, item 0: the label must be an int >= 0, got {_kind(y[0])}")
+        if n and int(y.min()) < 0:
+            i = int(torch.nonzero(y < 0)[0, 0])
+            raise DataError(f"{head}, item {i}: the label must be an int >= 0, got {int(y[i])}")
+        return x.cpu().to(torch.float32).contiguous(), y.cpu().to(torch.int64).contiguous()
+    xs, ys, shape = [], [], None
+    for i in range(n):
+        try:
+            item = ds[i]
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"{head}: reading item {i} raised {_describe(exc)}") from None
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise DataError(f"{head}, item {i}: expected a pair (tensor, int label), got "
+                            f"{_kind(item)}{_length(item)}")
+        x, y = item
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise DataError(f"{head}, item {i}: x must be a floating tensor, got {_kind(x)}")
+        if shape is None:
+            shape = x.shape
+        elif x.shape != shape:
+            raise DataError(f"{head}, item {i}: x has shape {tuple(x.shape)}, item 0 has "
+                            f"{tuple(shape)}; every item must have the same shape")
+        label = _label(y)
+        if label is None or label < 0:
+            got = label if label is not None else _kind(y)
+            raise DataError(f"{head}, item {i}: the label must be an int >= 0, got {got}")
+        xs.append(x.detach().cpu())
+        ys.append(label)
+    return torch.stack(xs).to(torch.float32), torch.tensor(ys, dtype=torch.int64)
+
+
+def user_dataset(spec: str, *, train_limit: int | None = None, test_limit: int | None = None):
+    """``(train, test)`` :class:`~hpcasync.data.ArrayDataset` pair from a ``--dataset`` spec.
+
+    Calls ``factory()``, reads the first ``train_limit`` / ``test_limit`` items of each set (all
+    when None), checks each is ``(floating tensor, int >= 0)`` with one shape throughout, and stacks
+    them (float32 images, int64 labels); ``num_classes`` = largest label of both + 1.
+
+    Raises:
+        ConfigError: import problems, the factory raised, did not return a pair of map-style
+            Datasets, bad limit. DataError: an empty set, a bad item, shapes that differ, a single
+            class.
+    """
+    from .data.datasets import ArrayDataset
+
+    _check_limit(train_limit, "--train-limit")
+    _check_limit(test_limit, "--test-limit")
+    factory = load_factory(spec, "--dataset")
+    t0 = time.time()
+    out = _call(factory, spec, "--dataset")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ConfigError(f"--dataset {spec}: the factory must return (train, test), got "
+                          f"{_kind(out)}{_length(out)}")
+    for split, ds in zip(("train", "test"), out):
+        if not isinstance(ds, torch.utils.data.Dataset) or isinstance(
+                ds, torch.utils.data.IterableDataset) or not hasattr(ds, "__len__"):
+            raise ConfigError(f"--dataset {spec}: the {split} set is {_kind(ds)}, not a map-style "
+                              "torch.utils.data.Dataset (with __len__ and __getitem__)")
+    (xtr, ytr), (xte, yte) = (_read_split(ds, split, limit, spec) for split, ds, limit in
+                              zip(("train", "test"), out, (train_limit, test_limit)))
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DataError(f"--dataset {spec}: train items have shape {tuple(xtr.shape[1:])}, test "
+                        f"items {tuple(xte.shape[1:])}")
+    num_classes = int(max(int(ytr.max()), int(yte.max()))) + 1
+    if num_classes < 2:
+        raise DataError(f"--dataset {spec}: every label is 0; a classifier needs labels of at "
+                        "least 2 classes")
+    train = ArrayDataset(xtr, ytr, num_classes=num_classes, name=spec)
+    test = ArrayDataset(xte, yte, num_classes=num_classes, name=spec)
+    log.info("loaded %s: %d train / %d test items of shape %s, %d classes (%.1f s)", spec,
+             len(train), len(test), train.input_shape, num_classes, time.time() - t0)
+    return train, test
+
+
+# -- losses and optimizers -------------------------------------------------------------------------
+
+def make_loss(spec: str = "cross_entropy") -> Callable:
+    """The training loss ``loss(output, target) -> scalar tensor`` named by ``--loss``.
+
+    Raises:
+        ConfigError: unknown name, import problems, the factory raised or returned no callable.
+    """
+    if spec in LOSSES:
+        return LOSSES[spec]
+    if not is_spec(spec):
+        raise ConfigError(f"--loss {spec!r} is not one of: {', '.join(LOSSES)} (or a "
+                          f"{SPEC_FORM})")
+    fn = _call(load_factory(spec, "--loss"), spec, "--loss")
+    if not callable(fn):
+        raise ConfigError(f"--loss {spec}: the factory returned {_kind(fn)}, not a "
+                          "callable loss(output, target)")
+    return fn
+
+
+def make_optimizer(spec: str, params, *, lr: float, momentum: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer named by ``--optimizer`` over ``params``.
+
+    A name gets those of ``lr``, ``momentum``, ``weight_decay`` its torch class accepts (Adam and
+    AdamW take no momentum; AdamW gets ``--weight-decay``, default 0, not torch's 0.01); a spec's
+    factory gets all three as keywords.
+
+    Raises:
+        ConfigError: unknown name, import problems, the constructor/factory raised or returned no
+            torch.optim.Optimizer.
+    """
+    given = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    if spec in OPTIMIZERS:
+        cls = OPTIMIZERS[spec]
+        accepted = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in given.items() if k in accepted}
+        try:
+            return cls(params, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. an out-of-range value
+            raise ConfigError(f"--optimizer {spec}: torch.optim.{cls.__name__} raised "
+                              f"{_describe(exc)}") from None
+    if not is_spec(spec):
+        raise ConfigError(f"--optimizer {spec!r} is not one of: {', '.join(OPTIMIZERS)} (or a "
+                          f"{SPEC_FORM})")
+    opt = _call(load_factory(spec, "--optimizer"), spec, "--optimizer", params, **given)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"--optimizer {spec}: the factory returned {_kind(opt)}, not "
+                          "a torch.optim.Optimizer")
+    return opt
+
+
+# -- the pre-MPI trial -----------------------------------------------------------------------------
+
+def check_run(model: str, dataset, *, loss: str = "cross_entropy", loss_fn: Callable | None = None,
+              optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.9,
+              weight_decay: float = 0.0) -> nn.Module:
+    """Try a model on the data, on the CPU, before any rank waits on another: build it
+    (``build_model``), run a forward pass on the first two training items, check the output is
+    (2, num_classes), the loss a differentiable scalar, and that the optimizer can be built.
+    Returns the trial model (thrown away by the driver). Consumes torch's global random numbers.
+
+    Raises:
+        ConfigError: naming the option (and spec) at fault.
+    """
+    from .models import build_model
+
+    nc = dataset.num_classes
+    try:
+        net = build_model(model, dataset.input_shape, nc)
+    except ConfigError as exc:
+        if is_spec(model):
+            raise
+        raise ConfigError(f"--model {model} with --dataset {dataset.name}: {exc}") from None
+    if not any(p.requires_grad for p in net.parameters()):
+        raise ConfigError(f"--model {model}: the model has no trainable parameters")
+    b = min(2, len(dataset))
+    x, y = dataset.images[:b], dataset.labels[:b]
+    net.train()
+    try:
+        out = net(x)
+    except Exception as exc:  # noqa: BLE001 - the user's model
+        raise ConfigError(f"--model {model}: a forward pass on {b} items of shape "
+                          f"{tuple(x.shape)} raised {_describe(exc)}") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, nc):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else _kind(out)
+        raise ConfigError(f"--model {model}: on a batch of {b} items of shape {tuple(x.shape)} "
+                          f"the output has {got}, expected ({b}, {nc}) = (batch, num_classes; "
+                          "the largest label + 1)")
+    fn = make_loss(loss) if loss_fn is None else loss_fn
+    try:
+        value = fn(out, y)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"--loss {loss}: loss(output, target) on the model's output raised "
+                          f"{_describe(exc)}") from None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        raise ConfigError(f"--loss {loss}: loss(output, target) returned {_kind(value)}, not a "
+                          "scalar floating tensor")
+    if not value.requires_grad:
+        raise ConfigError(f"--loss {loss}: the loss carries no gradient to the model (is it "
+                          "computed from the output with torch operations?)")
+    opt = make_optimizer(optimizer, net.parameters(), lr=lr, momentum=momentum,
+                         weight_decay=weight_decay)
+    del opt
+    return net
