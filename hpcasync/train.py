@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .errors import ConfigError, DivergedError, HpcasyncError, launcher_rank
+from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
 from .runtime import algorithms, runtime_module
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag

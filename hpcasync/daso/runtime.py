@@ -33,7 +33,6 @@ from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..runtime.context import RunContext, RunResult, max_over
 from ..hetero import StepDelay
-from ..ssgd.runtime import make_optimizer
 
 log = logging.getLogger("hpcasync")
 
@@ -116,7 +115,7 @@ def run(ctx: RunContext) -> RunResult:
     if nbatches < 1:
         raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks give "
                           f"no batch of {cfg.batch_size}; lower --batch-size")
-    optimizer = make_optimizer(ctx, model)
+    optimizer = ctx.optimizer_for(model)
     opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
                local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
     opt.broadcast_parameters(root=0)

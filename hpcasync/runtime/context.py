@@ -155,6 +155,15 @@ class RunContext:
             if rank.isdigit() and step.isdigit() and int(rank) == self.topo.rank:
                 self._fault_step = int(step)
 
+    def optimizer_for(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The optimizer a synchronous runtime (ssgd, daso) runs: ``--optimizer`` with --lr,
+        --momentum, --weight-decay (``make_optimizer``), else torch's SGD with those."""
+        if self.make_optimizer is not None:
+            return self.make_optimizer(model.parameters())
+        cfg = self.cfg
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+
     @property
     def is_root(self) -> bool:
         return self.topo.rank == 0

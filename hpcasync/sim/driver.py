@@ -54,6 +54,11 @@ def check(cfg) -> None:
     step = cfg.options.get("sim_step_time")
     if not isinstance(step, (int, float)) or not step > 0 or step == float("inf"):
         raise ConfigError(f"--sim-step-time must be a finite number > 0, got {step!r}")
+    for flag, value, default in (("--optimizer", cfg.optimizer, "sgd"),
+                                 ("--loss", cfg.loss, "cross_entropy")):
+        if value != default:
+            raise ConfigError(f"{flag} {value}: the simulator trains with SGD and cross entropy; "
+                              f"{flag} applies to hpcasync train")
     if cfg.algorithm not in PS_ALGORITHMS + SYNC_ALGORITHMS:
         raise ConfigError(f"the simulator runs {', '.join(PS_ALGORITHMS + SYNC_ALGORITHMS)}; "
                           f"not {cfg.algorithm}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
@@ -64,28 +63,18 @@ def validate(cfg) -> None:
                               "run scripts/install-horovod.sh") from None
 
 
-def make_optimizer(ctx, model) -> torch.optim.Optimizer:
-    """The optimizer of ``--optimizer`` (``ctx.make_optimizer``; SGD with --lr/--momentum/
-    --weight-decay when the context has none), for ssgd and daso."""
-    if ctx.make_optimizer is not None:
-        return ctx.make_optimizer(model.parameters())
-    cfg = ctx.cfg
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay)
-
-
 def run(ctx: RunContext) -> RunResult:
     cfg, topo = ctx.cfg, ctx.topo
     model = ctx.make_model()
     if cfg.backend == "horovod":
         from .horovod import HorovodOptimizer
 
-        opt = HorovodOptimizer(make_optimizer(ctx, model), model, topo.world)
+        opt = HorovodOptimizer(ctx.optimizer_for(model), model, topo.world)
         flat = None
     else:
         flat = FlatModel(model)
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
-        opt = DistributedOptimizer(make_optimizer(ctx, model), flat, topo.world, compress=compress)
+        opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress)
     opt.broadcast_parameters(root=0)
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
