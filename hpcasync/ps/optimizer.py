@@ -143,6 +143,8 @@ class ParameterServer(AlgorithmOptimizer):
         self._buffers = torch.zeros(W, flat.buffer_numel) if self.is_server else None
         self._seen = [False] * W
         self._closed = False
+        if self.is_server:
+            log.info("%s", self.describe())
         atexit.register(_at_exit, weakref.ref(self))
         self._hook = None
         if not self.is_server and start:
@@ -257,6 +259,20 @@ class ParameterServer(AlgorithmOptimizer):
         if collective:
             self.close()
         return self.flat.module
+
+    def describe(self) -> str:
+        """The rule, its hyperparameters and the defaults in force, in words (logged by the
+        server at construction)."""
+        W = self.num_workers
+        hyper = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in self.hyper.items())
+        factor = ps_lr_factor(self.algorithm, W, self.warmup_epochs)
+        warm = (5.0 if self.warmup_epochs is None else self.warmup_epochs) if factor else 0
+        return (f"{self.algorithm} on {W} workers ({hyper}); lr warm-up from lr/{W} over "
+                f"{warm:g} epochs (warmup_epochs)" if warm else
+                f"{self.algorithm} on {W} workers ({hyper}); no lr warm-up (warmup_epochs)") + \
+            ("; the server's model takes the workers' mean BatchNorm buffers (average_buffers)"
+             if self.sync_buffers else "") + f"; transport {self.transport.name}"
 
     def _take_buffers(self, w: int, extra: torch.Tensor) -> None:
         self._buffers[w].copy_(extra)
