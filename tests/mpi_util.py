@@ -88,3 +88,33 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
             return
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+#: CI (and ``HPCASYNC_HOROVOD=1 bash scripts/test.sh``) builds Horovod: then its tests must run, and a
+#: Horovod that does not import fails them instead of skipping them.
+HOROVOD_REQUIRED = os.environ.get("HPCASYNC_HOROVOD") == "1"
+
+
+def _horovod_import_error() -> str | None:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - an ImportError, or a broken build's OSError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+#: None when ``horovod.torch`` imports (decided on rank 0, the same answer on every rank)
+HOROVOD_ERROR = COMM.bcast(_horovod_import_error() if RANK == 0 else None, root=0)
+
+
+def need_horovod() -> None:
+    """At the top of a test that compares against Horovod: skip when it is not installed, but fail
+    when this run was asked to have it (``HPCASYNC_HOROVOD=1``, as CI sets)."""
+    import pytest
+
+    if HOROVOD_ERROR is None:
+        return
+    if HOROVOD_REQUIRED:
+        pytest.fail(f"HPCASYNC_HOROVOD=1 (Horovod was to be built) but horovod.torch does not "
+                    f"import: {HOROVOD_ERROR}")
+    pytest.skip("Horovod is not installed (scripts/install-horovod.sh)")

@@ -14,7 +14,7 @@ from hpcasync.comm import FlatModel
 from hpcasync.daso import DASO, DasoComm
 from hpcasync.data import load_dataset
 from hpcasync.ssgd.runtime import DistributedOptimizer
-from tests.mpi_util import COMM, RANK, SIZE, run_cli, run_mpi
+from tests.mpi_util import need_horovod, COMM, RANK, SIZE, run_cli, run_mpi
 
 pytestmark = pytest.mark.skipif(SIZE != 4, reason="DASO tests need mpiexec -n 4 (2 nodes x 2)")
 B = 16
@@ -271,19 +271,8 @@ def test_synchronize_then_skip_synchronize(topo, data):
     assert opt.steps == 1 and allsame(flat.params)
 
 
-def _horovod() -> bool:
-    try:
-        import horovod.torch  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-HVD = COMM.bcast(_horovod() if RANK == 0 else None, root=0)
-
-
-@pytest.mark.skipif(not HVD, reason="Horovod is not installed")
 def test_horovod_node_local_backend_matches_mpi(topo, data):
+    need_horovod()
     import horovod.torch as hvd
 
     try:

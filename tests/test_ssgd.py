@@ -8,7 +8,7 @@ from hpcasync.comm import FlatModel
 from hpcasync.data import load_dataset
 from hpcasync.models import build_model
 from hpcasync.ssgd.runtime import DistributedOptimizer
-from tests.mpi_util import COMM, RANK, SIZE
+from tests.mpi_util import need_horovod, COMM, RANK, SIZE
 
 B = 16
 
@@ -85,19 +85,8 @@ def test_backward_passes_per_step_accumulates(data):
     assert opt.steps == 1 and not torch.equal(flat.params, before)
 
 
-def _horovod_available() -> bool:
-    try:
-        import horovod.torch  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-HVD = COMM.bcast(_horovod_available() if RANK == 0 else None, root=0)
-
-
-@pytest.mark.skipif(not HVD, reason="Horovod is not installed (scripts/install-horovod.sh)")
 def test_horovod_backend_matches_own_backend(data):
+    need_horovod()
     from hpcasync.ssgd.horovod import HorovodOptimizer
 
     ours = _replica()
