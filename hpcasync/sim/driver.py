@@ -74,7 +74,7 @@ def simulate(cfg) -> dict:
     from ..metrics import MetricsWriter
     from ..models import build_model
     from ..runtime.context import Progress, RunContext
-    from ..train import seed_everything, setup_logging
+    from ..train import params_digest, seed_everything, setup_logging
 
     check(cfg)
     setup_logging(0)
@@ -120,7 +120,8 @@ def simulate(cfg) -> dict:
     summary = {"algorithm": cfg.algorithm, "world_size": W if synchronous else W + 1,
                "model": cfg.model, "dataset": cfg.dataset, "epochs": cfg.epochs,
                "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
-               "wall_time_s": round(wall, 3), "simulated": True, "workers": W, **extra}
+               "wall_time_s": round(wall, 3), "simulated": True, "workers": W,
+               "params_sha256": params_digest(model), **extra}
     metrics.write("summary", **summary)
     metrics.close()
     acc = summary["test_accuracy"]

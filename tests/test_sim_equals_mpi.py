@@ -1,0 +1,29 @@
+"""The simulator runs the same rules as the MPI parameter server: with one worker both are
+deterministic, so the same options give bitwise the same θ (the SHA-256 of the final parameters in
+the summaries) after an epoch, for every rule. Rank 0 launches both (a 2-rank MPI job and
+``hpcasync sim --workers 1``)."""
+from __future__ import annotations
+
+import pytest
+
+from hpcasync.ps.optimizer import ALGORITHMS
+from tests.mpi_util import last_summary, run_cli, run_mpi
+
+COMMON = ["--dataset", "fashion-mnist-mini", "--train-limit", "640", "--test-limit", "200",
+          "--epochs", "1", "--batch-size", "32", "--progress", "off", "--seed", "3"]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_simulator_equals_mpi_runtime_with_one_worker(algorithm, tmp_path):
+    extra = ["--ps-warmup-epochs", "0.5"] if algorithm in ("asgd", "shat") else []
+    mpi, sim = tmp_path / "mpi.jsonl", tmp_path / "sim.jsonl"
+    a = run_mpi(2, ["train", "--algorithm", algorithm, *COMMON, *extra, "--metrics", str(mpi)],
+                timeout=180)
+    assert a.returncode == 0, a.stderr[-2000:]
+    b = run_cli(["sim", "--workers", "1", "--algorithm", algorithm, *COMMON, *extra,
+                 "--metrics", str(sim)], timeout=180)
+    assert b.returncode == 0, b.stderr[-2000:]
+    ours, theirs = last_summary(mpi), last_summary(sim)
+    assert ours["test_loss"] == theirs["test_loss"]
+    assert ours["params_sha256"] == theirs["params_sha256"]
