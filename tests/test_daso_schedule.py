@@ -77,7 +77,7 @@ def test_batch_count_is_a_count():
     plans = [sched.advance(5) for _ in range(5)]
     assert [p.batch for p in plans] == [0, 1, 2, 3, 4] and plans[-1].average == "all"
     assert [p.average for p in plans[:-1]] == ["none"] * 4
-    with pytest.raises(ConfigError, match="end_epoch"):
+    with pytest.raises(ConfigError, match=r"epoch_end\(loss\)"):
         sched.advance(5)                    # a sixth batch in a 5-batch epoch
     rec = sched.end_epoch(1.0)
     assert rec["daso_phase"] == "cycling" and sched.epoch == 2
