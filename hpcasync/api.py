@@ -279,7 +279,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     from .checkpoint import CheckpointManager
 
     algorithm = getattr(optimizer, "algorithm", type(optimizer).__name__)
-    comm = getattr(optimizer, "comm", None)
+    topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
+    comm = topo.world if topo is not None else getattr(optimizer, "comm", None)
     ps = algorithm in PS_ALGORITHMS
     writer = ps or comm is None or comm.Get_rank() == 0
     path = None

@@ -380,3 +380,31 @@ def test_unknown_algorithm_and_missing_pieces_are_one_line_errors():
     with pytest.raises(ConfigError, match="runs its own update"):
         hpcasync.optimizer("asgd", model, torch.optim.Adam(model.parameters()))
     assert len(hpcasync.algorithms()) == 14
+
+
+@needs4
+def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
+    """DASO's ``comm`` is its own layer: save_checkpoint must find the world communicator."""
+    from hpcasync.topology import Topology
+
+    topo = Topology.build(ranks_per_node=2)
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("dck")) if RANK == 0 else None)
+    model = make_model()
+    opt = hpcasync.optimizer("daso", model, torch.optim.SGD(model.parameters(), lr=0.05),
+                             epochs=1, steps_per_epoch=2, warmup_epochs=0, cooldown_epochs=0,
+                             topo=topo)
+    for s in range(2):
+        opt.zero_grad()
+        x, y = batch(data, s)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.epoch_end(1.0)
+    path = hpcasync.save_checkpoint(directory, model, opt, epoch=1)
+    assert (path is not None) == (RANK == 0)
+    again = make_model()
+    opt2 = hpcasync.optimizer("daso", again, torch.optim.SGD(again.parameters(), lr=0.5),
+                              epochs=1, steps_per_epoch=2, warmup_epochs=0, cooldown_epochs=0,
+                              topo=topo)
+    assert hpcasync.load_checkpoint(directory, again, opt2)["epoch"] == 1
+    assert digest(again) == digest(model) and opt2.lr() == pytest.approx(0.05)
+    topo.free()

@@ -247,8 +247,9 @@ class ParameterServer(AlgorithmOptimizer):
         model."""
         def crossed(epoch: int, record: dict) -> None:
             self.load_theta()
-            log.info("PS %s: epoch %d crossed at version %d (staleness mean %.2f)", self.algorithm,
-                     epoch, self.rule.version, record.get("staleness_mean", float("nan")))
+            log.info("PS %s: epoch %d crossed at version %d (%d pushes accepted, %d rejected)",
+                     self.algorithm, epoch, self.rule.version, record.get("pushes", 0),
+                     record.get("rejected_pushes", 0))
             if on_epoch is not None:
                 on_epoch(epoch, self.flat.module)
         server = self.make_server(on_epoch=crossed, **callbacks)

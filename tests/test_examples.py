@@ -1,0 +1,156 @@
+"""The examples as a user runs them, as real 4-rank jobs (``mpiexec -n 4 python examples/...``).
+
+* ``examples/train_mnist.py`` learns with one algorithm of each family (ssgd, daso, odsgd, and the
+  parameter server through smega2);
+* ``examples/own_model_numpy.py`` learns with its ConvBN (ssgd and dcasgd-a) and its GRU (ssgd),
+  writes its result, metrics and checkpoints, and resumes from a checkpoint;
+* its plain loop and ``hpcasync train`` reach the same accuracy at the same settings
+  (examples/RESULTS.md has the full-size table for all 14 algorithms).
+
+Accuracy bars are at least 4 points below the worst of three seeds measured on this 2-core box
+(the measurements are next to each bar); chance is 10 %.
+"""
+import json
+import re
+import shutil
+import sys
+
+import pytest
+
+from tests.mpi_util import last_summary, run_mpi
+
+TIMEOUT = 240      # s per job: 10-15 s on an idle box, 30-40 s at a load average of 10
+
+
+def _script(script, args):
+    r = run_mpi(4, ["--", sys.executable, f"examples/{script}", *args], timeout=TIMEOUT)
+    assert r.returncode == 0, f"{script} {' '.join(args)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+# -- examples/train_mnist.py ------------------------------------------------------------------------
+
+# Test accuracy (all 10000 test images) after 2 epochs over the first 6000 training images, batch
+# 32 per rank, lr 0.05, momentum 0.9, seeds 0 / 1 / 2 (the test runs seed 0):
+#   ssgd 76.20 / 76.24 / 75.50 %; daso (--ranks-per-node 2, every epoch cycling) 77.03 / 76.38 /
+#   76.16 %; odsgd (50 SSGD warm-up steps, then the one-step delay) 71.17 / 70.73 / 70.16 %;
+#   smega2 (rank 0 serves, 3 workers; push order depends on timing) 78.39 / 79.15 / 76.84 %.
+MNIST = ["--train-limit", "6000", "--epochs", "2", "--seed", "0", "--log-interval", "1000"]
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("algorithm, extra, bar", [
+    ("ssgd", [], 0.71),
+    ("daso", ["--ranks-per-node", "2"], 0.72),
+    ("odsgd", [], 0.66),
+    ("smega2", [], 0.72),
+])
+def test_train_mnist_learns(algorithm, extra, bar):
+    out = _script("train_mnist.py", ["--algorithm", algorithm, *MNIST, *extra])
+    found = re.findall(r"Test set \((\S+)\): Average loss: ([\d.]+), Accuracy: ([\d.]+)%", out)
+    assert len(found) == 1, out[-2000:]            # printed once, by the root rank
+    name, loss, acc = found[0]
+    assert name == algorithm
+    assert float(acc) / 100 >= bar, (algorithm, acc, loss)
+
+
+# -- examples/own_model_numpy.py ---------------------------------------------------------------------
+
+# The first 4000 training images of the full set, all 10000 test images, 2 epochs, batch 32 per
+# rank, lr 0.05, momentum 0.9; accuracy for seeds 0 / 1 / 2 (the tests run seed 0):
+#   convbn ssgd 80.09 / 79.34 / 79.00 %; convbn dcasgd-a (rank 0 serves, 3 workers) 81.21 /
+#   81.50 / 81.30 %; gru ssgd 56.00 / 57.27 / 55.96 %.
+OWN = ["--train-limit", "4000", "--epochs", "2", "--batch-size", "32", "--lr", "0.05",
+       "--momentum", "0.9", "--seed", "0"]
+_loop_runs: dict = {}      # one loop run serves the learning, resume and CLI comparison tests
+
+
+def _own_model(algorithm, model, tmp_path, extra=()):
+    """Run own_model_numpy.py (with --result, --metrics, --checkpoint-dir) once per setting:
+    (stdout, result record, directory)."""
+    key = (algorithm, model, tuple(extra))
+    if key not in _loop_runs:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        out = _script("own_model_numpy.py", ["--algorithm", algorithm, "--model", model, *OWN,
+                                             *extra, "--result", str(tmp_path / "result.json"),
+                                             "--metrics", str(tmp_path / "run.jsonl"),
+                                             "--checkpoint-dir", str(tmp_path / "ckpt")])
+        _loop_runs[key] = (out, json.loads((tmp_path / "result.json").read_text()), tmp_path)
+    return _loop_runs[key]
+
+
+def _final_accuracy(out):
+    lines = re.findall(r"final test accuracy: (0\.\d{4})", out)
+    assert len(lines) == 1, out[-2000:]            # printed once, by the root rank
+    return float(lines[0])
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("algorithm, model, bar", [
+    ("ssgd", "convbn", 0.75),
+    ("dcasgd-a", "convbn", 0.77),
+    ("ssgd", "gru", 0.51),
+])
+def test_own_model_learns(algorithm, model, bar, tmp_path):
+    out, result, where = _own_model(algorithm, model, tmp_path)
+    acc = _final_accuracy(out)
+    assert result["accuracy"] == acc and result["algorithm"] == algorithm
+    assert result["model"] == model and result["epochs"] == 2 and result["world_size"] == 4
+    assert last_summary(where / "run.jsonl")["test_accuracy"] == pytest.approx(acc, abs=1e-4)
+    assert sorted(p.name for p in (where / "ckpt").iterdir())[-1].startswith("ckpt-e0002")
+    assert acc >= bar, (algorithm, model, acc)
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_own_model_resumes_from_its_checkpoint(tmp_path):
+    """Started again on the checkpoint of epoch 1, the ssgd run trains epoch 2 alone and ends
+    exactly where the uninterrupted run ended."""
+    out, result, where = _own_model("ssgd", "convbn", tmp_path / "full")
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    first = sorted((where / "ckpt").glob("ckpt-e0001*"))
+    assert first, list((where / "ckpt").iterdir())
+    shutil.copy(first[0], resume)
+    metrics = tmp_path / "resumed.jsonl"
+    again = _script("own_model_numpy.py", ["--algorithm", "ssgd", "--model", "convbn", *OWN,
+                                           "--checkpoint-dir", str(resume),
+                                           "--metrics", str(metrics)])
+    assert "resuming after epoch 1" in again
+    assert _final_accuracy(again) == result["accuracy"]
+    epochs = [r["epoch"] for r in map(json.loads, metrics.read_text().splitlines())
+              if r["event"] == "epoch"]
+    assert epochs == [2]
+
+
+# -- the plain loop against the CLI ------------------------------------------------------------------
+
+# Loop minus CLI, points, at the settings of OWN, ConvBN, seeds 0 / 1 / 2 / 3 / 4 (tests: seed 0):
+#   ssgd +0.47 / -1.23 / -0.88 / -1.75 / +0.60; odsgd +1.69 / +1.22 / +1.25 / +0.62 / -0.16;
+#   dcasgd-a (seeds 0-2) +0.52 / -0.35 / -0.92; daso +1.44 / +2.51 / +0.14 / +1.16 / +2.38.
+# The gap is the data order alone (numpy's permutation in the loop, hpcasync's in the CLI): with
+# the CLI's order the loop reproduced the CLI's accuracy to the last digit for ssgd, daso and odsgd
+# (seeds 0, 1, 4). daso has no test here: it exceeded 2 points for 2 of 5 seeds.
+FAMILY_OPTIONS = {   # the same settings: loop options, CLI options
+    "ssgd": ([], []),
+    "odsgd": ([], ["--odsgd-warmup-iters", "50"]),
+    "dcasgd-a": ([], []),
+}
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+@pytest.mark.parametrize("algorithm", list(FAMILY_OPTIONS))
+def test_loop_matches_cli(algorithm, tmp_path):
+    loop_extra, cli_extra = FAMILY_OPTIONS[algorithm]
+    _, result, _ = _own_model(algorithm, "convbn", tmp_path / "loop", loop_extra)
+    metrics = tmp_path / "cli.jsonl"
+    r = run_mpi(4, ["train", "--algorithm", algorithm,
+                    "--model", "examples/own_model_numpy.py:convbn",
+                    "--dataset", "examples/own_model_numpy.py:images", *OWN, *cli_extra,
+                    "--progress", "off", "--metrics", str(metrics)], timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cli = last_summary(metrics)["test_accuracy"]
+    assert abs(result["accuracy"] - cli) <= 0.02, (algorithm, result["accuracy"], cli)
