@@ -17,6 +17,7 @@ from torch import nn
 
 import hpcasync
 from hpcasync.errors import ConfigError
+from tests.models import SmallBN
 from tests.mpi_util import COMM, RANK, SIZE, run_mpi
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
@@ -28,19 +29,6 @@ def data():
 
     train, _ = load_dataset("fashion-mnist-mini")
     return train
-
-
-class SmallBN(nn.Module):
-    """A model that is not in the zoo: conv + BatchNorm + linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 5, stride=3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 8 * 8, 10)
-
-    def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))).flatten(1))
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -16,23 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hpcasync.daso import DASO, pack_state
+from tests.models import SmallBN
 from tests.mpi_util import COMM, RANK, SIZE
 
 pytestmark = pytest.mark.skipif(SIZE != 4, reason="needs mpiexec -n 4 (2 nodes x 2)")
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 5, stride=3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 8 * 8, 10)
-
-    def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))).flatten(1))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +39,7 @@ def setting():
 def test_merge_equals_its_formula_through_the_optimizer(setting, wait):
     topo, train = setting
     torch.manual_seed(0)
-    model = Net()
+    model = SmallBN()
     nb = 12
     opt = DASO(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, topo,
                total_epochs=1, batches_per_epoch=nb, warmup_epochs=0, cooldown_epochs=0,

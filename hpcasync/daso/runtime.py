@@ -31,6 +31,7 @@ from . import DASO, DasoSchedule, LinkDelay
 from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
+from ..ssgd.horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over
 from ..hetero import StepDelay
 
@@ -98,12 +99,7 @@ def validate(cfg) -> None:
         raise ConfigError(f"--daso-chunk-elems must be a positive integer, "
                           f"got {kw['chunk_elems']!r}")
     LinkDelay(kw["link_delay_us_per_mb"])
-    if cfg.backend == "horovod":
-        try:
-            import horovod.torch  # noqa: F401
-        except ImportError:
-            raise ConfigError("--backend horovod: Horovod is not installed; "
-                              "run scripts/install-horovod.sh") from None
+    check_backend(cfg.backend)
 
 
 def run(ctx: RunContext) -> RunResult:

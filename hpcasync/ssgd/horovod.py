@@ -11,6 +11,19 @@ import time
 import torch
 
 
+def check_backend(backend: str) -> None:
+    """Pre-MPI check of ``--backend``: ``horovod`` needs an importable Horovod (ssgd, daso)."""
+    if backend != "horovod":
+        return
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        from ..errors import ConfigError
+
+        raise ConfigError("--backend horovod: Horovod is not installed; "
+                          "run scripts/install-horovod.sh") from None
+
+
 class HorovodOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, comm, *,
                  compression: str | None = None):

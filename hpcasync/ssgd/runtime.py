@@ -35,6 +35,7 @@ from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import StepDelay
 from ..hetero import check_options as check_hetero
+from .horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over, mean_over
 from .optimizer import DistributedOptimizer
 
@@ -55,12 +56,7 @@ def validate(cfg) -> None:
     d = cfg.options.get("link_delay_us_per_mb", 0.0)
     if not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
         raise ConfigError(f"--link-delay-us-per-mb must be a finite number >= 0, got {d!r}")
-    if cfg.backend == "horovod":
-        try:
-            import horovod.torch  # noqa: F401
-        except ImportError:
-            raise ConfigError("--backend horovod: Horovod is not installed; "
-                              "run scripts/install-horovod.sh") from None
+    check_backend(cfg.backend)
 
 
 def run(ctx: RunContext) -> RunResult:
