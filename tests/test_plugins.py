@@ -112,7 +112,7 @@ def test_user_dataset_conversion(tmp_path, monkeypatch):
 
 
 def test_user_dataset_item_errors(tmp_path, monkeypatch):
-    from hpcasync import plugins
+    from hpcasync.data import user
 
     bad = {"empty": (TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)),),
            "bool-label": ([(torch.zeros(2), True)],),
@@ -124,9 +124,9 @@ def test_user_dataset_item_errors(tmp_path, monkeypatch):
                "one-class": "at least 2 classes"}
     for key, (train,) in bad.items():
         train = train if isinstance(train, Dataset) else _Pairs(train)
-        monkeypatch.setattr(plugins, "load_factory", lambda spec, what, t=train: lambda: (t, t))
+        monkeypatch.setattr(user, "load_factory", lambda spec, what, t=train: lambda: (t, t))
         with pytest.raises(DataError, match=needles[key]):
-            plugins.user_dataset("x:y")
+            user.user_dataset("x:y")
 
 
 def test_make_optimizer_and_loss():

@@ -19,7 +19,7 @@ data set's sub-directory: ``fashion-mnist/``, ``mnist/``, ``cifar-10-batches-py/
 A name holding ``:`` is user code, ``MODULE:FACTORY`` (``pkg.module:factory`` or
 ``path/file.py:factory``): ``factory()`` returns ``(train, test)`` torch Datasets of
 ``(tensor, int label)`` items, converted once into :class:`ArrayDataset` s by
-:func:`hpcasync.plugins.user_dataset` (the contract is in :mod:`hpcasync.plugins`).
+:func:`hpcasync.data.user.user_dataset` (the contract is in :mod:`hpcasync.plugins`).
 
 If Fashion-MNIST is found in neither place of step 2, the built-in mini set is used and a warning
 says so and how to get the full set. Data is never made up: no random fallback.
@@ -187,7 +187,7 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None,
 
     Args:
         name: one of :data:`DATASETS`, or a user factory ``MODULE:FACTORY`` (see
-            :func:`hpcasync.plugins.user_dataset`; ``data_dir`` does not apply to it).
+            :func:`hpcasync.data.user.user_dataset`; ``data_dir`` does not apply to it).
         data_dir: directory holding the files (or the data set's sub-directory); default None =
             ``$HPCASYNC_DATA_DIR``, then ``/usr/share/datasets/<name>``, then (Fashion-MNIST only)
             the built-in mini set with a warning.
@@ -200,7 +200,7 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None,
     from hpcasync.plugins import is_spec
 
     if is_spec(name):
-        from hpcasync.plugins import user_dataset
+        from hpcasync.data.user import user_dataset
 
         return user_dataset(name, train_limit=train_limit, test_limit=test_limit)
     directory, kind = locate_dataset(name, data_dir=data_dir)
