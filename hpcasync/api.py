@@ -48,12 +48,12 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .rules import MOMENTUM_RULES, RULES
 
 log = logging.getLogger("hpcasync")
 
 SYNC_ALGORITHMS = ("ssgd", "daso", "odsgd")
-PS_ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp",
-                 "smega2", "dana", "nag")
+PS_ALGORITHMS = tuple(RULES)          # the eleven parameter-server rules
 
 
 def algorithms() -> tuple[str, ...]:
@@ -254,8 +254,6 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
                           f"{len(opt.param_groups)} param groups")
     group = opt.param_groups[0]
     out = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
-    from .rules import MOMENTUM_RULES
-
     if algorithm == "odsgd" or algorithm in MOMENTUM_RULES:
         out["momentum"] = group["momentum"]
     elif group["momentum"]:

@@ -51,7 +51,7 @@ import torch
 from ..comm.broadcast import broadcast
 from ..errors import ConfigError, TopologyError
 from ..optim import AlgorithmOptimizer, as_flat
-from ..rules import RULES, Reply, make_rule, ps_lr_factor, rule_hyperparameters
+from ..rules import RULES, Reply, make_rule, ps_lr_factor
 from ..topology import default_topology
 from .server import PSServer
 from .transport import KIND_DONE, KIND_FINISH, make_transport
@@ -355,11 +355,6 @@ class _Patience:
         if not self.said and waited > self.after:
             self.said = True
             log.warning(self.message, waited)
-
-
-def hyperparameters(algorithm: str) -> dict[str, Any]:
-    """The hyperparameters ``algorithm`` takes with their defaults (``lr`` is required)."""
-    return rule_hyperparameters(algorithm)
 
 
 def _at_exit(ref) -> None:

@@ -53,14 +53,13 @@ from ..errors import CheckpointError, ConfigError, TopologyError
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
-from ..rules import MOMENTUM_RULES, make_rule, ps_lr_factor, rule_hyperparameters
+from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 
 log = logging.getLogger("hpcasync")
 
-ALGORITHMS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp",
-              "smega2", "dana", "nag")
+ALGORITHMS = tuple(RULES)
 _OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
            "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
            "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",)}
