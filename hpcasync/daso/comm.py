@@ -8,11 +8,14 @@ blocking global averages, and an emulated slow inter-node link. Built on :mod:`h
   chunk_elems=DASO_CHUNK_ELEMS, algorithm="mpi")``; the record of the message is an
   :class:`InFlight`; :meth:`DasoComm.complete` waits for it and returns the sum S;
 * node broadcast: ``broadcast(topo.local, state, root=j)``;
-* blocking global average (all ranks): ``hierarchical_allreduce(topo, t, average=True,
-  compress=cast)`` — node reduce-scatter, across-node allreduce, node allgather.
+* blocking global average (all ranks): ``hierarchical_allreduce(topo, t, average=True)`` — node
+  reduce-scatter, across-node allreduce, node allgather — in float32.
 
-The cast (``"bf16"`` default, ``"fp16"``, or None) applies to *every* message that crosses nodes:
-the global sends, the blocking gradient averages and the epoch-end averages.
+The cast (``"bf16"`` default, ``"fp16"``, or None) applies only on the wire of the nonblocking
+global sends (whose sum is merged with weight P/(2B+P) anyway). Blocking averages — warm-up and
+cool-down gradients, the epoch-end average of parameters, buffers and momentum, BatchNorm buffers —
+stay float32, as in Heat: a blocking epoch is then exactly SSGD, and the model is never rounded to
+16 bits as a whole.
 
 Emulated link (``link_delay_us_per_mb`` = d, off by default): every global collective costs
 d µs per 10^6 bytes of its message as the node puts it on the link once (its wire size: numel ×
@@ -90,7 +93,8 @@ class DasoComm:
 
     Args:
         topo: uniform topology (``topo.require_uniform``); P = ``topo.num_nodes``.
-        cast: wire format of global messages: ``"bf16"`` (default), ``"fp16"`` or None/"none".
+        cast: wire format of the nonblocking global sends: ``"bf16"`` (default), ``"fp16"`` or
+            None/"none" (blocking averages are always float32).
         chunk_elems: largest piece of a global send (default :data:`DASO_CHUNK_ELEMS`, 10 M).
         local_backend: ``"mpi"`` (own allreduce, default) or ``"horovod"``.
         link_delay_us_per_mb: emulated inter-node link delay (default 0: off).
@@ -148,12 +152,12 @@ class DasoComm:
 
     # -- global -------------------------------------------------------------------------------
     def global_average(self, tensor: torch.Tensor) -> None:
-        """Blocking average of ``tensor`` over all ranks (node by node), in place."""
+        """Blocking float32 average of ``tensor`` over all ranks (node by node), in place."""
         if not tensor.numel():
             return
         t0 = time.perf_counter()
-        hierarchical_allreduce(self.topo, tensor, average=True, compress=self.cast)
-        nbytes = tensor.numel() * wire_itemsize(self.cast)
+        hierarchical_allreduce(self.topo, tensor, average=True)
+        nbytes = tensor.numel() * wire_itemsize(None)
         if self.topo.num_nodes > 1:
             self.delay.block(nbytes)
             self.global_bytes += nbytes // self.topo.local_size

@@ -10,7 +10,8 @@ Heat ``heat/optim/dp_optimizer.py``) trains with P nodes of L ranks. Per batch, 
 3. receive: the global group whose send is due waits for the sum S and merges
    x ← (2B·x + S)/(2B + P) (parameters and float buffers), then broadcasts x inside its node;
 4. send: every ``global_skip`` batches one global group (round-robin) starts a nonblocking sum of
-   its parameters and buffers, cast to bf16 by default;
+   its parameters and buffers, cast to bf16 on the wire by default (the only 16-bit message:
+   blocking averages stay float32);
 5. last batch of a cycling epoch: blocking average over all ranks of the parameters, buffers and
    the optimizer's state (momentum), so every replica ends the epoch identical and the next epoch
    (blocking ones too) starts from one common state; a blocking epoch averages the buffers.
@@ -26,7 +27,7 @@ Args:
     batches_per_epoch: batches (``step()`` calls) per epoch, a count.
     warmup_epochs=4, cooldown_epochs=4, global_skip=4, local_skip=1, batches_to_wait=1,
     max_global_skips=8, plateau_patience=3, plateau_threshold=0.05: see :class:`DasoSchedule`.
-    cast="bf16": wire format of every message between nodes ("bf16", "fp16", None/"none").
+    cast="bf16": wire format of the nonblocking global sends ("bf16", "fp16", None/"none").
     chunk_elems=DASO_CHUNK_ELEMS: largest piece of a global send (10 M elements).
     local_backend="mpi": node-local gradient averages with own allreduce, or ``"horovod"``.
     link_delay_us_per_mb=0: emulated inter-node link (see :mod:`.comm`).
@@ -48,7 +49,17 @@ Differences from the paper / Heat (see also :mod:`.schedule` and :mod:`.merge`):
 * the end-of-epoch average includes the optimizer's per-parameter state (momentum): blocking
   epochs average gradients (see :mod:`.schedule`), which keeps replicas identical only if the
   momentum is identical too. Heat instead averages parameters after every blocking step;
-* the cast applies to every message between nodes (Heat casts only in the blocking phases);
+* the cast applies only on the wire of the nonblocking global sends; blocking averages (warm-up and
+  cool-down gradients, the epoch-end average, BatchNorm buffers) are float32, so a blocking epoch
+  is SSGD exactly and the model is never rounded to 16 bits as a whole. (The Heat versions we
+  read apply ``downcast_type`` when ``global_skip < 1``, i.e. to the blocking-phase parameter
+  averages, and send float32 while cycling; the paper casts the global synchronisation.);
+* with one node (P = 1: the default on a single multi-GPU box) there is no global phase: the
+  node-local average already is the average over every rank, and the send/merge would only mix
+  each rank with its own stale copy (keeping 2B/(2B+1) of every step). DASO logs this once;
+* order at a batch where a receive and a send coincide: receive (merge + node broadcast) first,
+  then send, so the new snapshot includes the merge. Heat's ``_global_sync`` sends first, then
+  receives the previous send;
 * initial parameters and buffers are broadcast from one rank (:meth:`broadcast_parameters`), not
   left to identical seeds;
 * node-local averaging is on gradients (as Heat's DDP), but through our own allreduce or Horovod
@@ -110,6 +121,10 @@ class DASO(AlgorithmOptimizer):
         self.last_plan: BatchPlan | None = None
         self._synced_plan: BatchPlan | None = None  # set by synchronize(), used by step()
         self._skip = False
+        self.global_phase = topo.num_nodes > 1      # one node: no global send / merge
+        if not self.global_phase and topo.rank == 0:
+            log.info("DASO: one node (%d ranks): no global phase (no sends, no merges); the "
+                     "node-local average is the average over all ranks", topo.size)
         n = flat.params.numel() + flat.buffers.numel()
         self._scratch = torch.empty(n, dtype=flat.params.dtype, device=flat.params.device)
         if self.schedule.degenerate and topo.rank == 0:
@@ -156,9 +171,9 @@ class DASO(AlgorithmOptimizer):
         plan, self._synced_plan = self._synced_plan, None
         result = self.optimizer.step()
         with torch.no_grad():
-            if plan.receive_group is not None:
+            if self.global_phase and plan.receive_group is not None:
                 self._receive(plan)
-            if plan.send_group is not None:
+            if self.global_phase and plan.send_group is not None:
                 self._send(plan)
             if plan.average == "all":
                 self._average_everything()

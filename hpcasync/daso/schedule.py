@@ -40,7 +40,11 @@ Differences from the paper / Heat (each a Decision in algorithms.md or a fixed q
 * blocking epochs average *gradients* over all ranks before the step (so a blocking DASO epoch is
   exactly an SSGD epoch) instead of averaging parameters after it: the same for SGD with identical
   replicas in exact arithmetic, one collective instead of three;
-* group j is round-robin per send within an epoch ((send index) mod L), starting at 0 each epoch.
+* group j is round-robin per send within an epoch ((send index) mod L), starting at 0 each epoch;
+* the plateau detector's baseline is the first *cycling* epoch's loss: warm-up losses never enter
+  it. Heat's ``epoch_loss_logic`` also skips warm-up epochs, except the call that ends warm-up,
+  which feeds the last warm-up epoch's loss to its detector, so Heat's first "best" is a blocking
+  epoch's loss (and the first cycling epoch must beat it by 5 % to count as progress).
 """
 from __future__ import annotations
 
