@@ -110,8 +110,10 @@ def test_staleness_is_exactly_one_round(local_opt, delta):
             continue
         prev = Ws[s - 2] if delta == "last-step" else P[s - 1]
         d = None if local_opt == "sgd" else Ws[s - 1] - prev
+        # the authors' rescale: a worker's own gradient enters its local step as g/N
         ref = local_step(Ws[s - 1], g[s - 1], mode=local_opt, lr_local=hp.lr_local, lam=hp.lam,
-                         delta=d, ms=ms if local_opt == "dc-adaptive" else None)
+                         grad_scale=1.0 / SIZE, delta=d,
+                         ms=ms if local_opt == "dc-adaptive" else None)
         assert torch.equal(P[s], ref), f"step {s}: not LocalOpt(W_{s - 1}, g_{s - 1})"
         assert not torch.equal(P[s], Ws[s]) and not torch.equal(P[s], Ws[s - 1])
     # and round s applied the mean of the g_s computed on P_s to W_s

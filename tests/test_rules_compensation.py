@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from hpcasync.errors import ConfigError
 from hpcasync.rules import PushMeta, make_rule
 from hpcasync.rules.dcasgd import dc_compensated, dcasgd_adaptive_lambda
 from hpcasync.rules.lcasgd import lc_factor
@@ -99,8 +100,25 @@ def test_lc_factor_formula():
     assert lc_factor(1.0, 1.0, lam=1.0) == 1.0
     assert lc_factor(0.8, 1.0, lam=1.0) == pytest.approx(0.8)
     assert lc_factor(0.8, 1.0, lam=2.0) == pytest.approx(0.6)
-    assert lc_factor(1.25, 1.0, lam=2.0) == pytest.approx(1.5)
+    assert lc_factor(1.25, 1.0, lam=2.0) == 1.0                          # bounded by 1 (default)
+    assert lc_factor(1.25, 1.0, lam=2.0, max_factor=math.inf) == pytest.approx(1.5)
+    assert lc_factor(1.25, 1.0, lam=2.0, max_factor=1.2) == pytest.approx(1.2)
     assert lc_factor(0.0, 2.0, lam=1.0) == 0.0                           # clamped at 0
+
+
+def test_lcasgd_rising_loss_never_amplifies_a_stale_gradient():
+    """The default bound: a loss predicted to have RISEN since the worker read θ leaves the
+    gradient as it is (plain ASGD step), never scales it up (the positive feedback of the
+    unbounded first version)."""
+    rule = make_rule("lcasgd", T(1.0, -1.0), 2, lr=0.5, predictor="oracle", lam=2.0)
+    rule.on_push(0, T(1.0, 2.0), PushMeta(version=0, loss=1.0, oracle_loss=3.0))
+    assert rule.last_factor == 1.0 and torch.equal(rule.theta, T(0.5, -2.0))
+    free = make_rule("lcasgd", T(1.0, -1.0), 2, lr=0.5, predictor="oracle", lam=2.0,
+                     max_factor=math.inf)
+    free.on_push(0, T(1.0, 2.0), PushMeta(version=0, loss=1.0, oracle_loss=3.0))
+    assert free.last_factor == 5.0                                       # 1 + 2·(3 − 1)
+    with pytest.raises(ConfigError, match="max_factor"):
+        make_rule("lcasgd", T(1.0), 2, lr=0.5, max_factor=0.0)
 
 
 def test_lcasgd_oracle_applies_the_formula():

@@ -44,9 +44,31 @@ def test_local_step_dc_adaptive():
     lam = (1 / math.sqrt(2 + 1e-7), 1 / math.sqrt(0.5 + 1e-7))
     d = (2.0 + lam[0] * 4 * 1.0, -1.0 + lam[1] * 1 * -2.0)
     assert torch.allclose(out, T(1.0 - 0.5 * d[0], 2.0 - 0.5 * d[1], dtype=f64), rtol=1e-15)
-    # second call: MS keeps averaging (defaults λ0 = 2, m = 0.95)
-    local_step(W, g, mode="dc-adaptive", lr_local=0.5, delta=delta, ms=ms)
+    # second call: MS keeps averaging (λ0 = 2, m = 0.95)
+    local_step(W, g, mode="dc-adaptive", lr_local=0.5, delta=delta, ms=ms, ms_momentum=0.95)
     assert torch.allclose(ms, T(0.95 * 2 + 0.05 * 4, 0.95 * 0.5 + 0.05 * 1, dtype=f64))
+    # default m = 0 (the authors' CADCASGD local rule): MS is the current g⊙g alone
+    local_step(W, g, mode="dc-adaptive", lr_local=0.5, delta=delta, ms=ms)
+    assert torch.equal(ms, g * g)
+
+
+def test_local_step_rescales_the_gradient_by_one_over_n():
+    """OD-SGD's local step takes ĝ = g/N everywhere g appears (the authors' rescale_grad =
+    1/(batch·N)), weight decay on W unscaled: W^l = W − η_l·(ĝ + wd·W + λ·ĝ⊙ĝ⊙Δ)."""
+    W, g, delta = T(1.0, 2.0, dtype=f64), T(2.0, -1.0, dtype=f64), T(1.0, -2.0, dtype=f64)
+    n = 4
+    out = local_step(W, g, mode="dc", lr_local=0.5, grad_scale=1 / n, wd=0.5, lam=0.25,
+                     delta=delta)
+    gh = g / n
+    ref = W - 0.5 * (gh + 0.5 * W + 0.25 * gh * gh * delta)
+    assert torch.allclose(out, ref, rtol=1e-15)
+    assert not torch.allclose(out, local_step(W, g, mode="dc", lr_local=0.5, wd=0.5, lam=0.25,
+                                              delta=delta))
+    ms = torch.zeros(2, dtype=f64)
+    local_step(W, g, mode="dc-adaptive", lr_local=0.5, grad_scale=1 / n, delta=delta, ms=ms)
+    assert torch.equal(ms, gh * gh)
+    with pytest.raises(ConfigError, match="grad_scale"):
+        local_step(W, g, lr_local=0.5, grad_scale=0.0)
 
 
 def test_local_step_errors():

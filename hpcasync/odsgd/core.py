@@ -5,7 +5,7 @@ State: the global model (:class:`GlobalState`: W_t, W_{t−1}, momentum buffer v
 worker) and one :class:`WorkerState` per worker (the weights W^l_t its last gradient was computed on,
 its dc-adaptive mean square). One round t, given each worker's g_t^k computed on its W^l_t::
 
-    local:   W^l_{t+1,k} = LocalOpt(W_t, g_t^k)          (local_update; sgd / dc / dc-adaptive, with
+    local:   W^l_{t+1,k} = LocalOpt(W_t, g_t^k / N)      (local_update; sgd / dc / dc-adaptive, with
                                                      Δ = W_t − W_{t−1} "last-step" or W_t − W^l_t "gap")
     global:  ḡ_t = (1/N) Σ_k g_t^k ;  W_{t−1} ← W_t ;  v ← γ·v + ḡ_t + wd·W_t ;  W_{t+1} = W_t − η·v
                                                     (global_update)
@@ -17,7 +17,7 @@ global step are :func:`hpcasync.odsgd.steps.local_step` / ``global_step``.
 
 Example (the simulator's loop, N virtual workers)::
 
-    hp = ODSGDHyper(lr=0.05, momentum=0.9, local_opt="dc-adaptive", lr_local=0.1)
+    hp = ODSGDHyper(lr=0.05, momentum=0.9, local_opt="dc-adaptive", lr_local=0.5)
     glob = GlobalState.create(theta0)
     workers = [WorkerState.create(theta0.clone(), hp) for _ in range(N)]
     for t in range(T):
@@ -53,10 +53,10 @@ class ODSGDHyper:
     momentum: float = 0.0
     weight_decay: float = 0.0
     local_opt: str = "dc-adaptive"
-    lr_local: float = 0.1
+    lr_local: float = 0.5
     lam: float | None = None
     delta: str = "last-step"
-    ms_momentum: float = 0.95
+    ms_momentum: float = 0.0
     eps: float = 1e-7
     warmup_iters: int = 200
 
@@ -98,14 +98,18 @@ class WorkerState:
         return cls(local, torch.zeros_like(local) if hp.local_opt == "dc-adaptive" else None)
 
 
-def local_update(glob: GlobalState, ws: WorkerState, g: Tensor, *, hp: ODSGDHyper) -> Tensor:
-    """W^l_{t+1} = LocalOpt(W_t, g_t), written into ``ws.local`` (Δ from ``ws.local`` = W^l_t
-    before the write, for ``gap``); updates ``ws.ms``. Returns ``ws.local``."""
+def local_update(glob: GlobalState, ws: WorkerState, g: Tensor, *, hp: ODSGDHyper,
+                 num_workers: int) -> Tensor:
+    """W^l_{t+1} = LocalOpt(W_t, g_t/N) at N = ``num_workers`` (the authors' rescale), written
+    into ``ws.local`` (Δ from ``ws.local`` = W^l_t before the write, for ``gap``); updates
+    ``ws.ms``. Returns ``ws.local``."""
+    check_int("num_workers", num_workers, low=1)
     delta = None
     if hp.local_opt != "sgd":
         delta = (delta_last_step(glob.W, glob.W_prev) if hp.delta == "last-step"
                  else delta_gap(glob.W, ws.local))
-    return local_step(glob.W, g, mode=hp.local_opt, lr_local=hp.lr_local, wd=hp.weight_decay,
+    return local_step(glob.W, g, mode=hp.local_opt, lr_local=hp.lr_local,
+                      grad_scale=1.0 / num_workers, wd=hp.weight_decay,
                       lam=hp.lam, delta=delta, ms=ws.ms, ms_momentum=hp.ms_momentum, eps=hp.eps,
                       out=ws.local)
 
@@ -128,7 +132,7 @@ def simulate_round(glob: GlobalState, workers: list[WorkerState], grads: list[Te
         raise ConfigError(f"simulate_round: {len(grads)} gradients for {len(workers)} workers")
     if not warmup:
         for ws, g in zip(workers, grads):
-            local_update(glob, ws, g, hp=hp)
+            local_update(glob, ws, g, hp=hp, num_workers=len(workers))
     g_mean = torch.stack(grads).sum(0).div_(len(grads))
     global_update(glob, g_mean, hp=hp)
     if warmup:

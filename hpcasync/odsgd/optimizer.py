@@ -57,8 +57,8 @@ class ODSGD(AlgorithmOptimizer):
     algorithm = "odsgd"
 
     def __init__(self, model, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 local_opt: str = "dc-adaptive", lr_local: float = 0.1, lam: float | None = None,
-                 delta: str = "last-step", ms_momentum: float = 0.95, eps: float = 1e-7,
+                 local_opt: str = "dc-adaptive", lr_local: float = 0.5, lam: float | None = None,
+                 delta: str = "last-step", ms_momentum: float = 0.0, eps: float = 1e-7,
                  warmup_iters: int = 200, comm=None, progress: str = "thread",
                  broadcast: bool = True):
         hp = ODSGDHyper(lr=lr, momentum=momentum, weight_decay=weight_decay, local_opt=local_opt,

@@ -119,7 +119,7 @@ class ODSGDWorker:
             self.round = _Round(handle, self.rounds, time.perf_counter())
             if self._pool is not None:
                 self.round.future = self._pool.submit(_drive, handle)
-            local_update(self.glob, self.ws, g, hp=self.hp)
+            local_update(self.glob, self.ws, g, hp=self.hp, num_workers=self.comm.Get_size())
         self.bytes_sent += g.numel() * g.element_size()
         self.steps += 1
         self.times.update += time.perf_counter() - t1

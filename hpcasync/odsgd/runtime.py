@@ -68,9 +68,12 @@ Example (a user's own loop; :class:`~hpcasync.odsgd.ODSGD`, also ``hpcasync.opti
 
 The simulator drives the same math for N virtual workers with :func:`simulate_round`.
 
-Defaults (LeNet / Fashion-MNIST, global --lr 0.05 --momentum 0.9): local ``dc-adaptive``, η_l 0.1
-(86.5 % after 2 epochs; sgd 85.4 %, dc 85.7 %, Δ gap 85.8 %; η_l 0.5 and η_l 0 diverged). The spec's
-ResNet-20 / CIFAR reference: --lr 0.1 --momentum 0.95 --odsgd-local-lr 0.5.
+Defaults: the authors' local rule — ``dc-adaptive`` on g/N with η_l 0.5 and mean-square momentum 0
+(:mod:`.steps` has the conversion from the earlier η_l·g). LeNet / Fashion-MNIST, 4 ranks, global
+--lr 0.05 --momentum 0.9, seed 0, 2 epochs: η_l 0.5 → 87.6 %; η_l 2.0 (= the earlier 0.5 at 4
+ranks) diverged at step 207, right after the 200 SSGD warm-up steps — the earlier record
+"η_l 0.5 diverged" was the missing 1/N. The spec's ResNet-20 / CIFAR reference: --lr 0.1
+--momentum 0.95 --odsgd-local-lr 0.5.
 
 Checkpoints and preemption (:mod:`.checkpoint`): the ranks agree on a stop every
 ``ctx.check_every`` steps (one allreduce, as SSGD); a checkpoint completes the round in flight (the
@@ -113,15 +116,16 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("odsgd")
     group.add_argument("--odsgd-local-opt", default="dc-adaptive",
                        help="local optimizer: sgd, dc or dc-adaptive (default)")
-    group.add_argument("--odsgd-local-lr", type=float, default=0.1, help="local lr η_l (0.1)")
+    group.add_argument("--odsgd-local-lr", type=float, default=0.5,
+                       help="local lr η_l on g/N, as the authors' (0.5)")
     group.add_argument("--odsgd-delta", default="last-step",
                        help="Δ of the dc modes: last-step (W_t − W_t−1, default) or gap (W_t − W^l_t)")
     group.add_argument("--odsgd-warmup-iters", type=int, default=200,
                        help="first N steps are plain SSGD (200)")
     group.add_argument("--odsgd-lambda", type=float, default=None,
                        help="λ (dc, default 0.04) or λ₀ (dc-adaptive, default 2)")
-    group.add_argument("--odsgd-ms-momentum", type=float, default=0.95,
-                       help="dc-adaptive mean-square momentum m (0.95)")
+    group.add_argument("--odsgd-ms-momentum", type=float, default=0.0,
+                       help="dc-adaptive mean-square momentum m (0: the authors' CADCASGD)")
     group.add_argument("--odsgd-progress", default="thread",
                        help="how the round in flight progresses: thread (default), hooks, none")
 
@@ -135,9 +139,9 @@ def hyper_from_config(cfg) -> ODSGDHyper:
     """The :class:`ODSGDHyper` of a TrainConfig; errors name the command-line flag."""
     o = cfg.options
     kw = dict(local_opt=o.get("odsgd_local_opt", "dc-adaptive"),
-              lr_local=o.get("odsgd_local_lr", 0.1), delta=o.get("odsgd_delta", "last-step"),
+              lr_local=o.get("odsgd_local_lr", 0.5), delta=o.get("odsgd_delta", "last-step"),
               warmup_iters=o.get("odsgd_warmup_iters", 200), lam=o.get("odsgd_lambda"),
-              ms_momentum=o.get("odsgd_ms_momentum", 0.95))
+              ms_momentum=o.get("odsgd_ms_momentum", 0.0))
     for key, value in kw.items():       # validate one at a time so the message names the flag
         try:
             ODSGDHyper(lr=1.0, **{key: value})

@@ -7,12 +7,23 @@ The global model is synchronous: round t averages all N gradients and applies mo
     ḡ = mean_k g_k ;  d = ḡ + wd·W_t ;  v ← γ·v + d ;  W_{t+1} = W_t − η·v        (global_step)
 
 While round t is in flight, worker k computes its next gradient on LOCAL weights built from the last
-global weights W_t it holds and its own gradient g_t (``local_step``)::
+global weights W_t it holds and its own gradient g_t, which enters scaled to ĝ = g/N at N workers
+(``local_step`` with ``grad_scale=1/N``)::
 
-    sgd:          W^l = W_t − η_l·(g + wd·W_t)
-    dc:           W^l = W_t − η_l·(g + wd·W_t + λ·g⊙g⊙Δ)                 (λ default 0.04)
-    dc-adaptive:  MS ← m·MS + (1−m)·g⊙g ;  W^l = W_t − η_l·(g + wd·W_t + λ₀/√(MS+ε)·g⊙g⊙Δ)
-                                                            (λ₀ default 2, m 0.95, ε 1e-7)
+    sgd:          W^l = W_t − η_l·(ĝ + wd·W_t)
+    dc:           W^l = W_t − η_l·(ĝ + wd·W_t + λ·ĝ⊙ĝ⊙Δ)                 (λ default 0.04)
+    dc-adaptive:  MS ← m·MS + (1−m)·ĝ⊙ĝ ;  W^l = W_t − η_l·(ĝ + wd·W_t + λ₀/√(MS+ε)·ĝ⊙ĝ⊙Δ)
+                                                            (λ₀ default 2, m 0, ε 1e-7)
+
+The 1/N is the authors': their MXNet local optimizer rescales every worker's gradient by
+1/(batch·N), like the global one, so one worker's gradient moves its local weights by 1/N of what
+the whole round's mean would. With m = 0 (the authors' CADCASGD local rule) the mean square is the
+current ĝ⊙ĝ alone, so the adaptive term is λ₀·|ĝ|·ĝ⊙Δ/√(ĝ⊙ĝ+ε) ≈ λ₀·|ĝ|⊙Δ.
+
+Converting from versions before this rescale (hpcasync ≤ the issue-13 fix): they applied η_l·g,
+so an old ``--odsgd-local-lr x`` at N workers is the new ``x·N`` (the old default 0.1 at 4 workers
+= 0.4 now; the new default 0.5 is the authors' reference value); ``--odsgd-ms-momentum 0.95``
+reproduces the old mean square.
 
 Δ, the delay the compensation corrects, is computed by the runtime; two options:
 * ``last-step`` (default, what the authors' code does): Δ = W_t − W_{t−1}, the last global move
@@ -21,11 +32,13 @@ global weights W_t it holds and its own gradient g_t (``local_step``)::
   weights (``delta_gap``).
 
 Reference settings (authors' CIFAR script): 8 workers, global lr 0.1 momentum 0.95, local optimizer
-``dc-adaptive`` with η_l = 0.5; the first 200 iterations plain SSGD.
+``dc-adaptive`` with η_l = 0.5 (on ĝ = g/N); the first 200 iterations plain SSGD. These are the
+defaults here (η_l 0.5, m 0).
 
-Example::
+Example (N = 8 workers)::
 
-    W_local = local_step(W, g, mode="dc-adaptive", lr_local=0.5, delta=W - W_prev, ms=ms)
+    W_local = local_step(W, g, mode="dc-adaptive", lr_local=0.5, grad_scale=1 / 8,
+                         delta=W - W_prev, ms=ms, ms_momentum=0.0)
     global_step(W, g_mean, buf, lr=0.1, momentum=0.95)          # when the round completes
 
 Differences from the paper: the dc-adaptive MS is updated with the current gradient before λ is
@@ -45,9 +58,10 @@ DELTA_MODES = ("last-step", "gap")
 DEFAULT_LAMBDA = {"sgd": 0.0, "dc": 0.04, "dc-adaptive": 2.0}
 
 
-def local_step(W: Tensor, g: Tensor, *, mode: str = "sgd", lr_local: float, wd: float = 0.0,
-               lam: float | None = None, delta: Tensor | None = None, ms: Tensor | None = None,
-               ms_momentum: float = 0.95, eps: float = 1e-7, out: Tensor | None = None) -> Tensor:
+def local_step(W: Tensor, g: Tensor, *, mode: str = "sgd", lr_local: float, grad_scale: float = 1.0,
+               wd: float = 0.0, lam: float | None = None, delta: Tensor | None = None,
+               ms: Tensor | None = None, ms_momentum: float = 0.0, eps: float = 1e-7,
+               out: Tensor | None = None) -> Tensor:
     """The local weights W^l (``W`` and ``g`` are not modified; ``ms`` is updated in place for
     ``dc-adaptive``). Returns ``out`` (filled) or a new tensor.
 
@@ -56,16 +70,20 @@ def local_step(W: Tensor, g: Tensor, *, mode: str = "sgd", lr_local: float, wd: 
         g: its gradient g_t.
         mode: ``"sgd"`` (default), ``"dc"`` or ``"dc-adaptive"``.
         lr_local: η_l.
-        wd: weight decay.
+        grad_scale: ĝ = grad_scale·g (OD-SGD passes 1/N; 1 leaves g as it is).
+        wd: weight decay (on W, not scaled).
         lam: λ (dc, default 0.04) or λ₀ (dc-adaptive, default 2.0).
         delta: Δ (dc modes; see the module docstring).
         ms: the worker's mean-square buffer (dc-adaptive; zeros at the start).
-        ms_momentum, eps: m and ε of dc-adaptive.
+        ms_momentum, eps: m (default 0, the authors') and ε of dc-adaptive.
         out: optional destination tensor (may not alias ``W``, ``g`` or ``delta``).
     """
     check_choice("local optimizer", mode, LOCAL_MODES)
     check_real("lr_local", lr_local, low=0.0)
+    check_real("grad_scale", grad_scale, low=0.0, low_open=True)
     lam = DEFAULT_LAMBDA[mode] if lam is None else lam
+    if grad_scale != 1.0:
+        g = g.mul(grad_scale)
     d = g.add(W, alpha=wd) if wd != 0 else g.clone()
     if mode != "sgd":
         if delta is None:

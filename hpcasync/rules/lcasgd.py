@@ -8,8 +8,14 @@ The PS keeps per-worker (step, loss) histories; a predictor (predictors.py: ``li
 K = 32 points (default), ``ema``, ``lstm``) forecasts L̂, the loss the worker would see now, at
 t_now = the PS version. First-order Taylor, gᵀ(θ_now − θ_old) ≈ L(θ_now) − L(θ_old), motivates::
 
-    g̃ ← g · max(0, 1 + λ·(L̂ − L))        (λ default 1.0)
+    g̃ ← g · clamp(1 + λ·(L̂ − L), 0, F)    (λ default 1.0, F = ``max_factor`` default 1)
     then the ASGD step: θ ← θ − η·(g̃ + wd·θ)  (optional shared momentum) ; reply θ
+
+The upper bound F = 1 means compensation only ever *damps* a stale gradient (when the worker's loss
+is predicted to have fallen since its parameters were read: the gradient points downhill from a
+place the model has left). Without it (F = inf: ``max(0, ·)``, the first version) a rising loss
+amplifies stale gradients, which raises the loss further — a positive feedback that took the
+oracle to chance accuracy at 64 simulated workers (experiments/README.md, delay compensation).
 
 Forecast L̂ (``anchor``):
 * ``"push"`` (default): L̂ = L + f_i(t_now) − f_i(v), f_i the predictor's curve after it has observed
@@ -46,9 +52,10 @@ from .base import PushMeta, Rule, check_choice, check_int, check_real, load_tens
 from .predictors import PREDICTORS, make_predictor
 
 
-def lc_factor(loss_pred: float, loss: float, *, lam: float = 1.0) -> float:
-    """The compensation multiplier ``max(0, 1 + λ·(L̂ − L))``."""
-    return max(0.0, 1.0 + lam * (loss_pred - loss))
+def lc_factor(loss_pred: float, loss: float, *, lam: float = 1.0,
+              max_factor: float = 1.0) -> float:
+    """The compensation multiplier ``clamp(1 + λ·(L̂ − L), 0, max_factor)``."""
+    return min(max_factor, max(0.0, 1.0 + lam * (loss_pred - loss)))
 
 
 def lcasgd_update(theta: Tensor, grad: Tensor, momentum_buf: Tensor | None = None, *,
@@ -66,6 +73,8 @@ class LCASGD(Rule):
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         predictor: ``"linear"`` (default), ``"ema"``, ``"lstm"`` or ``"oracle"``.
         lam: λ of the compensation (default 1.0).
+        max_factor: upper bound F of the factor (default 1.0: only damping; ``math.inf`` gives
+            the unbounded first version).
         anchor: ``"push"`` (default) or ``"fit"``; see the module docstring.
         window: K, history points per worker (linear, lstm; default 32).
         ema_beta: smoothing weight on the old estimate (ema; default 0.9).
@@ -79,10 +88,14 @@ class LCASGD(Rule):
     def __init__(self, theta0: Tensor, num_workers: int, *, lr: float, weight_decay: float = 0.0,
                  predictor: str = "linear", lam: float = 1.0, anchor: str = "push",
                  window: int = 32, ema_beta: float = 0.9, lstm_hidden: int = 16,
-                 lstm_lr: float = 1e-2, seed: int = 0, momentum: float = 0.0):
+                 lstm_lr: float = 1e-2, seed: int = 0, momentum: float = 0.0,
+                 max_factor: float = 1.0):
         super().__init__(theta0, num_workers, lr=lr, weight_decay=weight_decay)
         self.predictor_name = check_choice("predictor", predictor, PREDICTORS + ("oracle",))
         self.lam = check_real("lam", lam, low=0.0)
+        if max_factor != math.inf:                  # inf: the unbounded first version
+            check_real("max_factor", max_factor, low=0.0, low_open=True)
+        self.max_factor = float(max_factor)
         self.anchor = check_choice("anchor", anchor, ("push", "fit"))
         self.momentum = check_real("momentum", momentum, low=0.0, high=1.0, high_open=True)
         check_int("window", window, low=1)
@@ -114,7 +127,7 @@ class LCASGD(Rule):
 
     def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
         loss_hat = self.predict_loss(worker, meta)
-        factor = lc_factor(loss_hat, float(meta.loss), lam=self.lam)
+        factor = lc_factor(loss_hat, float(meta.loss), lam=self.lam, max_factor=self.max_factor)
         lcasgd_update(self._theta, grad, self._buf, factor=factor, lr=self.lr,
                       momentum=self.momentum, weight_decay=self.weight_decay)
         self.last_factor, self.last_prediction = factor, loss_hat
