@@ -70,8 +70,8 @@ The simulator drives the same math for N virtual workers with :func:`simulate_ro
 
 Defaults: the authors' local rule — ``dc-adaptive`` on g/N with η_l 0.5 and mean-square momentum 0
 (:mod:`.steps` has the conversion from the earlier η_l·g). LeNet / Fashion-MNIST, 4 ranks, global
---lr 0.05 --momentum 0.9, seed 0, 2 epochs: η_l 0.5 → 87.6 %; η_l 2.0 (= the earlier 0.5 at 4
-ranks) diverged at step 207, right after the 200 SSGD warm-up steps — the earlier record
+--lr 0.05 --momentum 0.9, seed 0, 2 epochs: η_l 0.25 → 85.7 %, 0.5 → 87.6 %, 1.0 → 86.4 %; η_l 2.0
+(= the earlier 0.5 at 4 ranks) diverged at step 207, right after the 200 SSGD warm-up steps — the earlier record
 "η_l 0.5 diverged" was the missing 1/N. The spec's ResNet-20 / CIFAR reference: --lr 0.1
 --momentum 0.95 --odsgd-local-lr 0.5.
 
