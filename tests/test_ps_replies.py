@@ -5,7 +5,10 @@ server records a digest of θ at every version it creates (``on_push`` runs righ
 that push was sent, before any other push is taken, so θ is the replied one); every worker records
 the digest of every reply it got with the reply's version. Each worker digest must equal the
 server's at that version: a stale, torn or mixed-up reply slot fails this (a planted bug that left
-every other reply stale was caught: see ``test_a_stale_reply_is_caught``).
+every other reply stale was caught: see ``test_a_stale_reply_is_caught``). With float buffers
+(``extra``) a worker's slot is longer than θ, so rma's reply, written into the worker's gradient
+slot (issue 13), must be read at ``worker · slot``: a planted read at ``worker · numel`` fails the
+``extra=4099`` cases.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 
 from hpcasync.ps.server import PSServer
 from hpcasync.ps.transport import make_transport
-from hpcasync.rules import Reply, make_rule
+from hpcasync.rules import make_rule
 from tests.mpi_util import COMM, RANK, SIZE
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
@@ -30,8 +33,8 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _run(kind: str, break_every_other: bool = False) -> tuple[dict, list]:
-    t = make_transport(kind, COMM, 0, NUMEL)
+def _run(kind: str, break_every_other: bool = False, extra: int = 0) -> tuple[dict, list]:
+    t = make_transport(kind, COMM, 0, NUMEL, extra=extra)
     theta0 = torch.linspace(-1, 1, NUMEL)
     rule = make_rule("asgd", theta0.clone(), t.num_workers, lr=0.01)
     seen: dict[int, str] = {}
@@ -55,9 +58,10 @@ def _run(kind: str, break_every_other: bool = False) -> tuple[dict, list]:
         head = t.recv_reply(local)
         got.append((head.version, _digest(local)))
         g = torch.full((NUMEL,), 0.001 * (t.worker + 1))
+        buffers = torch.full((extra,), 7.0 + t.worker)
         for s in range(PUSHES):
             time.sleep(0.002 * t.worker)            # different paces: replies interleave
-            t.push(g, version=head.version, loss=1.0, last=s == PUSHES - 1)
+            t.push(g, buffers, version=head.version, loss=1.0, last=s == PUSHES - 1)
             head = t.recv_reply(local)
             got.append((head.version, _digest(local)))
         t.wait_end()
@@ -77,9 +81,10 @@ def _check(seen_by_rank, got_by_rank) -> list[str]:
 
 
 @needs4
+@pytest.mark.parametrize("extra", [0, 4099])
 @pytest.mark.parametrize("kind", ["rma", "rma-put", "p2p"])
-def test_every_reply_is_theta_at_its_version(kind):
-    seen, got = _run(kind)
+def test_every_reply_is_theta_at_its_version(kind, extra):
+    seen, got = _run(kind, extra=extra)
     seen_all, got_all = COMM.gather(seen), COMM.gather(got)
     if RANK == 0:
         assert len(seen_all[0]) == 3 * PUSHES + 1               # every version was recorded

@@ -8,7 +8,8 @@ Run with 4 ranks (rank 0 serves, up to 3 workers push)::
 Per (model size, workers, rule, transport), the workers push a fixed random gradient back to back
 (no compute) for ``--seconds``; the PS runs the training loop itself (``PSServer``: validate, the
 rule's ``on_push``, the reply) over the transport. Pushes/s = accepted pushes / the PS's time
-from its first reply to the last worker's stop.
+from its first reply to the last worker's stop. "PS transport MB" is the most the PS's transport held
+(``peak_bytes``: rma's gradient slots, p2p's receive buffer and reply copies; ``ps.memory``).
 
 The *bound* is measured in the same run (best of three) by one process doing what one push needs,
 without any communication: copy the gradient into a slot (the worker's Put), ``rule.validate``,
@@ -111,7 +112,8 @@ def measure_cell(comm, rule_name: str, numel: int, workers: int, transport: str,
                    "transport": transport, "pushes": stats.accepted,
                    "pushes_per_s": stats.accepted / elapsed,
                    "mb_per_s": (t.bytes_in + t.bytes_out) / elapsed / 1e6,
-                   "ps_busy": server.apply_time / elapsed}
+                   "ps_busy": server.apply_time / elapsed,
+                   "ps_transport_bytes": t.peak_bytes}
         else:
             gen = torch.Generator().manual_seed(rank)
             grad = torch.randn(numel, generator=gen) * 1e-3
@@ -151,12 +153,13 @@ def measure(comm, sizes, workers, rules, transports, seconds) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = ("| params | workers | rule | transport | pushes/s | bound pushes/s | ratio | "
-            "MB/s moved | PS busy in rule |")
-    lines = [head, "|" + "---|" * 9]
+            "MB/s moved | PS busy in rule | PS transport MB |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['params'] / 1e6:g} M | {r['workers']} | {r['rule']} | "
                      f"{r['transport']} | {r['pushes_per_s']:.1f} | {r['bound']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['mb_per_s']:.0f} | {100 * r['ps_busy']:.0f} % |")
+                     f"{r['ratio']:.2f} | {r['mb_per_s']:.0f} | {100 * r['ps_busy']:.0f} % | "
+                     f"{r.get('ps_transport_bytes', 0) / 1e6:.0f} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ shown) of:
   per epoch;
 * time to the target accuracy (``[report] target``): the time of the first epoch record at or above
   it, "not reached" when no seed got there ("k/n" when some did);
-* PS state bytes and mean staleness (from the staleness histogram) where the runs record them.
+* PS memory: the rule's state bytes and, where the runs record them (runs since issue 13), the
+  transport's bytes and the total (``ps_transport_bytes``, ``ps_total_bytes``: ``ps.memory``); mean
+  staleness (from the staleness histogram) where the runs record it.
 
 The output is a function of the files only: sorted keys, fixed number formats, no clock, PNGs
 without the ``Software`` metadata — two reports of the same runs are byte-identical.
@@ -51,6 +53,8 @@ class RunStats:
     ps_state_bytes: float | None
     staleness: dict[int, int]
     breakdown: dict[str, float]                            # field -> mean seconds per epoch
+    ps_transport_bytes: float | None = None                # absent in runs before issue 13
+    ps_total_bytes: float | None = None
 
 
 @dataclass
@@ -99,6 +103,8 @@ def run_stats(rid: str, axes: dict, records: list[dict], time_mode: str,
     if target is not None:
         ttt = next((tm for _, tm, a in curve if a >= target and tm is not None), None)
     ps = summary.get("ps_state_bytes", last.get("ps_state_bytes"))
+    ps_transport = summary.get("ps_transport_bytes", last.get("ps_transport_bytes"))
+    ps_total = summary.get("ps_total_bytes", last.get("ps_total_bytes"))
     hist: dict[int, int] = {}
     if isinstance(summary.get("staleness_histogram"), dict):
         hist = {int(k): int(v) for k, v in summary["staleness_histogram"].items()}
@@ -112,7 +118,7 @@ def run_stats(rid: str, axes: dict, records: list[dict], time_mode: str,
     return RunStats(id=rid, axes=axes, final_acc=acc, time=t,
                     wall=summary.get("wall_time_s", last.get("wall_time_s")), epochs=len(epochs),
                     curve=curve, time_to_target=ttt, ps_state_bytes=ps, staleness=hist,
-                    breakdown=breakdown)
+                    breakdown=breakdown, ps_transport_bytes=ps_transport, ps_total_bytes=ps_total)
 
 
 def load(out: str | Path) -> tuple[dict, list[Group], dict[str, str], list[str]]:
@@ -194,6 +200,7 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
     target = rep.get("target")
     runs = [r for g in groups for r in g.runs]
     has_ps = any(r.ps_state_bytes is not None for r in runs)
+    has_mem = any(r.ps_transport_bytes is not None for r in runs)
     has_tau = any(r.staleness for r in runs)
     sim = exp["mode"] == "sim"
     head = [*axes, "seeds", "final test acc (%)", f"{tname} (s)", f"{tname} / epoch (s)"]
@@ -201,6 +208,8 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
         head.append(f"{tname} to {100 * target:g} % (s)")
     if has_ps:
         head.append("PS state (KiB)")
+    if has_mem:
+        head += ["PS transport (KiB)", "PS total (KiB)"]
     if has_tau:
         head.append("mean staleness")
     if sim:
@@ -218,6 +227,9 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
         if has_ps:
             row.append(_pm([r.ps_state_bytes for r in rs if r.ps_state_bytes is not None], ".1f",
                            1 / 1024))
+        if has_mem:
+            row += [_pm([r.ps_transport_bytes for r in rs], ".1f", 1 / 1024),
+                    _pm([r.ps_total_bytes for r in rs], ".1f", 1 / 1024)]
         if has_tau:
             row.append(_pm([_mean_staleness(r.staleness) for r in rs if r.staleness], ".2f"))
         if sim:

@@ -295,7 +295,10 @@ class Rule:
         self._load(d)
 
     def state_bytes(self) -> int:
-        """Bytes of PS-side state, θ included (the PS memory figure to report)."""
+        """Bytes of the rule's PS-side state, θ included. This is the rule's part of the PS's
+        memory only: the transport's windows/buffers and the server's buffer table come on top
+        (``hpcasync.ps.memory``; a run records ``ps_state_bytes`` beside ``ps_transport_bytes``,
+        ``ps_buffers_bytes`` and ``ps_total_bytes``)."""
         return tree_bytes(self._state())
 
     # -- hooks for subclasses --------------------------------------------------------------------

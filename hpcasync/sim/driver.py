@@ -7,7 +7,10 @@ algorithms drive the very same rule objects as the MPI parameter server (``engin
 ``ssgd`` runs as synchronous rounds paced by the slowest worker (``engine.SyncSim``).
 
 The JSONL stream has the records of a real run (``config``, ``epoch``, ``summary``), each epoch and
-the summary with ``sim_time`` (simulated seconds: a natural step takes ``--sim-step-time``). A run
+the summary with ``sim_time`` (simulated seconds: a natural step takes ``--sim-step-time``) and the
+PS memory the MPI run would have (``ps_state_bytes``, ``ps_transport_bytes`` for ``--ps-transport``,
+``ps_buffers_bytes``, ``ps_total_bytes``: ``ps.memory``; the measured ``ps_transport_peak_bytes``
+is the MPI run's only). A run
 is bit-reproducible: the same options give the same stream except the wall-clock fields
 (``time_s``, ``wall_time_s``). No MPI is used. A diverging run stops with one line, as a real one
 (``RunContext.divergence``: every round's mean loss / every accepted push's loss is checked).
@@ -132,6 +135,7 @@ def simulate(cfg) -> dict:
 
 
 def _run_async(ctx, model, delay, W: int) -> dict:
+    from ..ps.memory import memory_record
     from ..ps.runtime import build_rule, lr_factor_of
     from .engine import AsyncSim
 
@@ -141,10 +145,16 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
     log_every = cfg.log_every
 
+    def memory() -> dict:
+        """The PS memory the MPI run would have (``ps.memory``: rule + the transport of
+        ``--ps-transport``, its bound, + the buffer table), computed without MPI."""
+        return memory_record(cfg.options.get("ps_transport", "rma"), W, sim.flat.numel,
+                             sim.flat.buffer_numel, rule.state_bytes())
+
     def on_epoch(epoch: int, record: dict) -> None:
         train_loss = record.pop("train_loss")
         ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=_LocalComm(), **record,
-                      ps_state_bytes=rule.state_bytes(), lr=rule.lr)
+                      **memory(), lr=rule.lr)
         if epoch < cfg.epochs:
             ctx.progress.start(sim.pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
 
@@ -163,7 +173,7 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()
-    return {**stats.summary(), "sim_time": sim.sim_time, "ps_state_bytes": rule.state_bytes()}
+    return {**stats.summary(), "sim_time": sim.sim_time, **memory()}
 
 
 def _run_sync(ctx, model, delay, W: int) -> dict:

@@ -1,0 +1,219 @@
+"""The wire layer shared by the parameter-server transports (``ps.transport``, ``ps.p2p``).
+
+Message kinds and tags, the push and reply headers (:class:`Push`, :class:`ReplyHeader`), the
+non-spinning waits (:func:`wait`: ``Test`` + sleep with exponential backoff), and :class:`_Base`,
+the bookkeeping every transport shares (communicator, worker numbering, headers, byte counters,
+the worker-failure mapping, the end message, the memory counters). The protocol itself is
+described in ``ps.transport``'s docstring.
+
+Example::
+
+    seconds = wait(comm.Isend([buf, MPI.FLOAT], dest=0, tag=_TAG_GRAD))    # sleeps, never spins
+
+Differences from a plain ``req.Wait()``: the backoff leaves the core to the ranks that compute
+(4 ranks on 2 cores in the tests), at up to 1 ms of added latency per wait.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr
+# (the worker's current learning rate: NaN when it sends none)
+KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
+_PUSH_HEADER = 8
+_TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
+                                                                     4105, 4106)
+
+
+def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3, poll=None) -> float:
+    """Complete ``req`` without spinning: ``Test``, then sleep 20 µs doubling up to ``cap``
+    (``poll()`` is called before each sleep). Returns the seconds spent waiting."""
+    t0 = time.perf_counter()
+    pause = first
+    while not req.Test(status):
+        if poll is not None:
+            poll()
+        time.sleep(pause)
+        pause = min(cap, pause * 2)
+    return time.perf_counter() - t0
+
+
+def wait_all(reqs, **kw) -> float:
+    return sum(wait(r, **kw) for r in reqs)
+
+
+@dataclass
+class Push:
+    """One message received by the PS: what the worker sent (``grad``/``extra`` are views of
+    transport memory, valid until the PS replies to that worker (rma writes the reply there) or
+    takes the next push (p2p has one receive buffer), whichever comes first)."""
+    worker: int
+    kind: int
+    version: int
+    loss: float
+    oracle_loss: float
+    numel: int
+    last: bool
+    grad: torch.Tensor
+    extra: torch.Tensor
+    stop: bool = False            # the worker asks the PS to stop (it received a signal)
+    lr: float = float("nan")      # the worker's learning rate (its optimizer's param group)
+
+
+@dataclass
+class ReplyHeader:
+    version: int
+    accepted: bool
+    scalars: tuple[float, ...]
+    stop: bool = False            # the PS stops: this was the worker's last step
+
+
+class _Base:
+    """Shared bookkeeping: communicator, PS rank, worker numbering, headers, byte counters.
+
+    Memory (``ps.memory``): :meth:`state_bytes` is what this rank's transport holds now (windows,
+    gradient and reply buffers; the few-dozen-byte headers are not counted), ``peak_bytes`` the
+    most it held so far, :meth:`bound_bytes` the most it can hold (``memory.transport_bytes``)."""
+
+    name = "base"
+
+    def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.ps_rank = ps_rank
+        self.workers = [r for r in range(self.size) if r != ps_rank]
+        self.num_workers = len(self.workers)
+        self.is_ps = self.rank == ps_rank
+        self.worker = -1 if self.is_ps else self.workers.index(self.rank)
+        self.numel, self.extra, self.reply_scalars = numel, extra, reply_scalars
+        self._head_in = np.zeros(_PUSH_HEADER, np.float64)
+        self._head_out = np.zeros(3 + reply_scalars, np.float64)
+        self._reply_heads = [np.zeros(3 + reply_scalars, np.float64)
+                             for _ in range(self.num_workers)] if self.is_ps else []
+        self.bytes_in = 0          # PS: payload bytes received (gradients, buffers)
+        self.bytes_out = 0         # PS: payload bytes sent (replies)
+        self.wait_time = 0.0       # seconds spent waiting (PS: idle; worker: for replies)
+        self._end = np.zeros(1, np.float64)
+        self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
+        self.idle_hook = None      # PS: called while waiting for a header
+        self.before_header = None  # worker: called between a push's data and its header
+        self.peak_bytes = 0        # the most state_bytes() has been (updated by subclasses)
+
+    def state_bytes(self) -> int:
+        """Bytes this rank's transport holds now (subclasses)."""
+        raise NotImplementedError
+
+    def bound_bytes(self) -> int:
+        """The most this rank's transport can hold (``memory.transport_bytes``)."""
+        from .memory import transport_bytes, worker_transport_bytes
+
+        if self.is_ps:
+            return transport_bytes(self.name, self.num_workers, self.numel, self.extra)
+        return worker_transport_bytes(self.name, self.numel, self.extra)
+
+    def memory_record(self, rule_bytes: int) -> dict:
+        """PS: the memory fields of the run's records (``memory.memory_record``), with this
+        transport's bound and measured peak; the buffer table is the server's N·extra floats."""
+        from .memory import memory_record
+
+        return memory_record(self.name, self.num_workers, self.numel, self.extra, rule_bytes,
+                             peak=self.peak_bytes)
+
+    def _note_bytes(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.state_bytes())
+
+    def _failed(self, exc: BaseException, *, keep_head: bool = False):
+        """PS: the :class:`WorkerFailed` for an MPI error that reports dead ranks (their worker
+        indices), or ``exc`` itself for any other error. The caller raises it."""
+        from ..runtime.ft import WorkerFailed, failed_ranks, is_pending
+
+        ranks = failed_ranks(self.comm, exc)
+        if ranks is None:
+            return exc
+        if not (keep_head and is_pending(exc)):
+            self._head_req = None
+        return WorkerFailed([self.workers.index(r) for r in ranks if r in self.workers])
+
+    # -- PS side -------------------------------------------------------------------------------
+    def _recv_header(self) -> tuple[int, np.ndarray]:
+        status = self.MPI.Status()
+        if self._head_req is None:
+            self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],
+                                             source=self.MPI.ANY_SOURCE, tag=_TAG_PUSH)
+        try:
+            self.wait_time += wait(self._head_req, status, poll=self.idle_hook)
+        except self.MPI.Exception as exc:
+            raise self._failed(exc, keep_head=True) from None
+        self._head_req = None
+        src = status.Get_source()
+        return self.workers.index(src), self._head_in
+
+    def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
+        numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
+        return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
+                    oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
+                    stop=bool(h[6]), lr=float(h[7]))
+
+    def _reply_header(self, w: int, version: int, accepted: bool, scalars,
+                      stop: bool = False) -> np.ndarray:
+        head = self._reply_heads[w]
+        head[0], head[1], head[2] = version, float(accepted), float(stop)
+        if self.reply_scalars:
+            head[3:] = np.asarray(tuple(scalars), np.float64)[: self.reply_scalars]
+        return head
+
+    def send_end(self, w: int, stop: bool) -> None:
+        """PS: tell worker ``w`` there is no more work, and whether the job stops (preemption)."""
+        msg = np.array([float(stop)])
+        try:
+            self.wait_time += wait(self.comm.Isend([msg, self.MPI.DOUBLE], dest=self.workers[w],
+                                                   tag=_TAG_END))
+        except self.MPI.Exception as exc:
+            raise self._failed(exc) from None
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
+                     numel: int, stop: bool = False, lr: float = float("nan")):
+        h = self._head_in
+        h[:] = (kind, version, loss, oracle_loss, numel, float(last), float(stop), lr)
+        return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
+
+    def _parse_reply(self) -> ReplyHeader:
+        h = self._head_out
+        return ReplyHeader(int(h[0]), bool(h[1]), tuple(float(x) for x in h[3:]), bool(h[2]))
+
+    def wait_end(self, request_stop=None) -> bool:
+        """Worker, after its last push: wait for the PS's end message; returns its stop flag.
+        While waiting, ``request_stop()`` is polled; the first time it is true a ``KIND_STOP``
+        message asks the PS to stop the workers still training (sent at most once)."""
+        req = self.comm.Irecv([self._end, self.MPI.DOUBLE], source=self.ps_rank, tag=_TAG_END)
+        t0, pause, asked = time.perf_counter(), 2e-5, False
+        while not req.Test():
+            if not asked and request_stop is not None and request_stop():
+                self.push(torch.zeros(0), kind=KIND_STOP)
+                asked = True
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+        self.wait_time += time.perf_counter() - t0
+        return bool(self._end[0])
+
+
+def _window_tensor(win) -> torch.Tensor:
+    mem = win.tomemory()
+    if len(mem) == 0:
+        return torch.zeros(0)
+    return torch.from_numpy(np.frombuffer(mem, dtype=np.float32))
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU float32 tensor (MPI buffers)."""
+    if t.device.type != "cpu":
+        raise ValueError("PS transports move CPU tensors; copy device tensors to the host first")
+    return t.detach().contiguous().numpy()
