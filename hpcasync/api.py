@@ -271,8 +271,13 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     ``directory`` (the CLI's format; the newest ``keep`` are kept).
 
     Synchronous algorithms (replicas identical): call on every rank; rank 0 writes, then every rank
-    waits for the file. A parameter-server algorithm: call on the server alone (e.g. in
-    ``serve(on_epoch=...)``): its state is θ and the rule's. Returns the path on the writer.
+    waits for the file. A parameter-server algorithm: call on the server (e.g. in
+    ``serve(on_epoch=...)``): its state is θ and the rule's. A worker's model is the server's reply
+    in every rule but shat, shat-root and ensemble, whose workers keep a model of their own: call
+    it on those workers too, with the same ``epoch``/``step`` labels (e.g. at the end of their
+    epoch): each writes its model to ``directory/worker-<i>/``, which :func:`load_checkpoint`
+    pairs with the server's file of the same labels. Elsewhere a worker's call writes nothing.
+    Returns the path on a rank that wrote.
     """
     from .checkpoint import CheckpointManager
 
@@ -280,13 +285,21 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
     comm = topo.world if topo is not None else getattr(optimizer, "comm", None)
     ps = algorithm in PS_ALGORITHMS
+    header = {"algorithm": algorithm, "model": type(model).__name__}
+    if ps and not optimizer.is_server:                  # a PS worker: its own model, if any
+        if not optimizer.keeps_local:
+            return None
+        state = {"local": optimizer.local_model(), "worker": optimizer.worker,
+                 "epoch": epoch, "step": step}
+        return CheckpointManager(_worker_dir(directory, optimizer.worker), keep=keep).save(
+            state, epoch=epoch, step=step, **header)
     writer = ps or comm is None or comm.Get_rank() == 0
     path = None
     if writer:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "epoch": epoch, "step": step, "extra": extra}
-        path = CheckpointManager(directory, keep=keep).save(
-            state, epoch=epoch, step=step, algorithm=algorithm, model=type(model).__name__)
+        path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
+                                                            **header)
     if not ps and comm is not None:
         comm.Barrier()
     return path
@@ -297,8 +310,12 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     """Restore the newest intact checkpoint of ``directory`` (or the file ``directory``) into
     ``model`` and ``optimizer``; returns ``{"epoch", "step", **extra}``, or None when there is none.
     A torn or foreign file is skipped with a warning; one of another algorithm or model is an
-    error. Not collective (every rank reads the file)."""
-    from .checkpoint import CheckpointManager, load_checkpoint as load_file
+    error. Not collective (every rank reads the file).
+
+    On a worker of shat, shat-root or ensemble the worker's own model of the same labels
+    (``worker-<i>/``, see :func:`save_checkpoint`) is handed to the optimizer, which trains from it
+    after the server's first reply; without one the worker restarts from θ (with a warning)."""
+    from .checkpoint import CheckpointManager, checkpoint_name, load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
     expect = {"model": type(model).__name__, **({"algorithm": algorithm} if algorithm else {})}
@@ -313,7 +330,20 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
+        if getattr(optimizer, "keeps_local", False) and not optimizer.is_server:
+            mine = _worker_dir(p.parent if p.is_file() else p, optimizer.worker) / \
+                checkpoint_name(state["epoch"], state["step"])
+            if mine.is_file():
+                optimizer.resume_local(load_file(mine, expect=expect)["local"])
+            else:
+                log.warning("%s worker %d: no model of its own saved as %s: it restarts from the "
+                            "server's θ", algorithm, optimizer.worker, mine)
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+
+
+def _worker_dir(directory, worker: int) -> Path:
+    """Where a parameter-server worker keeps its own model's checkpoints (shat, ensemble, ...)."""
+    return Path(directory) / f"worker-{worker}"
 
 
 def open_metrics(path: str | os.PathLike | None, *, roles: Roles | None = None):

@@ -31,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -146,12 +147,9 @@ def _fsync_dir(directory: Path) -> None:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):     # not every file system syncs a directory
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict, *, algorithm: str | None = None,
@@ -191,10 +189,8 @@ def save_checkpoint(path: str | os.PathLike, state: dict, *, algorithm: str | No
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(directory)
     return path
@@ -324,17 +320,15 @@ class CheckpointManager:
             old.unlink(missing_ok=True)
         cutoff = time.time() - 3600       # temp files of writers that died an hour ago or more
         for p in self.directory.glob(".ckpt-*.tmp"):
-            try:
+            with contextlib.suppress(OSError):
                 if p.stat().st_mtime < cutoff:
                     p.unlink()
-            except OSError:
-                pass
 
     def checkpoints(self) -> list[Path]:
         """Checkpoint files, newest first (not verified)."""
         return [p for _, _, p in _candidates(self.directory)]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Path | None:        # the newest valid one
         return latest_checkpoint(self.directory)
 
     def load_latest(self, expect: dict | None = None) -> tuple[Path, dict, dict] | None:
@@ -401,5 +395,5 @@ class PreemptionFlag:
     def __enter__(self) -> "PreemptionFlag":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc) -> None:  # the previous handlers come back
         self.restore()

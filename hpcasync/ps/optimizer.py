@@ -33,6 +33,12 @@ the mean of the workers' latest float buffers). The learning rate is the workers
 ``param_groups[0]["lr"]``, so an LR scheduler on a worker's optimizer drives the server's lr for
 that worker's pushes (times the warm-up factor).
 
+Checkpoints (:func:`hpcasync.save_checkpoint`): the server's holds θ and the rule's state. With
+shat, shat-root and ensemble a worker's model is its own (``keeps_local``): a worker that calls
+``save_checkpoint`` too writes it beside the server's (``worker-<i>/``), and ``load_checkpoint``
+on that worker hands it to :meth:`resume_local`, applied after the first reply; without it the
+worker restarts from θ.
+
 Misuse is an error, not a hang: ``step()`` on the server or ``serve()`` on a worker raise at once; a
 worker that exits without ``finish()`` finishes at interpreter exit (with a warning); a server that
 exits without ``serve()`` ends the job (MPI_Abort) with a line saying so.
@@ -42,19 +48,19 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import time
 import weakref
 from typing import Any, Callable
 
 import torch
 
 from ..comm.broadcast import broadcast
-from ..errors import ConfigError, TopologyError
+from ..errors import CheckpointError, ConfigError, TopologyError
 from ..optim import AlgorithmOptimizer, as_flat
 from ..rules import RULES, Reply, make_rule, ps_lr_factor
 from ..topology import default_topology
 from .server import PSServer
 from .transport import KIND_DONE, KIND_FINISH, make_transport
+from .worker import Patience
 
 log = logging.getLogger("hpcasync")
 
@@ -133,9 +139,12 @@ class ParameterServer(AlgorithmOptimizer):
         W = self.num_workers
         self.rule = make_rule(algorithm, flat.params.detach().cpu().clone(), W, **self.hyper)
         self.needs_loss = algorithm == "lcasgd"
+        # SHAT/ENSEMBLE: a worker's model is its own, not a copy of a reply (checkpoints carry it)
+        self.keeps_local = bool(getattr(self.rule, "keeps_local", False))
         # worker side
         self.version = 0
         self.steps = self.rejected = 0
+        self._resume_local: torch.Tensor | None = None
         self.started = self.finished = self.stopped = False
         self._reply = torch.empty(flat.numel) if not self.is_server else None
         # server side
@@ -160,13 +169,33 @@ class ParameterServer(AlgorithmOptimizer):
             self._hook.remove()
             self._hook = None
         if not self.started:
-            head = self.transport.recv_reply(self._reply, poll=_Patience(
+            head = self.transport.recv_reply(self._reply, poll=Patience(
                 f"{self.algorithm} worker {self.worker}: waiting for the parameter server's first "
                 f"reply for %d s: does rank {self.ps_rank} call opt.serve()?"))
             self.rule.on_reply(self.flat.params,
                                Reply(self._reply.to(self.flat.device), head.version, head.scalars),
                                None)
+            if self._resume_local is not None:      # a resumed SHAT/ENSEMBLE worker: its own model
+                self.flat.params.copy_(self._resume_local)
+                self._resume_local = None
             self.version, self.started = head.version, True
+
+    def resume_local(self, local: torch.Tensor) -> None:
+        """Worker (rules that keep a local model, ``keeps_local``): continue from ``local`` (a
+        checkpoint's) instead of the server's θ; applied after the first reply (or now, after it)."""
+        self._worker_only("resume_local")
+        if local.numel() != self.flat.numel:
+            raise CheckpointError(f"worker {self.worker}'s saved local model has {local.numel()} "
+                                  f"elements, the model {self.flat.numel}")
+        self._resume_local = local.detach().to(self.flat.params).clone()
+        if self.started:
+            self.flat.params.copy_(self._resume_local)
+            self._resume_local = None
+
+    def local_model(self) -> torch.Tensor:
+        """Worker: its model for a checkpoint (a CPU copy; the one :meth:`start` will apply)."""
+        local = self._resume_local if self._resume_local is not None else self.flat.params
+        return local.detach().cpu().clone()
 
     def step(self, closure=None, *, loss=None):
         """Push this rank's gradient, take the reply into the model (the worker's step).
@@ -286,8 +315,7 @@ class ParameterServer(AlgorithmOptimizer):
         if self.sync_buffers and any(self._seen):
             self.flat.buffers.copy_(self._buffers[torch.tensor(self._seen)].mean(0))
 
-    def buffer_state(self) -> dict:
-        """Server: the workers' latest buffers, for a checkpoint."""
+    def buffer_state(self) -> dict:   # server: the workers' latest buffers, for a checkpoint
         return {"buffers": self._buffers.clone(), "seen": [int(x) for x in self._seen]}
 
     def load_buffer_state(self, state: dict) -> None:
@@ -341,20 +369,6 @@ class ParameterServer(AlgorithmOptimizer):
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker}/{self.num_workers}"
         return f"ParameterServer({self.algorithm}, {role}, lr={self.lr():g})"
-
-
-class _Patience:
-    """A wait's poll callback that logs ``message % seconds`` once, after ``after`` seconds."""
-
-    def __init__(self, message: str, after: float = 30.0):
-        self.message, self.after = message, after
-        self.t0, self.said = time.monotonic(), False
-
-    def __call__(self) -> None:
-        waited = time.monotonic() - self.t0
-        if not self.said and waited > self.after:
-            self.said = True
-            log.warning(self.message, waited)
 
 
 def _at_exit(ref) -> None:

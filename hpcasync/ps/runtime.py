@@ -35,6 +35,13 @@ Decisions (the papers assume a PS; these are ours):
   (protocol in ``ps.server``). On ``--resume`` each worker restarts at its position from the PS's θ
   (a fresh ``initial_reply``: DC-ASGD's backup, SHAT's counts restart there), so a resumed run
   is a valid async run with the same total work, not a replay of the interrupted one.
+* Worker-local models (shat, shat-root, ensemble: ``rule.keeps_local``; a worker's model is mixed
+  with θ by α < 1, ENSEMBLE's never reads θ): at a stop, after the end message, each worker sends
+  its model to the PS (``ps.worker.send_local``) and the stop checkpoint holds them all
+  (``worker_locals``, W model copies); a resumed worker takes the initial reply, then its own model
+  back. Epoch, periodic and SIGTERM checkpoints are written by the PS between pushes, when no
+  worker is at a known point, so they hold none: resuming from one, every worker restarts from θ
+  (the PS says so in the log) -- for ENSEMBLE that restarts the ensemble from one model.
 * Worker failure (``ft``): under ``mpirun --with-ft ulfm`` a dead worker is retired and the others
   train on; its remaining batches are not trained; the end-of-run collectives run on the shrunk
   communicator; the summary lists ``failed_workers`` and the job exits 0. Without ULFM the
@@ -62,7 +69,8 @@ log = logging.getLogger("hpcasync")
 ALGORITHMS = tuple(RULES)
 _OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
            "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
-           "lc_window": ("lcasgd",), "smega2_estimate": ("smega2",)}
+           "lc_window": ("lcasgd",), "lc_max_factor": ("lcasgd",),
+           "smega2_estimate": ("smega2",)}
 
 
 def add_arguments(parser) -> None:
@@ -81,6 +89,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--lc-lambda", type=float, default=None, help="lcasgd: λ (1.0)")
     g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
     g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")
+    g.add_argument("--lc-max-factor", type=float, default=None,
+                   help="lcasgd: upper bound of the compensation factor (1.0; inf = unbounded)")
     g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
     g.add_argument("--ps-warmup-epochs", type=float, default=None,
                    help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
@@ -101,7 +111,7 @@ def rule_hyper(cfg) -> dict:
     pairs = {"dcasgd": {"lam": "dc_lambda"},
              "dcasgd-a": {"lam": "dc_lambda0", "ms_momentum": "dc_ms_momentum"},
              "lcasgd": {"predictor": "lc_predictor", "lam": "lc_lambda", "anchor": "lc_anchor",
-                        "window": "lc_window"},
+                        "window": "lc_window", "max_factor": "lc_max_factor"},
              "smega2": {"estimate": "smega2_estimate"}}.get(name, {})
     for key, option in pairs.items():
         if opt.get(option) is not None:
@@ -148,7 +158,7 @@ def run(ctx: RunContext) -> RunResult:
     from mpi4py import MPI
 
     from .optimizer import ParameterServer
-    from .worker import run_worker
+    from .worker import run_worker, send_local
 
     cfg, topo = ctx.cfg, ctx.topo
     W = len(topo.workers)
@@ -187,6 +197,9 @@ def run(ctx: RunContext) -> RunResult:
             start = int(state["ps"]["positions"][opt.worker])
             if state["seen"][opt.worker]:
                 flat.buffers.copy_(state["buffers"][opt.worker])
+            saved = state.get("worker_locals")     # SHAT/ENSEMBLE: its own model (stop checkpoint)
+            if opt.keeps_local and saved and saved[opt.worker] is not None:
+                opt.resume_local(saved[opt.worker])
         inject = ft.signal_hook(topo.rank)
 
         def after_step() -> None:
@@ -203,6 +216,8 @@ def run(ctx: RunContext) -> RunResult:
             stopping = opt.finish(stop_requested=None if wstats.stop_sent or wstats.stopped
                                   else stop_flag,
                                   collective=False)
+            if stopping and opt.keeps_local and ctx.checkpoints is not None:
+                send_local(opt)                 # into the PS's stop checkpoint
         except MPI.Exception as exc:
             if not ulfm or ft.failed_ranks(topo.world, exc) is None:
                 raise
@@ -251,6 +266,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     the model. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
 
+    from .worker import collect_locals
+
     cfg, rule, transport = ctx.cfg, opt.rule, opt.transport
     inject, kill = ft.signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
 
@@ -258,7 +275,7 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         opt.load_theta()
         train_loss = record.pop("train_loss")
         ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=MPI.COMM_SELF, **record,
-                      ps_state_bytes=rule.state_bytes(), lr=rule.lr)
+                      **transport.memory_record(rule.state_bytes()), lr=rule.lr)
         if epoch < cfg.epochs:
             ctx.progress.start(pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
 
@@ -273,12 +290,14 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
                               staleness=staleness, loss=loss, lr=rule.lr)
 
-    def save(kind: str) -> None:
+    def save(kind: str, worker_locals: list | None = None) -> None:
         """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
         snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
                     "batches_per_worker": batches_per_worker}
+        if worker_locals is not None:
+            snapshot["worker_locals"] = worker_locals
         path = ctx.checkpoints.save(snapshot, epoch=epoch, step=server.stats.accepted,
                                     **ctx.checkpoint_header())
         ctx.metrics.write("checkpoint", path=str(path), epoch=epoch, step=server.stats.accepted,
@@ -309,6 +328,10 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         server.finished = [p >= budget for p in server.positions]
         opt.load_buffer_state(state)
         resumed_at = server.stats.accepted
+        if opt.keeps_local and not state.get("worker_locals"):
+            log.warning("%s: this %s checkpoint holds no worker-local models (only stop "
+                        "checkpoints do): every worker restarts from θ", cfg.algorithm,
+                        state.get("kind", "PS"))
         log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
                  server.positions)
     done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
@@ -319,13 +342,14 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     server.finish()
     if server.stopping:
         if ctx.checkpoints is not None:
-            save("stop")
+            save("stop", collect_locals(opt, server.failed) if opt.keeps_local else None)
         else:
             log.warning("preempted without --checkpoint-dir: this run's progress is lost")
     opt.load_theta()
     return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
             "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
-            "ps_state_bytes": rule.state_bytes(), "ps_apply_s": round(server.apply_time, 3),
+            **transport.memory_record(rule.state_bytes()),
+            "ps_apply_s": round(server.apply_time, 3),
             "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks,
             "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
             "failed_workers": list(server.failed.values()),

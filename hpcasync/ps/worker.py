@@ -16,7 +16,11 @@ Preemption (``ps.server`` has the protocol): each push carries ``stop_requested(
 signal flag); a reply with the stop flag ends the loop after that step. ``opt.finish()`` then
 waits for the PS's end message (asking it to stop if a signal arrives meanwhile) and reports the
 step count. A resumed worker starts at its saved position (``start_step`` = batches pushed so far,
-over all epochs) from the PS's current θ.
+over all epochs) from the PS's current θ — or, for a rule whose workers keep their own model
+(SHAT, SHAT-root, ENSEMBLE: ``opt.keeps_local``), from its local model as the stop checkpoint saved
+it: after the PS has sent the end message of a stop, each such worker sends its model to the PS
+(:func:`send_local`, one message with its own tag), which puts all of them into the checkpoint
+(:func:`collect_locals`; ``ps.runtime``, Checkpoints).
 
 Example (inside a PS job, see ``hpcasync.ps.runtime.run``)::
 
@@ -24,6 +28,7 @@ Example (inside a PS job, see ``hpcasync.ps.runtime.run``)::
 """
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -36,6 +41,8 @@ import torch.nn.functional as F
 
 from ..data import batches, num_batches, shard_indices
 from .transport import KIND_PEEK
+
+log = logging.getLogger("hpcasync")
 
 
 @dataclass
@@ -65,6 +72,7 @@ def run_worker(opt, model: torch.nn.Module, train, *, epochs: int,
     ``stop_requested()``: this rank's preemption flag, sent with each push. Returns the counters."""
     w, W, flat = opt.worker, opt.num_workers, opt.flat
     stats = WorkerStats(steps=start_step, start_step=start_step)
+    opt.steps = start_step                 # what finish() reports: the position, as the PS counts
     per_epoch = num_batches(len(train) // W, batch_size)
     if start_step >= epochs * per_epoch:
         return stats
@@ -140,3 +148,45 @@ def _warm_up(model, flat, train, batch_size: int, device: str) -> None:
     F.cross_entropy(model(x), y).backward()
     flat.buffers.copy_(buffers)
     flat.zero_grad()
+
+
+class Patience:
+    """A wait's poll callback that logs ``message % seconds`` once, after ``after`` seconds."""
+
+    def __init__(self, message: str, after: float = 30.0):
+        self.message, self.after = message, after
+        self.t0, self.said = time.monotonic(), False
+
+    def __call__(self) -> None:
+        waited = time.monotonic() - self.t0
+        if not self.said and waited > self.after:
+            self.said = True
+            log.warning(self.message, waited)
+
+
+# -- worker-local models at a stop (rules with ``keeps_local``: SHAT, SHAT-root, ENSEMBLE) -------
+
+_TAG_LOCAL = 4190          # the transport's tags are 4101-4106
+
+
+def send_local(opt) -> None:
+    """Worker, after a stop's end message: send its model (``opt.local_model()``) to the PS."""
+    from mpi4py import MPI
+
+    opt.comm.Send([opt.local_model().numpy(), MPI.FLOAT], dest=opt.ps_rank, tag=_TAG_LOCAL)
+
+
+def collect_locals(opt, failed=()) -> list:
+    """Server, after a stop's :meth:`~hpcasync.ps.server.PSServer.finish`: every worker's model
+    (:func:`send_local`; None for the dead workers in ``failed``), in worker order. Holds W model
+    copies until the checkpoint is written."""
+    from mpi4py import MPI
+
+    out = []
+    for w, rank in enumerate(opt.transport.workers):
+        local = None
+        if w not in failed:
+            local = torch.empty(opt.flat.numel)
+            opt.comm.Recv([local.numpy(), MPI.FLOAT], source=rank, tag=_TAG_LOCAL)
+        out.append(local)
+    return out

@@ -33,6 +33,12 @@ Differences from the paper (Decisions of the spec, each an option or a documente
 * n is the number of active (not retired) workers; a retired worker's counter is dropped.
 * With α = 1 the worker copies θ exactly (no arithmetic), with α = 0 it never reads θ; the initial
   reply (``grad=None``) always copies θ, so every worker starts from the PS's model.
+
+Checkpoints: a worker's local model is state the PS cannot rebuild from θ (``keeps_local``: true
+for ``log``, ``root`` and ``ensemble``; ``asp`` copies θ on every reply). The PS runtime puts every
+worker's local model into its stop (preemption) checkpoint and a resumed worker continues from it
+(after the initial reply, which re-joins it with c_i = 0); see ``hpcasync.ps.runtime`` (Checkpoints)
+for the checkpoints that cannot hold them. The counters c_k are saved with the rule's state.
 """
 from __future__ import annotations
 
@@ -101,6 +107,12 @@ class SHAT(Rule):
         self._buf = self._theta.new_zeros(self._theta.shape) if self.momentum else None
         self._counts = [0] * self.num_workers
         self._sent_count = 0
+
+    @property
+    def keeps_local(self) -> bool:
+        """True when a worker's model is its own (mixed with θ by α < 1), not a copy of a reply:
+        checkpoints must carry it (module doc)."""
+        return self.alpha_mode != "asp"
 
     @property
     def counts(self) -> list[int]:
