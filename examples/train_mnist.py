@@ -19,7 +19,7 @@ from hpcasync.data import load_dataset
 HYPER = {
     "ssgd": {},                                                   # Horovod's DistributedOptimizer
     "daso": {"warmup_epochs": 0, "cooldown_epochs": 0, "global_skip": 4},   # all epochs cycling
-    "odsgd": {"warmup_iters": 50, "local_opt": "dc-adaptive", "lr_local": 0.1},
+    "odsgd": {"warmup_iters": 50, "local_opt": "dc-adaptive", "lr_local": 0.5},   # on g/N
     # parameter-server algorithms: one rank serves, the others push gradients
     "asgd": {}, "shat": {}, "shat-root": {}, "ensemble": {}, "asp": {},
     "dcasgd": {"lam": 0.04}, "dcasgd-a": {"lam": 2.0}, "lcasgd": {"predictor": "linear"},

@@ -33,7 +33,8 @@ def _script(script, args):
 # Test accuracy (all 10000 test images) after 2 epochs over the first 6000 training images, batch
 # 32 per rank, lr 0.05, momentum 0.9, seeds 0 / 1 / 2 (the test runs seed 0):
 #   ssgd 76.20 / 76.24 / 75.50 %; daso (--ranks-per-node 2, every epoch cycling) 77.03 / 76.38 /
-#   76.16 %; odsgd (50 SSGD warm-up steps, then the one-step delay) 71.17 / 70.73 / 70.16 %;
+#   76.16 %; odsgd (50 SSGD warm-up steps, then the one-step delay; η_l 0.5 on g/N since issue 13)
+#   69.53 / 71.79 / 72.68 % (with η_l 0.1 on g/N, i.e. 4x smaller than before the fix: 46.64 %);
 #   smega2 (rank 0 serves, 3 workers; push order depends on timing) 78.39 / 79.15 / 76.84 %.
 MNIST = ["--train-limit", "6000", "--epochs", "2", "--seed", "0", "--log-interval", "1000"]
 
@@ -43,7 +44,7 @@ MNIST = ["--train-limit", "6000", "--epochs", "2", "--seed", "0", "--log-interva
 @pytest.mark.parametrize("algorithm, extra, bar", [
     ("ssgd", [], 0.71),
     ("daso", ["--ranks-per-node", "2"], 0.72),
-    ("odsgd", [], 0.66),
+    ("odsgd", [], 0.65),
     ("smega2", [], 0.72),
 ])
 def test_train_mnist_learns(algorithm, extra, bar):
