@@ -34,10 +34,16 @@ RANKS_PER_NODE_ENV = "HPCASYNC_RANKS_PER_NODE"
 
 
 def init_mpi():
-    """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI."""
+    """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI.
+    Fault tolerance asked for under MPICH is a ConfigError here, before MPI starts (ULFM is
+    Open-MPI-only: :func:`hpcasync.runtime.ft.check_ft_request`)."""
+    from .runtime.ft import check_ft_request
+
     single_host_open_mpi_defaults()
     ulfm_open_mpi_defaults()
     from mpi4py import MPI
+
+    check_ft_request()
 
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)

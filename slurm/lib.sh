@@ -5,9 +5,10 @@
 # Inputs (environment; every one optional):
 #   HPCASYNC_PYTHON   the Python to run (default: $HPCASYNC_VENV/bin/python, else the repo's
 #                     .venv/bin/python, else python3 on PATH)
-#   HPCASYNC_VENV     a virtual environment holding hpcasync, torch, mpi4py (and Open MPI)
+#   HPCASYNC_VENV     a virtual environment holding hpcasync, torch, mpi4py (and Open MPI or MPICH)
 #   HPCASYNC_REPO     the hpcasync checkout, put on PYTHONPATH (default: the submit directory)
-#   LAUNCHER          srun (default: `srun --mpi=pmix`) or mpirun (Open MPI's, next to Python)
+#   LAUNCHER          srun (default: `srun --mpi=pmix`; `--mpi=pmi2` under MPICH) or mpirun (the one
+#                     next to Python: Open MPI's gets --oversubscribe, MPICH's hydra needs nothing)
 #   ALGORITHM EPOCHS DATASET MODEL      the usual training options
 #   EXTRA_ARGS        more `hpcasync train` options (split on spaces); script arguments also go there
 #   RUN_DIR           where metrics go (default: $SLURM_SUBMIT_DIR/runs)
@@ -39,6 +40,8 @@ hpc_setup() {
 print(" ".join(m for m in ("hpcasync", "mpi4py", "torch") if u.find_spec(m) is None))') \
         || hpc_die "$HPCASYNC_PYTHON does not run"
     [ -z "$missing" ] || hpc_die "$HPCASYNC_PYTHON cannot import: $missing (HPCASYNC_REPO=$HPCASYNC_REPO)"
+    # which MPI mpi4py loads (hpcasync.launch; MPI is not started by asking): openmpi or mpich
+    HPC_MPI=$("$HPCASYNC_PYTHON" -m hpcasync.launch --vendor) || hpc_die "$HPCASYNC_PYTHON: no usable MPI"
     HPC_BIN=$(dirname "$HPCASYNC_PYTHON")
     LAUNCHER=${LAUNCHER:-srun}
     case $LAUNCHER in srun|mpirun) ;; *) hpc_die "LAUNCHER must be srun or mpirun, not '$LAUNCHER'";; esac
@@ -74,13 +77,18 @@ hpc_launch() {
     local cmd
     if [ "$LAUNCHER" = srun ]; then
         # --mpi=pmix is essential: Open MPI 5 started by srun without PMIx comes up as NPROCS
-        # separate jobs of size 1 (hpcasync detects it and stops with an error).
-        cmd=(srun --mpi=pmix --kill-on-bad-exit=1 --ntasks="$np")
+        # separate jobs of size 1 (hpcasync detects it and stops with an error). MPICH speaks PMI-2.
+        local pmi=pmix
+        if [ "$HPC_MPI" = mpich ]; then pmi=pmi2; fi
+        cmd=(srun --mpi=$pmi --kill-on-bad-exit=1 --ntasks="$np")
     else
-        local mpirun=$HPC_BIN/mpirun
+        local mpirun=$HPC_BIN/mpirun out
         [ -x "$mpirun" ] || mpirun=$(command -v mpirun) || hpc_die "no mpirun next to $HPCASYNC_PYTHON or on PATH"
-        cmd=("$mpirun" --oversubscribe -n "$np")
-        if [ "$(id -u)" = 0 ]; then cmd+=(--allow-run-as-root); fi
+        # the launcher's options for this MPI (hpcasync.launch): line 1 the MPI, then the argv
+        out=$("$HPCASYNC_PYTHON" -m hpcasync.launch -n "$np" --mpiexec "$mpirun") || hpc_die "cannot launch with $mpirun"
+        mapfile -t cmd <<< "$out"
+        cmd=("${cmd[@]:1}")
+        if [ "$(id -u)" = 0 ] && [ "$HPC_MPI" = openmpi ]; then cmd+=(--allow-run-as-root); fi
     fi
     cmd+=("$HPCASYNC_PYTHON" -m hpcasync.cli train "${TRAIN_ARGS[@]}" "$@")
     hpc_say "job ${SLURM_JOB_ID:-(none)} on ${SLURM_JOB_NODELIST:-$(hostname)}: ${cmd[*]}"

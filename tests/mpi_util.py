@@ -14,14 +14,14 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from hpcasync.launch import OPEN_MPI, child_env, describe, mpi_vendor, mpiexec_command
+
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
 SIZE = COMM.Get_size()
 REPO = Path(__file__).resolve().parent.parent
-
-# Variables through which a launcher hands a job to its processes: a nested mpiexec must not see
-# its parent's, or it would try to join the parent's job.
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "HWLOC_", "SLURM_")
+#: the MPI this run uses ("openmpi" or "mpich"): the launcher of every nested job follows it
+VENDOR = mpi_vendor()
 
 
 def idle_barrier(comm=COMM, poll: float = 0.002) -> None:
@@ -41,18 +41,26 @@ def idle_wait(request, timeout: float | None = None, poll: float = 0.002) -> boo
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
+    """This environment without the launcher's job variables (a nested mpiexec must not join the
+    parent's job; ``hpcasync.launch.child_env``), the repo on PYTHONPATH, then ``extra``."""
+    env = child_env()
     env.setdefault("PYTHONPATH", str(REPO))
     env.update(extra)
     return env
 
 
-def mpiexec() -> str:
-    """The mpiexec that belongs to this Python's MPI (the venv's Open MPI, else the PATH's)."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
+def mpiexec(n: int, **kwargs) -> list[str]:
+    """The launcher argv for ``n`` ranks of this run's MPI (Open MPI: ``mpiexec --oversubscribe
+    -n N``; MPICH: ``mpiexec -n N``); ``ft=True`` adds ULFM (Open MPI only)."""
+    return mpiexec_command(n, **kwargs)
+
+
+def need_ulfm() -> None:
+    """At the top of a test that needs ULFM: skip it under any MPI but Open MPI."""
+    import pytest
+
+    if VENDOR != OPEN_MPI:
+        pytest.skip(f"ULFM needs Open MPI (this run: {describe()})")
 
 
 def run_mpi(n: int, args: list[str], *, timeout: float = 300, cwd=None, env=None,
@@ -62,9 +70,8 @@ def run_mpi(n: int, args: list[str], *, timeout: float = 300, cwd=None, env=None
         cmd = args[1:]
     else:
         cmd = [sys.executable, "-m", "hpcasync.cli", *args]
-    full = [mpiexec(), "--oversubscribe", "-n", str(n), *cmd]
-    return subprocess.run(full, env=env or clean_env(), cwd=cwd or REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([*mpiexec(n), *cmd], env=env or clean_env(), cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def run_cli(args: list[str], *, timeout: float = 120, env=None) -> subprocess.CompletedProcess:

@@ -21,8 +21,9 @@ from hpcasync.comm.cache import comm_cache
 from hpcasync.comm.compress import decode, encode
 from hpcasync.comm.shm import partition
 from hpcasync.errors import ConfigError, TopologyError
+from hpcasync.launch import MPICH, OPEN_MPI
 from hpcasync.topology import Topology
-from tests.mpi_util import COMM, RANK, SIZE
+from tests.mpi_util import COMM, RANK, SIZE, VENDOR
 
 SIZES = [1, 7, 1023, 100003]
 ALGORITHMS = ["mpi", "shm"]
@@ -86,11 +87,17 @@ def test_16bit_ops_are_custom_and_created_once():
 
 
 @pytest.mark.skipif(SIZE < 2, reason="a 1-rank reduction cannot show the trap")
-def test_raw_bf16_handed_to_mpi_is_garbage_and_ours_is_not(monkeypatch):
+def test_raw_bf16_handed_to_mpi_is_never_a_sum_and_ours_is(monkeypatch):
+    """bf16 reaches MPI as raw bytes: Open MPI adds them silently (garbage), MPICH refuses
+    (MPI_ERR_OP: MPI_SUM is not defined on MPI_BYTE). Either way no MPI gives the sum; ours does."""
     x = torch.full((64,), 1.5, dtype=torch.bfloat16)
     naive = x.clone()
-    COMM.Allreduce(MPI.IN_PLACE, naive, op=MPI.SUM)            # the trap: no error, raw bytes
-    assert not torch.allclose(naive.float(), torch.full((64,), 1.5 * SIZE), rtol=0.01)
+    try:
+        COMM.Allreduce(MPI.IN_PLACE, naive, op=MPI.SUM)        # the trap
+        assert VENDOR != MPICH, "MPICH summed raw bytes without an error"
+        assert not torch.allclose(naive.float(), torch.full((64,), 1.5 * SIZE), rtol=0.01)
+    except MPI.Exception as exc:                               # every rank checks its arguments
+        assert VENDOR != OPEN_MPI and exc.Get_error_class() == MPI.ERR_OP, exc
     calls = []
     real = ops.sum16_inplace
     monkeypatch.setattr(ops, "sum16_inplace", lambda a, b: (calls.append(a.numel()), real(a, b))[1])

@@ -22,7 +22,7 @@ def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     partial = tmp_path / "a.jsonl.partial"
-    cmd = [mpiexec(), "--oversubscribe", "-n", "4", sys.executable, "-m", "hpcasync.cli", *ARGS,
+    cmd = [*mpiexec(4), sys.executable, "-m", "hpcasync.cli", *ARGS,
            "--metrics", str(tmp_path / "a.jsonl"), "--checkpoint-dir", str(ckpt)]
     job = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)

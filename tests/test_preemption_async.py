@@ -67,7 +67,7 @@ def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path)
 
     ckpt = tmp_path / "ckpt"
     partial = tmp_path / "a.jsonl.partial"
-    cmd = [mpiexec(), "--oversubscribe", "-n", "4", sys.executable, "-m", "hpcasync.cli",
+    cmd = [*mpiexec(4), sys.executable, "-m", "hpcasync.cli",
            *PS_ARGS, "--metrics", str(tmp_path / "a.jsonl"), "--checkpoint-dir", str(ckpt),
            "--checkpoint-every", "50"]
     job = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=subprocess.PIPE,

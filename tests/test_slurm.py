@@ -22,7 +22,8 @@ import pytest
 
 from hpcasync.errors import TopologyError
 from hpcasync.slurm import SlurmEnv, expand_nodelist
-from tests.mpi_util import COMM, RANK, REPO, clean_env
+from hpcasync.launch import OPEN_MPI
+from tests.mpi_util import COMM, RANK, REPO, VENDOR, clean_env
 
 CLUSTER = REPO / "scripts" / "slurm-cluster.sh"
 LOCK = Path("/tmp/hpcasync-slurm-test.lock")        # one test cluster per machine at a time
@@ -118,11 +119,12 @@ JOBS = {
 
 
 # A stand-in for `python -m hpcasync.cli train` that waits for SIGUSR1 and exits as a preempted
-# run does (status 75); it marks itself ready once its trap is set. Option checks go to Python.
+# run does (status 75); it marks itself ready once its trap is set. Option checks and
+# `-m hpcasync.launch` (which MPI, the launcher's options) go to Python.
 STUB = """#!/bin/bash
-if [ "$1" = -c ]; then exec {python} "$@"; fi
-rank=${{OMPI_COMM_WORLD_RANK:-${{SLURM_PROCID:-0}}}}
-n=${{OMPI_COMM_WORLD_SIZE:-${{SLURM_NTASKS:-1}}}}
+if [ "$1" = -c ] || [ "$2" = hpcasync.launch ]; then exec {python} "$@"; fi
+rank=${{OMPI_COMM_WORLD_RANK:-${{PMI_RANK:-${{SLURM_PROCID:-0}}}}}}
+n=${{OMPI_COMM_WORLD_SIZE:-${{PMI_SIZE:-${{SLURM_NTASKS:-1}}}}}}
 # report, then wait (<= 5 s) until every rank has: the first rank to exit 75 ends the job
 trap 'echo "rank $rank got USR1"; touch "{ready}/got-$rank"; for i in $(seq 50); do
       [ "$(ls "{ready}"/got-* 2>/dev/null | wc -l)" -ge "$n" ] && break; sleep 0.1; done; exit 75' USR1
@@ -283,7 +285,10 @@ def test_sbatch_template(cluster, name):
         assert summary["world_size"] == 4 and summary["algorithm"] == "ssgd"
         assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["epochs"] == 1
     launcher = JOBS[name][2].get("LAUNCHER", "srun")
-    expected = "srun --mpi=pmix" if launcher == "srun" else "mpirun --oversubscribe"
+    if VENDOR == OPEN_MPI:
+        expected = "srun --mpi=pmix" if launcher == "srun" else "mpirun --oversubscribe -n 4"
+    else:                            # MPICH: PMI-2 under srun; hydra oversubscribes by itself
+        expected = "srun --mpi=pmi2" if launcher == "srun" else "mpirun -n 4"
     assert expected in text, text[-2000:]
     print(f"\n{name}: job {jobid} done {time.time() - t_submit:.0f} s after submission",
           file=sys.stderr)

@@ -1,9 +1,11 @@
 """Run an experiment's matrix as subprocesses, resuming where a previous invocation stopped.
 
-Each run is ``python -m hpcasync sim ...`` (mode ``sim``) or ``mpiexec --oversubscribe -n RANKS
-python -m hpcasync train ...`` (mode ``mpi``) with ``--metrics OUT/runs/<id>.jsonl``. The metrics
-writer keeps a run's stream at ``<id>.jsonl.partial`` until the run ends, so a ``<id>.jsonl`` whose
-last record is the ``summary`` is a finished run:
+Each run is ``python -m hpcasync sim ...`` (mode ``sim``) or ``mpiexec -n RANKS python -m
+hpcasync train ...`` (mode ``mpi``; the launcher of this Python's MPI from
+:func:`hpcasync.launch.mpiexec_command`: ``--oversubscribe --bind-to none`` added under Open MPI,
+plain ``-n`` under MPICH) with ``--metrics OUT/runs/<id>.jsonl``. The metrics writer keeps a
+run's stream at ``<id>.jsonl.partial`` until the run ends, so a ``<id>.jsonl`` whose last record
+is the ``summary`` is a finished run:
 
 * finished runs are skipped — not rerun, their stream not touched (and checked to have been made
   with the options the file now gives, else a one-line error); a ``.log`` a killed runner left
@@ -37,14 +39,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import launch
 from ..errors import ConfigError
 from .spec import Run, Spec, check_run, option_args
 
 log = logging.getLogger("hpcasync")
 
-# variables through which a launcher hands a job to its processes: a child mpiexec must not see them
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PRTE_", "OPAL_", "HWLOC_", "SLURM_")
-_KEEP = ("OMPI_MCA_osc", "OMPI_MCA_btl")          # user settings worth passing on
 TAIL_LINES = 40
 KILL_GRACE_S = 15.0
 _PR_SET_PDEATHSIG = 1
@@ -76,18 +76,12 @@ def is_finished(path: Path) -> bool:
 
 
 def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) or k in _KEEP}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
+    """A child's environment: no launcher job variables (a child mpiexec must not see them), the
+    launchers' idle-yield defaults (:func:`hpcasync.launch.child_env`), this package importable."""
+    env = launch.child_env()
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     return env
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
 
 
 def command(spec: Spec, run: Run, metrics: Path) -> list[str]:
@@ -96,7 +90,7 @@ def command(spec: Spec, run: Run, metrics: Path) -> list[str]:
             "--metrics", str(metrics), "--progress", "off"]
     if spec.mode == "mpi":
         # no core binding: with few ranks Open MPI would pin them, and the box is shared
-        return [mpiexec(), "--oversubscribe", "--bind-to", "none", "-n", str(run.ranks), *args]
+        return [*launch.mpiexec_command(run.ranks, bind="none"), *args]
     return args
 
 

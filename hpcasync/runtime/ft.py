@@ -29,6 +29,13 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
     quarter second (an epoch's evaluation), the last epoch or ``--checkpoint-every`` checkpoint is
     the resume point; without ``--checkpoint-dir`` the progress is lost (the message says so).
 
+``none`` under MPICH (and the MPIs derived from it)
+    ULFM is Open-MPI-only here (:func:`check_ft_request`: ``OMPI_MCA_mpi_ft_enable=1`` under
+    another MPI is a one-line ConfigError; hydra itself rejects ``--with-ft``). MPICH's launcher
+    (hydra 5.0.2, measured) SIGKILLs every survivor at once when one process dies ("BAD
+    TERMINATION"): no SIGTERM comes first, so no checkpoint is written at the death; the resume
+    point is the last epoch or ``--checkpoint-every`` checkpoint (``--resume auto`` finds it).
+
 The PS's own death is not survivable: a worker waiting on it gets ``MPI_ERR_PROC_FAILED`` (ULFM)
 and raises :class:`PSFailed`, which ``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2);
 without ULFM the launcher ends the job.
@@ -51,6 +58,7 @@ import signal
 import sys
 from typing import Callable
 
+from .. import launch
 from ..errors import HpcasyncError
 
 log = logging.getLogger("hpcasync")
@@ -70,11 +78,25 @@ class WorkerFailed(Exception):
         self.ranks = list(ranks)
 
 
+def ft_requested(env=None) -> bool:
+    """``OMPI_MCA_mpi_ft_enable`` is on (``mpirun --with-ft ulfm`` sets it; a user may too)."""
+    env = os.environ if env is None else env
+    return env.get(FT_ENV, "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
+def check_ft_request(env=None, vendor: str | None = None) -> None:
+    """A one-line ConfigError when fault tolerance is asked for under an MPI other than Open MPI
+    (hpcasync's ULFM paths are Open-MPI-only). Needs no initialised MPI; every rank raises alike."""
+    if ft_requested(env):
+        launch.require_open_mpi(f"{FT_ENV}=1 (fault tolerance)", vendor)
+
+
 def ulfm_enabled() -> bool:
     """True when this process runs under Open MPI's ULFM (``mpirun --with-ft ulfm``) and mpi4py
-    exposes the calls the PS needs."""
-    if os.environ.get(FT_ENV, "").strip().lower() not in ("1", "true", "yes", "on", "enabled"):
+    exposes the calls the PS needs; ConfigError when ULFM is asked for under another MPI."""
+    if not ft_requested():
         return False
+    check_ft_request()
     from mpi4py import MPI
 
     return all(hasattr(MPI.Comm, f) for f in ("Ack_failed", "Get_failed", "Shrink")) \
@@ -84,6 +106,9 @@ def ulfm_enabled() -> bool:
 def describe(ulfm: bool) -> str:
     if ulfm:
         return "fault tolerance: ULFM (a worker's death is survived; the PS's is not)"
+    if launch.mpi_vendor() != launch.OPEN_MPI:
+        return ("fault tolerance: none (a dead rank ends the job; surviving a worker's death needs "
+                "Open MPI's ULFM)")
     return ("fault tolerance: none (start with `mpirun --with-ft ulfm` to survive a worker's "
             "death; without it a dead rank ends the job)")
 
@@ -204,8 +229,11 @@ def resume_command(world_size: int, argv: list[str] | None = None) -> str:
             skip = True
         elif not a.startswith("--resume="):
             kept.append(a)
-    cmd = ["mpirun", "--with-ft", "ulfm", "-n", str(world_size), sys.executable, "-m", "hpcasync",
-           *kept, "--resume", "auto"]
+    if launch.mpi_vendor() == launch.OPEN_MPI:
+        start = ["mpirun", "--with-ft", "ulfm", "-n", str(world_size)]
+    else:                       # MPICH's hydra: no ULFM, oversubscribes by default
+        start = ["mpiexec", "-n", str(world_size)]
+    cmd = [*start, sys.executable, "-m", "hpcasync", *kept, "--resume", "auto"]
     return shlex.join(cmd)
 
 
@@ -226,13 +254,14 @@ class SigtermCheckpoint:
         if self.saved or self.flag is None or self.flag.signum != signal.SIGTERM:
             return
         self.saved = True
-        why = ("SIGTERM (a scheduler's preemption)" if self.ulfm else
+        open_mpi = launch.mpi_vendor() == launch.OPEN_MPI
+        why = ("SIGTERM (a scheduler's preemption)" if self.ulfm or not open_mpi else
                "SIGTERM (a rank died and Open MPI without `--with-ft ulfm` is ending the job, or "
                "a scheduler preempts it)")
         if self.save is None:
             log.warning("PS: %s without --checkpoint-dir: this run's progress is lost; rerun with "
-                        "--checkpoint-dir (and `mpirun --with-ft ulfm` to survive a worker's "
-                        "death)", why)
+                        "--checkpoint-dir%s", why, " (and `mpirun --with-ft ulfm` to survive a "
+                        "worker's death)" if open_mpi else "")
             return
         path = self.save("signal")
         log.warning("PS: %s: wrote checkpoint %s; if the job ends now, resume with:\n  %s", why,

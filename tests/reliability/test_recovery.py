@@ -44,7 +44,7 @@ def kill_job(job: subprocess.Popen) -> None:
 
 
 def start_job(args: list[str]) -> subprocess.Popen:
-    cmd = [mpiexec(), "--oversubscribe", "-n", "4", sys.executable, "-m", "hpcasync.cli", *args]
+    cmd = [*mpiexec(4), sys.executable, "-m", "hpcasync.cli", *args]
     return subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 

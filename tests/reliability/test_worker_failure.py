@@ -7,6 +7,10 @@ launcher ends the job: non-zero within a minute, a checkpoint written at the PS'
 logged command that resumes it (which the test runs). The PS's own death ends the job non-zero,
 with or without ULFM.
 
+ULFM is Open-MPI-only: under MPICH its tests skip ("ULFM needs Open MPI"), fault tolerance asked
+for is a one-line error, and a dead worker ends the job at once (hydra SIGKILLs every rank, no
+SIGTERM first): the resume point is the last epoch's checkpoint.
+
 Kills: ``HPCASYNC_INJECT_KILL=RANK:N`` (that rank SIGKILLs itself at its N-th push, after the
 gradient was written and before the header: an in-flight push), and once from outside by pid.
 Every job runs under a timeout.
@@ -27,7 +31,8 @@ import pytest
 
 from hpcasync.checkpoint import read_checkpoint
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, wait_for
+from hpcasync.launch import OPEN_MPI
+from tests.mpi_util import REPO, VENDOR, clean_env, last_summary, mpiexec, need_ulfm, wait_for
 
 FULL = ["train", "--dataset", "fashion-mnist", "--model", "lenet", "--epochs", "2",
         "--progress", "off"]
@@ -40,8 +45,7 @@ JOB_TIMEOUT = 240
 
 def _launch(args, *, ft=True, env=None, timeout=JOB_TIMEOUT) -> tuple[subprocess.CompletedProcess,
                                                                      float]:
-    cmd = [mpiexec(), *(["--with-ft", "ulfm"] if ft else []), "--oversubscribe", "-n", "4",
-           sys.executable, "-m", "hpcasync.cli", *args]
+    cmd = [*mpiexec(4, ft=ft), sys.executable, "-m", "hpcasync.cli", *args]
     t0 = time.time()
     out = subprocess.run(cmd, env=clean_env(**(env or {})), cwd=REPO, capture_output=True,
                          text=True, timeout=timeout)
@@ -77,6 +81,7 @@ def _check_survived(path: Path, *, dead: int, pushes: int, budget: int) -> dict:
 def test_asgd_survives_a_worker_sigkilled_mid_run_with_80_percent(tmp_path):
     """The done-bar: 4 ranks (PS + 3 workers), asgd, full Fashion-MNIST, worker 2 (rank 3)
     SIGKILLs itself in the middle of its 600th push (of 1250)."""
+    need_ulfm()
     metrics = tmp_path / "m.jsonl"
     out, _ = _launch([*FULL, "--algorithm", "asgd", "--metrics", str(metrics)],
                      env={"HPCASYNC_INJECT_KILL": "3:600"})
@@ -119,11 +124,11 @@ def _pid_of_rank(job_pid: int, rank: int) -> int:
 def test_dcasgd_survives_a_worker_killed_from_outside_and_drops_its_backup(tmp_path):
     """dcasgd-a, full Fashion-MNIST: rank 2 (worker 1) is SIGKILLed by pid once a third of the
     pushes are in; its DC-ASGD backup goes (``dc_backups``), the run still reaches 80 %."""
+    need_ulfm()
     metrics = tmp_path / "m.jsonl"
     partial = Path(str(metrics) + ".partial")
-    cmd = [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", "4", sys.executable, "-m",
-           "hpcasync.cli", *FULL, "--algorithm", "dcasgd-a", "--metrics", str(metrics),
-           "--log-every", "100"]
+    cmd = [*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *FULL, "--algorithm",
+           "dcasgd-a", "--metrics", str(metrics), "--log-every", "100"]
     job = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
@@ -151,6 +156,7 @@ def test_dcasgd_survives_a_worker_killed_from_outside_and_drops_its_backup(tmp_p
 def test_rule_state_of_the_dead_worker_is_retired(tmp_path, algorithm, transport):
     """SMEGA2's cycle length N drops to 2, SHAT's count of the dead worker is 0 and no longer grows
     (mini data set). On p2p the kill falls between the push's header and its gradient: dropped."""
+    need_ulfm()
     metrics = tmp_path / "m.jsonl"
     out, _ = _launch([*MINI, "--algorithm", algorithm, "--ps-transport", transport,
                       "--metrics", str(metrics)], env={"HPCASYNC_INJECT_KILL": "2:20"})
@@ -165,8 +171,10 @@ def test_rule_state_of_the_dead_worker_is_retired(tmp_path, algorithm, transport
 
 
 @pytest.mark.rank0
-def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_printed_resume_works(
-        tmp_path):
+def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_resume_works(tmp_path):
+    """Open MPI: the launcher SIGTERMs the survivors first, the PS writes a checkpoint at the death
+    and logs the command that resumes it (run here). MPICH: hydra SIGKILLs at once, so the resume
+    point is epoch 1's checkpoint (``--resume auto`` finds it)."""
     ckpt = tmp_path / "ckpt"
     args = [*MINI, "--algorithm", "asgd", "--checkpoint-dir", str(ckpt)]
     out, took = _launch([*args, "--metrics", str(tmp_path / "a.jsonl")], ft=False,
@@ -175,17 +183,27 @@ def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_printed_res
     assert "fault tolerance: none" in out.stderr
     m = re.search(r"wrote checkpoint (\S+); if the job ends now, resume with:\n\s+(.+)\n",
                   out.stderr)
-    assert m, out.stderr[-3000:]
-    path, command = Path(m.group(1)), shlex.split(m.group(2))
+    if VENDOR == OPEN_MPI:
+        assert m, out.stderr[-3000:]
+        path, command = Path(m.group(1)), shlex.split(m.group(2))
+        assert command[:5] == ["mpirun", "--with-ft", "ulfm", "-n", "4"] and "--resume" in command
+        assert command[command.index("--resume") + 1] == "auto"
+        kind, program = "signal", command[5:]
+    else:
+        assert m is None, out.stderr[-3000:]       # SIGKILLed: the PS had no chance
+        [path] = ckpt.glob("ckpt-*.pt")
+        kind, program = "epoch", [sys.executable, "-m", "hpcasync", *args, "--metrics", "x",
+                                  "--resume", "auto"]
     header, state = read_checkpoint(path, expect={"algorithm": "asgd", "world_size": 4})
-    assert state["kind"] == "signal" and path.parent == ckpt
+    assert state["kind"] == kind and path.parent == ckpt
     positions = state["ps"]["positions"]
-    assert positions[2] == 29                  # worker 2 died in its 30th push: 29 answered
+    if kind == "signal":
+        assert positions[2] == 29              # worker 2 died in its 30th push: 29 answered
+    else:                                      # epoch 1's pushes, split as they came in
+        assert sum(positions) == 3 * (MINI_BUDGET // 2) and positions[2] <= 29
     assert header["step"] == state["ps"]["stats"]["accepted"] == sum(positions)
-    assert command[:5] == ["mpirun", "--with-ft", "ulfm", "-n", "4"] and "--resume" in command
-    assert command[command.index("--resume") + 1] == "auto"
-    # run the printed command (this venv's launcher; the metrics to a new file)
-    resumed = [mpiexec(), "--oversubscribe", *command[1:]]
+    # run the resume command (this venv's launcher, ULFM where there is one; a new metrics file)
+    resumed = [*mpiexec(4, ft=VENDOR == OPEN_MPI), *program]
     resumed[resumed.index("--metrics") + 1] = str(tmp_path / "b.jsonl")
     done = subprocess.run(resumed, env=clean_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -199,6 +217,8 @@ def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_printed_res
 @pytest.mark.rank0
 @pytest.mark.parametrize("ft", [True, False], ids=["ulfm", "no-ft"])
 def test_the_parameter_server_dying_ends_the_job_nonzero_fast(tmp_path, ft):
+    if ft:
+        need_ulfm()
     out, took = _launch([*MINI, "--algorithm", "asgd"], ft=ft,
                         env={"HPCASYNC_INJECT_KILL": "0:50"}, timeout=120)
     assert out.returncode != 0 and took < 60, (out.returncode, took, out.stderr[-3000:])
