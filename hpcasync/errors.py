@@ -103,8 +103,11 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
         # Before MPI, rank 0 speaks for everyone. If this rank exited first, the launcher would end
         # the job and could kill rank 0 before it printed. So wait: rank 0's exit ends the job (and
         # this sleep) as soon as it has printed; the cap only matters under launchers that do not
-        # kill the remaining tasks (plain srun without --kill-on-bad-exit).
-        time.sleep(PRE_MPI_FOLLOWER_WAIT_S)
+        # kill the remaining tasks (plain srun without --kill-on-bad-exit). MPICH's hydra
+        # (HYDI_CONTROL_FD set) is such a launcher, but it never kills a task for another's exit,
+        # so there the wait protects nothing and only delays the job's end by 15 s.
+        if "HYDI_CONTROL_FD" not in os.environ:
+            time.sleep(PRE_MPI_FOLLOWER_WAIT_S)
     sys.stdout.flush()
     os._exit(code) if world is not None else sys.exit(code)
 
