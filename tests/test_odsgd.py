@@ -253,7 +253,12 @@ def test_cli_run_ends_cleanly_with_timing_breakdown(tmp_path):
         assert epoch[key] > 0, key
     assert 0.0 <= epoch["overlap_fraction"] <= 1.0 and epoch["warmup_steps"] == 2
     assert epoch["round_time_s"] >= epoch["wait_time_s"]
-    assert math.isfinite(epoch["train_loss"]) and summary["test_accuracy"] is not None
+    assert math.isfinite(epoch["train_loss"])
+    # 8 steps of 256 images cannot learn to an accuracy bar (11.2 / 17.2 / 14.6 % at seeds
+    # 0 / 1 / 2, deterministic), but the evaluated global model moved downhill from the untrained
+    # LeNet's test loss (2.3088 / 2.3033 / 2.3038 on these 500 images) to 2.2908 / 2.2814 / 2.2920;
+    # a run that evaluates the initial weights (or never applies a global update) fails this
+    assert summary["test_loss"] < 2.30, summary
 
 
 @pytest.mark.rank0

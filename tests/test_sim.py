@@ -83,7 +83,11 @@ def test_cli_sim_32_workers(tmp_path):
     assert epoch["staleness_histogram"]["31"] == 32 * per - 31
     assert epoch["sim_time"] == pytest.approx(per * 0.01)
     assert summary["workers"] == 32 and summary["world_size"] == 33
-    assert 0 <= summary["test_accuracy"] <= 1
+    # 4 pushes per worker at staleness 31 is too short to learn to an accuracy bar far above
+    # chance (30.3 / 40.7 / 21.0 % at seeds 0 / 1 / 2 on the 300 test images), but the weights
+    # did move downhill: test loss 2.018 / 1.993 / 2.188 vs 2.30-2.31 for the untrained LeNet;
+    # the bar is the worst of the three + 0.04 (`hpcasync sim ... --seed S`, deterministic)
+    assert summary["test_loss"] < 2.23, summary
 
 
 @pytest.mark.rank0

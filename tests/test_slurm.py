@@ -283,7 +283,9 @@ def test_sbatch_template(cluster, name):
         assert summary["world_size"] == 4 and summary.get("num_workers", 3) == 3, summary
     else:
         assert summary["world_size"] == 4 and summary["algorithm"] == "ssgd"
-        assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["epochs"] == 1
+        # 16 SSGD steps (2048 images, batch 32 x 4): 40.6 / 35.8 / 46.4 % on the 500 test images
+        # at seeds 0 / 1 / 2 (deterministic; plain mpiexec, same arguments); bar: worst - 4 points
+        assert summary["test_accuracy"] >= 0.31 and summary["epochs"] == 1, summary
     launcher = JOBS[name][2].get("LAUNCHER", "srun")
     if VENDOR == OPEN_MPI:
         expected = "srun --mpi=pmix" if launcher == "srun" else "mpirun --oversubscribe -n 4"

@@ -188,8 +188,11 @@ def test_nan_gradients_rejected_at_the_ps_and_counted(tmp_path):
     assert epoch["rejected_pushes"] == 1 and summary["rejected_pushes"] == 1
     assert summary["pushes"] == 3 * ((2048 // 3) // 32) - 1          # every other push applied
     assert "NaN" in json.dumps(summary["reject_reasons"])
-    # finite weights that learned (62 pushes of 32 images: ~30 % measured; chance is 10 %)
-    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] > 0.2
+    # finite weights that learned (62 pushes of 32 images; chance is 10 %). This command measured
+    # 29.5 29.5 32.5 / 42.0 / 38.0 % (seed 0 x3 / 1 / 2; the push order varies) and test loss
+    # 2.03-2.21 (2.30-2.31 untrained): bars = the worst run -/+ 4 points / 0.04
+    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] >= 0.25, summary
+    assert summary["test_loss"] < 2.25, summary
 
 
 def test_diverged_error_is_a_user_error():

@@ -153,8 +153,10 @@ def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
     assert sorted(w["worker_start_step"] for w in s["workers"]) == sorted(positions)
     # a sanity check, not the property (that is the exact work above): the resumed model kept what
     # it had learned. Chance is 0.1 and a re-initialised model stays near it; 192 asgd pushes scored
-    # 0.44-0.6 on these 300 test images depending on the push order (0.437 once in CI at a 0.5 bar)
-    assert s["test_accuracy"] > 0.3
+    # 0.44-0.6 on these 300 test images depending on the push order (0.437 once in CI at a 0.5 bar);
+    # uninterrupted, the same command: 0.633 0.557 0.570 (seed 5 x3), 0.510 / 0.527 (seeds 0 / 1).
+    # Bar: the worst seen (0.437) minus 4 points
+    assert s["test_accuracy"] >= 0.39, s
 
 
 # -- a writer killed before its rename -----------------------------------------------------------
