@@ -31,7 +31,8 @@ parser = argparse.ArgumentParser(description="hpcasync Fashion-MNIST example")
 parser.add_argument("--algorithm", default="ssgd", choices=sorted(HYPER))
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-parser.add_argument("--lr", type=float, default=0.05)
+parser.add_argument("--lr", type=float, default=None,
+                    help="default hpcasync.default_lr(algorithm): 0.05, nag 0.02")
 parser.add_argument("--momentum", type=float, default=0.9)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--log-interval", type=int, default=50, help="batches between log lines")
@@ -62,7 +63,8 @@ train_sampler = DistributedSampler(train_data, num_replicas=ctx.num_shards, rank
 train_loader = DataLoader(train_data, batch_size=args.batch_size, sampler=train_sampler)
 
 model = Net().to(ctx.device)
-sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+lr = hpcasync.default_lr(args.algorithm) if args.lr is None else args.lr
+sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
 hyper = dict(HYPER[args.algorithm])
 if args.algorithm in SCHEDULED:
     hyper.update(epochs=args.epochs, steps_per_epoch=len(train_loader))

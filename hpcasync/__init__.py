@@ -23,7 +23,7 @@ _EXPORTS = {
     "DistributedOptimizer": "hpcasync.ssgd.optimizer", "DASO": "hpcasync.daso.optimizer",
     "ODSGD": "hpcasync.odsgd.optimizer", "ParameterServer": "hpcasync.ps.optimizer",
     "AlgorithmOptimizer": "hpcasync.optim", "DivergenceGuard": "hpcasync.runtime.divergence",
-    "FlatModel": "hpcasync.comm.flat",
+    "FlatModel": "hpcasync.comm.flat", "default_lr": "hpcasync.config",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -44,7 +44,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "apply. Other algorithms use their own update rules")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 0.05; nag 0.02: see config.ALGORITHM_LR)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

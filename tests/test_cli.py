@@ -92,3 +92,16 @@ def test_info_reports_virtual_nodes():
     r = run_mpi(4, ["info"], env=clean_env(HPCASYNC_RANKS_PER_NODE="2"), timeout=60)
     assert r.returncode == 0, r.stderr
     assert "4 ranks on 2 virtual node(s) of 2" in r.stdout
+
+
+@pytest.mark.parametrize("argv, lr", [
+    (["--algorithm", "ssgd"], 0.05), (["--algorithm", "nag"], 0.02),
+    (["--algorithm", "nag", "--lr", "0.05"], 0.05), (["--algorithm", "smega2"], 0.05)])
+def test_default_lr_is_per_algorithm_and_an_explicit_lr_wins(argv, lr):
+    """NAG-ASGD's default lr is 0.02 (at 0.05 it collapsed in 5 of 16 runs: test_learning_bars)."""
+    from hpcasync.cli import build_parser
+    from hpcasync.config import TrainConfig, config_from_args, default_lr
+
+    ns = build_parser().parse_args(["train", *argv])
+    assert config_from_args(ns).lr == lr
+    assert TrainConfig(algorithm="nag").lr == default_lr("nag") == 0.02

@@ -179,20 +179,21 @@ def test_nan_gradients_rejected_at_the_ps_and_counted(tmp_path):
     """Worker rank 2 pushes a NaN gradient at its 5th step: the PS (rank 0) rejects it, counts
     it in the epoch record and the summary, and the run ends normally with finite weights."""
     m = tmp_path / "m.jsonl"
-    r = run_mpi(4, ["train", *MINI, "--epochs", "1", "--algorithm", "asgd", "--lr", "0.05",
+    r = run_mpi(4, ["train", *MINI, "--algorithm", "asgd", "--lr", "0.05",
                     "--metrics", str(m)], env=clean_env(HPCASYNC_INJECT_NAN="2:5"), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     records = read_metrics(m)
-    epoch = [rec for rec in records if rec["event"] == "epoch"][-1]
+    epochs = [rec for rec in records if rec["event"] == "epoch"]
     summary = records[-1]
-    assert epoch["rejected_pushes"] == 1 and summary["rejected_pushes"] == 1
-    assert summary["pushes"] == 3 * ((2048 // 3) // 32) - 1          # every other push applied
+    assert [e["rejected_pushes"] for e in epochs] == [1, 0] and summary["rejected_pushes"] == 1
+    assert summary["pushes"] == 2 * 3 * ((2048 // 3) // 32) - 1      # every other push applied
     assert "NaN" in json.dumps(summary["reject_reasons"])
-    # finite weights that learned (62 pushes of 32 images; chance is 10 %). This command measured
-    # 29.5 29.5 32.5 / 42.0 / 38.0 % (seed 0 x3 / 1 / 2; the push order varies) and test loss
-    # 2.03-2.21 (2.30-2.31 untrained): bars = the worst run -/+ 4 points / 0.04
-    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] >= 0.25, summary
-    assert summary["test_loss"] < 2.25, summary
+    # finite weights that learned (125 pushes of 32 images, 2 epochs; chance is 10 %). This command
+    # measured 51 47 44 43 / 56 / 51 % (seed 0 x4 / 1 / 2; the push order varies) and test loss
+    # 1.22-1.42 (2.30-2.31 untrained). With 1 epoch (62 pushes) it had measured 29.5-42 % and CI's
+    # MPICH pass then got 24 %: so the bars are the worst run - 8 points / + 0.2 in loss
+    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] >= 0.35, summary
+    assert summary["test_loss"] < 1.6, summary
 
 
 def test_diverged_error_is_a_user_error():
