@@ -149,7 +149,12 @@ def test_resume_after_sigkill_redoes_nothing_finished(tmp_path):
     for name, stat in finished.items():                           # finished files untouched
         p = runs / name
         assert (p.stat().st_ino, p.stat().st_mtime_ns) == stat
-    assert sorted(p.name for p in runs.iterdir()) == sorted(f"{i}.jsonl" for i in all_ids)
+    names = {p.name for p in runs.iterdir()}
+    assert {n for n in names if not n.endswith(".load")} == {f"{i}.jsonl" for i in all_ids}
+    # + the load-average record of each run the runner saw end (a run that ended as the first
+    # runner was killed may have none)
+    assert {f"{i}.load" for i in started2} <= names <= {f"{i}.{e}" for i in all_ids
+                                                         for e in ("jsonl", "load")}
     from hpcasync.experiments.runner import is_finished
     assert all(is_finished(runs / f"{i}.jsonl") for i in all_ids)
     report = (out / "report.md").read_text()

@@ -142,6 +142,9 @@ def load(out: str | Path) -> tuple[dict, list[Group], dict[str, str], list[str]]
         group.planned += 1
         path = rdir / f"{run['id']}.jsonl"
         if is_finished(path):
+            load_path = rdir / f"{run['id']}.load"
+            if load_path.is_file():
+                exp.setdefault("_loads", []).append(json.loads(load_path.read_text(encoding="utf-8")))
             group.runs.append(run_stats(run["id"], run["axes"], read_metrics(path),
                                         rep.get("time", "wall"), rep.get("target")))
         elif (rdir / f"{run['id']}.failed").is_file():
@@ -280,6 +283,7 @@ def render(exp: dict, groups: list[Group], failed: dict[str, str], missing: list
     lines += [f"Mode `{exp['mode']}`; {n_done} of {n_runs} runs finished, {len(failed)} failed, "
               f"{len(missing)} not run. Regenerate: `hpcasync experiment experiments/"
               f"{exp.get('source', exp['name'] + '.toml')}{mini}` then `hpcasync report DIR`.", ""]
+    lines += [load_line(exp.get("_loads", []), n_done), ""]
     base = dict(exp.get("base", {}))
     if "ranks" in base:
         lines.append(f"MPI world size: `mpiexec -n {base.pop('ranks')}`.")
@@ -310,6 +314,17 @@ def render(exp: dict, groups: list[Group], failed: dict[str, str], missing: list
         lines += ["", "## Not run yet", ""]
         lines += [f"- `{rid}`" for rid in missing]
     return "\n".join(lines) + "\n"
+
+
+def load_line(loads: list[dict], n_done: int) -> str:
+    """The machine's 1-minute load average around the runs (recorded by the runner)."""
+    if not loads:
+        return "Load average: not recorded (runs from before the runner recorded it)."
+    lo = min(min(x["start"], x["end"]) for x in loads)
+    hi = max(max(x["start"], x["end"]) for x in loads)
+    cpus = sorted({x.get("cpus") for x in loads} - {None})
+    return (f"Load average (1 min) at the starts and ends of {len(loads)} of {n_done} runs: "
+            f"{lo:.2f}-{hi:.2f} on {'/'.join(map(str, cpus)) or '?'} cores.")
 
 
 def write_report(out: str | Path, dest: str | Path | None = None) -> list[Path]:

@@ -154,6 +154,7 @@ class _Child:
     started: float
     deadline: float
     argv: list[str]
+    load_start: float = 0.0
     timed_out: bool = False
 
 
@@ -273,7 +274,7 @@ def _run_all(spec: Spec, chosen: list[Run], rdir: Path, timeout: float, jobs: in
 def _start(spec: Spec, run: Run, rdir: Path, timeout: float, env, preexec) -> _Child:
     final = rdir / f"{run.id}.jsonl"
     for stale in (final, rdir / f"{run.id}.jsonl.partial", rdir / f"{run.id}.failed",
-                  rdir / f"{run.id}.log"):
+                  rdir / f"{run.id}.log", rdir / f"{run.id}.load"):
         stale.unlink(missing_ok=True)
     argv = command(spec, run, final)
     log_path = rdir / f"{run.id}.log"
@@ -283,7 +284,7 @@ def _start(spec: Spec, run: Run, rdir: Path, timeout: float, env, preexec) -> _C
                                 env=env, start_new_session=True, preexec_fn=preexec)
     now = time.time()
     return _Child(run=run, proc=proc, log_path=log_path, started=now, deadline=now + timeout,
-                  argv=argv)
+                  argv=argv, load_start=os.getloadavg()[0])
 
 
 def _finish(child: _Child, rdir: Path, timeout: float) -> bool:
@@ -293,6 +294,10 @@ def _finish(child: _Child, rdir: Path, timeout: float) -> bool:
     rc = child.proc.wait()
     if rc == 0 and not child.timed_out and is_finished(final):
         child.log_path.unlink(missing_ok=True)
+        # the machine's 1-minute load average when the run started and ended (timings taken
+        # under other load are not results: the report prints these beside them)
+        _write_atomic(rdir / f"{rid}.load", json.dumps(
+            {"start": child.load_start, "end": os.getloadavg()[0], "cpus": os.cpu_count()}) + "\n")
         return True
     why = (f"timed out after {timeout:g} s" if child.timed_out
            else f"exit status {rc}" if rc != 0 else "exit status 0 but no summary record")
