@@ -6,9 +6,10 @@ For ranks i = 0 … N-1 holding x_i, every rank ends with  Σ_i x_i  (``average=
 * ``"shm"``: :class:`~hpcasync.comm.shm.ShmAllreduce` — all ranks on one node reduce straight out
   of a shared-memory window (a reduce-scatter then an allgather through memory).
 * ``"mpi"``: ``MPI_Allreduce`` / ``MPI_Iallreduce`` in place.
-* ``"auto"`` (default): ``shm`` when the communicator lives on one node, has more than one rank and
-  the message is at least :data:`SHM_MIN_BYTES`; else ``mpi``. Deciding is collective the first
-  time a communicator is seen (a ``COMM_TYPE_SHARED`` split, then cached on the communicator).
+* ``"auto"`` (default): ``mpi``, except where the communicator lives on one node and the window
+  was *measured* on this machine to be at least 1.2x faster for the message's size class
+  (:mod:`.tune`: measured once per class, kept in a file so later runs choose the same). Deciding
+  is collective the first time a communicator / size class is seen.
 
 Buffers are cut into consecutive pieces of at most ``bucket_bytes`` bytes (on the wire) and at most
 ``chunk_elems`` elements, each reduced on its own; cutting does not change the result beyond float
@@ -40,15 +41,16 @@ import torch
 
 from ..errors import ConfigError, TopologyError
 from .compress import decode, encode, wire_dtype
-from .handle import Allreduce, Handle, in_place, run_blocking
+from .direct import try_direct
+from .handle import Allreduce, Handle, run_blocking
 from .ops import HALF_DTYPES, check_dtype, mpi_datatype, mpi_buffer, sum_op
 from .shm import ShmAllreduce
+from .tune import use_shm
 
 log = logging.getLogger(__name__)
 
 ALGORITHMS = ("auto", "mpi", "shm")
 DASO_CHUNK_ELEMS = 10_000_000     # DASO (Coquelin et al.) sends global messages in 10 M-elem chunks
-SHM_MIN_BYTES = 8 << 10           # below this "auto" uses MPI (4 ranks: about equal at 4 KiB)
 
 
 def piece_elems(itemsize: int, bucket_bytes: int | None, chunk_elems: int | None) -> int | None:
@@ -76,17 +78,18 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
-def pick_engine(comm, nbytes: int, algorithm: str, cuda_aware: bool) -> ShmAllreduce | None:
+def pick_engine(comm, nbytes: int, algorithm: str, cuda_aware: bool,
+                wire: torch.dtype = torch.float32) -> ShmAllreduce | None:
     """The shm engine to use for this reduction, or None for MPI (collective on first use)."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
-    if algorithm == "mpi" or comm.Get_size() == 1:
-        return None
-    if algorithm == "auto" and (cuda_aware or nbytes < SHM_MIN_BYTES):
+    if algorithm == "mpi" or comm.Get_size() == 1 or (algorithm == "auto" and cuda_aware):
         return None
     engine = ShmAllreduce.for_comm(comm)
     if engine is None and algorithm == "shm":
         raise TopologyError("algorithm='shm' needs all ranks of the communicator on one node")
+    if engine is not None and algorithm == "auto" and not use_shm(comm, nbytes, wire):
+        return None
     return engine
 
 
@@ -115,7 +118,6 @@ class PinnedPool:
 
 
 _pinned = PinnedPool()
-_NATIVE_MPI = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
 
 
 def staged_steps(flat: torch.Tensor, inner):
@@ -163,7 +165,7 @@ def allreduce_steps(comm, tensor: torch.Tensor, *, average: bool = False,
     wire = wire_dtype(flat.dtype, compress)
     divisor = comm.Get_size() if average else 1
     piece = piece_elems(wire.itemsize, bucket_bytes, chunk_elems)
-    engine = pick_engine(comm, flat.numel() * wire.itemsize, algorithm, cuda_aware)
+    engine = pick_engine(comm, flat.numel() * wire.itemsize, algorithm, cuda_aware, wire)
     if engine is not None:
         return engine.steps(flat, wire=wire, divisor=divisor, piece_elems=piece), engine
     return mpi_steps(comm, flat, wire=wire, divisor=divisor, piece=piece,
@@ -186,15 +188,9 @@ def allreduce(comm, tensor: torch.Tensor, *, average: bool = False,
         algorithm: ``"auto"`` (default), ``"mpi"`` or ``"shm"``.
         cuda_aware: hand CUDA memory to MPI directly instead of staging it (default False).
     """
-    if (not average and compress is None and bucket_bytes is None and chunk_elems is None
-            and tensor.is_cpu and tensor.dtype in _NATIVE_MPI and tensor.is_contiguous()
-            and not tensor.requires_grad and algorithm in ("auto", "mpi")
-            and (algorithm == "mpi" or tensor.nbytes < SHM_MIN_BYTES)):
-        # Fast path for small CPU sums. Every microsecond counts here: with more ranks than
-        # cores, partners in MPI's exchange wait for each other's Python overhead.
-        comm.Allreduce(in_place(), [tensor.numpy(), mpi_datatype(tensor.dtype)], op=sum_op(
-            tensor.dtype))
-        return tensor
+    if (algorithm == "auto" and compress is None and bucket_bytes is None and chunk_elems is None
+            and try_direct(comm, tensor, average)):
+        return tensor          # one MPI_Allreduce where auto chose MPI (:mod:`.direct`)
     steps, _ = allreduce_steps(comm, tensor, average=average, bucket_bytes=bucket_bytes,
                                chunk_elems=chunk_elems, compress=compress, algorithm=algorithm,
                                cuda_aware=cuda_aware)

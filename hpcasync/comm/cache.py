@@ -19,6 +19,9 @@ _keyval = None
 
 
 def _delete(comm, keyval, cache) -> None:
+    from .direct import forget
+
+    forget(comm.handle)
     for key in reversed(list(cache)):
         obj = cache.pop(key)
         free = getattr(obj, "free", None) or getattr(obj, "Free", None)

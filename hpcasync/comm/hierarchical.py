@@ -91,7 +91,7 @@ def hierarchical_steps(topo, tensor: torch.Tensor, *, average: bool = False,
     glob = private_dup(topo.glob)
     op = sum_op(wire)
     nbytes = flat.numel() * wire.itemsize
-    engine = pick_engine(topo.local, nbytes, algorithm, cuda_aware=False)
+    engine = pick_engine(topo.local, nbytes, algorithm, cuda_aware=False, wire=wire)
     if nbytes <= HIER_SMALL_BYTES and piece is None and flat.device.type == "cpu":
         return _small_steps(topo, engine, glob, flat, wire=wire, divisor=divisor), engine
     if engine is not None:
