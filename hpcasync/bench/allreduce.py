@@ -96,18 +96,23 @@ def _idle_barrier(comm, poll: float = 0.001) -> None:
 def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, float]:
     """Median over iterations of the slowest rank's seconds per method.
 
-    The methods take turns inside every iteration (each call after a barrier), so a burst of
-    background load hits all of them alike instead of whichever happened to be running.
+    The methods take turns inside every iteration (each call after a barrier; the first to go
+    and the buffer each method reduces rotate from one iteration to the next), so a burst of
+    background load hits all of them alike instead of whichever happened to be running, and no
+    method keeps a buffer whose pages happen to be faster (two identical MPI calls on two
+    different 16 MiB buffers differed by 6-9 % here).
     """
     from mpi4py import MPI
 
-    tensors = {name: torch.zeros(nbytes // 4) for name in methods}   # zeros: no overflow
-    times = np.empty((len(methods), WARMUP + iters))
+    items = list(methods.items())
+    tensors = [torch.zeros(nbytes // 4) for _ in items]              # zeros: no overflow
+    times = np.empty((len(items), WARMUP + iters))
     for i in range(WARMUP + iters):
-        for k, (name, fn) in enumerate(methods.items()):
+        for j in range(len(items)):    # rotate who goes first and which buffer each one gets:
+            k = (i + j) % len(items)   # neither the position nor a buffer's pages favour anyone
             comm.Barrier()
             t0 = time.perf_counter()
-            fn(tensors[name])
+            items[k][1](tensors[(k + i) % len(items)])
             times[k, i] = time.perf_counter() - t0
     slowest = np.ascontiguousarray(times[:, WARMUP:])
     comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
