@@ -144,6 +144,13 @@ def require_open_mpi(what: str, vendor: str | None = None) -> None:
                           f"mpi4py loads {NAMES[vendor]}{lib}, which has no ULFM mode")
 
 
+def shown_mpiexec(n: int) -> str:
+    """How a printed reproduce line starts ``n`` ranks here: ``mpiexec --oversubscribe -n N``
+    under Open MPI (it refuses more ranks than cores without it), ``mpiexec -n N`` under MPICH
+    (whose hydra has no such option and oversubscribes by default)."""
+    return f"mpiexec {'--oversubscribe ' if mpi_vendor() == OPEN_MPI else ''}-n {n}"
+
+
 def mpiexec_command(n: int, *, oversubscribe: bool = True, ft: bool = False,
                     bind: str | None = None, vendor: str | None = None,
                     mpiexec: str | None = None) -> list[str]:

@@ -8,6 +8,10 @@ venv=$(bash "$repo/scripts/setup.sh" | tail -n 1)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 mkdir -p "$repo/runs"
 cd "$repo"
-exec "$venv/bin/mpiexec" --oversubscribe -n "${NP:-4}" "$venv/bin/hpcasync" train \
+# the launcher of the venv's MPI (hpcasync.launch): line 1 names the MPI, then one argument a line
+# (Open MPI: mpiexec --oversubscribe -n N; MPICH's hydra: mpiexec -n N)
+mapfile -t launch < <(PATH="$venv/bin:$PATH" "$venv/bin/python" -m hpcasync.launch -n "${NP:-4}")
+[ "${#launch[@]}" -gt 1 ] || { echo "run-main: no MPI launcher in $venv" >&2; exit 1; }
+exec "${launch[@]:1}" "$venv/bin/hpcasync" train \
     --algorithm ssgd --dataset fashion-mnist --model lenet --epochs 2 \
     --metrics runs/main.jsonl --progress on "$@"

@@ -32,9 +32,9 @@ state=$(cd "$2" && pwd)
 conf=$state/slurm.conf
 
 # A launcher's variables (this may be called from inside an mpiexec'd test) must not leak into the
-# daemons: they would hand them to every job.
+# daemons: they would hand them to every job (Open MPI's, PMIx's, and MPICH hydra's PMI_/HYDI_).
 for v in $(compgen -e); do
-    case $v in OMPI_*|PMIX_*|PRTE_*|OPAL_*|SLURM_*) unset "$v";; esac
+    case $v in OMPI_*|PMIX_*|PRTE_*|OPAL_*|SLURM_*|PMI_*|HYDI_*|HYDRA_*|MPIR_*) unset "$v";; esac
 done
 export SLURM_CONF=$conf
 

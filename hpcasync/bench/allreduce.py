@@ -355,7 +355,9 @@ def command_line(comm, args: argparse.Namespace) -> str:
                    if k.startswith("OMPI_MCA_") and k not in _LAUNCHER_SET)
     argv = ["--sizes", *args.sizes, "--iters", str(args.iters), "--budget-mb", str(args.budget_mb)]
     argv += ["--no-horovod"] * bool(args.no_horovod)
-    return (f"{env + ' ' if env else ''}mpiexec --oversubscribe -n {comm.Get_size()} "
+    from ..launch import shown_mpiexec
+
+    return (f"{env + ' ' if env else ''}{shown_mpiexec(comm.Get_size())} "
             f"hpcasync bench allreduce {' '.join(argv)}")
 
 

@@ -273,7 +273,9 @@ def command_line(args) -> str:
             "--methods " + " ".join(args.methods),
             f"--daso-warmup-epochs {args.daso_warmup_epochs}",
             f"--daso-cooldown-epochs {args.daso_cooldown_epochs}"]
-    return "mpiexec --oversubscribe -n 4 hpcasync bench daso " + " ".join(argv)
+    from ..launch import shown_mpiexec
+
+    return f"{shown_mpiexec(4)} hpcasync bench daso " + " ".join(argv)
 
 
 def run(args: argparse.Namespace) -> int:
