@@ -80,6 +80,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=4, help="number of virtual workers N (4)")
     g.add_argument("--sim-step-time", type=float, default=0.01,
                    help="simulated seconds of one undisturbed step (0.01)")
+    g.add_argument("--sim-ps-service-time", type=float, default=0.0,
+                   help="simulated seconds ONE server rank needs per push of the whole model "
+                        "(0: instantaneous, the default). With --ps-ranks K each of the K shard "
+                        "servers needs 1/K of it and they serve in parallel; calibrate it with "
+                        "hpcasync bench ps (1 / pushes per second at the model's size)")
 
 
 def command_parser(command: str) -> OptionParser:

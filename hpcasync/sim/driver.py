@@ -12,7 +12,9 @@ PS memory the MPI run would have (``ps_state_bytes``, ``ps_transport_bytes`` for
 ``ps_buffers_bytes``, ``ps_total_bytes``: ``ps.memory``; the measured ``ps_transport_peak_bytes``
 is the MPI run's only). A run
 is bit-reproducible: the same options give the same stream except the wall-clock fields
-(``time_s``, ``wall_time_s``). No MPI is used. A diverging run stops with one line, as a real one
+(``time_s``, ``wall_time_s``). No MPI is used. ``--sim-ps-service-time`` and ``--ps-ranks K`` model
+the server's service time and K shard servers (``engine``: FIFO queue, ``ps_busy``/``ps_wait_s``
+in the epoch records). A diverging run stops with one line, as a real one
 (``RunContext.divergence``: every round's mean loss / every accepted push's loss is checked).
 
 Example::
@@ -57,6 +59,12 @@ def check(cfg) -> None:
     step = cfg.options.get("sim_step_time")
     if not isinstance(step, (int, float)) or not step > 0 or step == float("inf"):
         raise ConfigError(f"--sim-step-time must be a finite number > 0, got {step!r}")
+    service = cfg.options.get("sim_ps_service_time", 0.0)
+    if not isinstance(service, (int, float)) or not 0 <= service < float("inf"):
+        raise ConfigError(f"--sim-ps-service-time must be a finite number >= 0, got {service!r}")
+    shards = cfg.options.get("ps_ranks", 1)
+    if not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"--ps-ranks must be a positive integer, got {shards!r}")
     for flag, value, default in (("--optimizer", cfg.optimizer, "sgd"),
                                  ("--loss", cfg.loss, "cross_entropy")):
         if value != default:
@@ -169,7 +177,9 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     sim = AsyncSim(rule, worker_rule, model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
                    batch_size=cfg.batch_size, seed=cfg.seed,
                    step_time=cfg.options["sim_step_time"], on_epoch=on_epoch,
-                   lr_factor=lr_factor_of(cfg, W), oracle=oracle, on_push=on_push)
+                   lr_factor=lr_factor_of(cfg, W), oracle=oracle, on_push=on_push,
+                   service_time=cfg.options.get("sim_ps_service_time", 0.0),
+                   shards=cfg.options.get("ps_ranks", 1))
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()

@@ -8,6 +8,19 @@ not matter: only the simulated order does. The PS side is the very same rule obj
 drives; the per-push bookkeeping is the same ``PushStats``. Ties are broken by worker index, so
 homogeneous workers push round robin and a run is bit-reproducible.
 
+Server service time (``service_time`` s, ``shards`` K): the PS is not instantaneous. A push that
+arrives at t (the worker's step plus its push delay) is served first-come first-served by each of
+the K shard servers, each needing ``service_time / K`` (its 1/K of the model; K = 1 is one
+server); the reply arrives when the last shard is done, and the worker's next step starts then:
+
+    start = max(t, free);  free = start + service_time / K;  reply at free
+
+The arithmetic is the rule's, applied in arrival order (which FIFO service keeps), so only time
+changes: ``service_time = 0`` (the default) is the old instantaneous server, bit for bit. The
+epoch records get ``ps_busy`` (the share of simulated time a shard server was serving) and
+``ps_wait_s`` (mean seconds a push waited for a busy server) -- where one server saturates and what
+K buys. The model assumes every shard is equally fast and a push's K slices arrive together.
+
 Synchronous algorithms (:class:`SyncSim`, ``ssgd``): rounds; every worker computes a gradient on the
 shared parameters, the mean is applied with the SSGD optimizer (momentum SGD), and the round takes
 as long as its slowest worker.
@@ -56,14 +69,20 @@ class AsyncSim:
             warm-up), the same arithmetic as the MPI server's (a worker's lr is the base lr).
         oracle: LC-ASGD's oracle: also compute the loss at the current θ on the same batch.
         on_push: ``on_push(worker, staleness, loss, sim_time)`` after every push (progress).
+        service_time: simulated seconds one server needs per push (module doc; default 0).
+        shards: K shard servers serving in parallel (default 1).
     """
 
     def __init__(self, rule, worker_rule, model, train, delay, *, num_workers: int, epochs: int,
                  batch_size: int, seed: int, step_time: float = 0.01,
                  on_epoch: Callable[[int, dict], None] | None = None,
                  lr_factor: Callable[[float], float] | None = None, oracle: bool = False,
-                 on_push: Callable[[int, int, float, float], None] | None = None):
+                 on_push: Callable[[int, int, float, float], None] | None = None,
+                 service_time: float = 0.0, shards: int = 1):
         self.rule, self.worker_rule, self.model = rule, worker_rule, model
+        self.service = service_time / shards      # one shard's seconds per push
+        self.ps_free, self.ps_busy, self.ps_wait = 0.0, 0.0, 0.0
+        self._busy_mark, self._wait_mark, self._pushes_mark, self._time_mark = 0.0, 0.0, 0, 0.0
         self.train, self.delay = train, delay
         self.W, self.epochs, self.batch_size, self.seed = num_workers, epochs, batch_size, seed
         self.step_time = step_time
@@ -118,13 +137,24 @@ class AsyncSim:
             self.worker_rule.on_reply(local[w], reply, pushed)
             version[w] = reply.version
             steps[w] += 1
+            done = self.sim_time = self._serve(t)      # the push counts once its reply is back
             if steps[w] < total:
-                heapq.heappush(heap, (t + self.duration(w, steps[w]), w))
+                heapq.heappush(heap, (done + self.duration(w, steps[w]), w))
             while (next_epoch <= self.epochs and (not heap or self.stats.accepted
                                                    >= next_epoch * self.pushes_per_epoch)):
                 self._epoch(next_epoch, bufs)
                 next_epoch += 1
         return self.stats
+
+    def _serve(self, t: float) -> float:
+        """FIFO service of a push arriving at ``t``; returns when its reply is back."""
+        if not self.service:
+            return t
+        start = max(t, self.ps_free)
+        self.ps_wait += start - t
+        self.ps_free = start + self.service
+        self.ps_busy += self.service
+        return self.ps_free
 
     def _gradient(self, params, bufs, x, y):
         flat = self.flat
@@ -151,6 +181,14 @@ class AsyncSim:
     def _epoch(self, epoch: int, bufs) -> None:
         record = self.stats.end_epoch()
         record["sim_time"] = self.sim_time
+        if self.service:
+            pushes = self.stats.accepted + self.stats.rejected
+            span = max(self.sim_time - self._time_mark, 1e-12)
+            record["ps_busy"] = min(1.0, (self.ps_busy - self._busy_mark) / span)
+            record["ps_wait_s"] = (self.ps_wait - self._wait_mark) / max(
+                1, pushes - self._pushes_mark)
+            self._busy_mark, self._wait_mark, self._pushes_mark = self.ps_busy, self.ps_wait, pushes
+            self._time_mark = self.sim_time
         record["ps_version"] = self.rule.version
         self.load_theta(bufs)
         if self.on_epoch is not None:
