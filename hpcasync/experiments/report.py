@@ -55,6 +55,8 @@ class RunStats:
     breakdown: dict[str, float]                            # field -> mean seconds per epoch
     ps_transport_bytes: float | None = None                # absent in runs before issue 13
     ps_total_bytes: float | None = None
+    ps_busy: float | None = None                           # simulated server: busy share, mean
+    ps_wait: float | None = None                           # ... and mean wait per push (s)
 
 
 @dataclass
@@ -118,7 +120,13 @@ def run_stats(rid: str, axes: dict, records: list[dict], time_mode: str,
     return RunStats(id=rid, axes=axes, final_acc=acc, time=t,
                     wall=summary.get("wall_time_s", last.get("wall_time_s")), epochs=len(epochs),
                     curve=curve, time_to_target=ttt, ps_state_bytes=ps, staleness=hist,
-                    breakdown=breakdown, ps_transport_bytes=ps_transport, ps_total_bytes=ps_total)
+                    breakdown=breakdown, ps_transport_bytes=ps_transport, ps_total_bytes=ps_total,
+                    ps_busy=_mean_field(epochs, "ps_busy"), ps_wait=_mean_field(epochs, "ps_wait_s"))
+
+
+def _mean_field(epochs: list[dict], key: str) -> float | None:
+    values = [float(r[key]) for r in epochs if isinstance(r.get(key), (int, float))]
+    return statistics.fmean(values) if values else None
 
 
 def load(out: str | Path) -> tuple[dict, list[Group], dict[str, str], list[str]]:
@@ -241,12 +249,31 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
     return lines
 
 
+#: ``[report] pivot`` values: (title, cell formatter)
+PIVOTS = {
+    "accuracy": ("Final test accuracy (%), mean ± std over seeds", _acc),
+    "time_per_epoch": ("Time per epoch (s), mean ± std over seeds",
+                       lambda g: _pm([r.time / r.epochs for r in g.runs
+                                      if r.time is not None and r.epochs], ".3f")),
+    "ps_busy": ("Parameter server busy (% of the time, simulated server), mean over epochs",
+                lambda g: _pm([r.ps_busy for r in g.runs if r.ps_busy is not None], ".1f", 100.0)),
+    "ps_wait": ("Mean wait of a push for the simulated server (ms)",
+                lambda g: _pm([r.ps_wait for r in g.runs if r.ps_wait is not None], ".2f", 1e3)),
+}
+
+
 def pivot_tables(exp: dict, groups: list[Group]) -> list[str]:
-    """Final accuracy as rows x columns, one table per value of the remaining axes."""
+    """Rows x columns tables (``[report] pivot``: accuracy by default; time per epoch, PS busy
+    share, PS wait), one per value of the remaining axes."""
     rep = exp.get("report", {})
     rows, cols = rep.get("rows"), rep.get("columns")
     if not rows or not cols or rows == cols:
         return []
+    return [line for what in rep.get("pivot", ["accuracy"])
+            for line in _pivot(exp, groups, rows, cols, *PIVOTS[what])]
+
+
+def _pivot(exp: dict, groups: list[Group], rows: str, cols: str, heading: str, cell) -> list[str]:
     rest = [a for a in exp["axes"] if a not in (SEED, rows, cols)]
     by_rest: dict[tuple, dict[tuple, Group]] = {}
     for g in groups:
@@ -255,7 +282,7 @@ def pivot_tables(exp: dict, groups: list[Group]) -> list[str]:
     for rest_key, cells in by_rest.items():
         title = ", ".join(f"{a}={v}" for a, v in zip(rest, rest_key))
         suffix = f": {title}" if title else ""
-        out += ["", f"Final test accuracy (%), mean ± std over seeds{suffix}", ""]
+        out += ["", f"{heading}{suffix}", ""]
         col_vals = [c for c in exp["axes"][cols] if any(k[1] == c for k in cells)]
         row_vals = [r for r in exp["axes"][rows] if any(k[0] == r for k in cells)]
         out.append(f"| {rows} \\ {cols} | " + " | ".join(map(str, col_vals)) + " |")
@@ -264,7 +291,7 @@ def pivot_tables(exp: dict, groups: list[Group]) -> list[str]:
             cells_txt = []
             for cv in col_vals:
                 g = cells.get((rv, cv))
-                cells_txt.append(_acc(g) if g else "–")
+                cells_txt.append(cell(g) if g else "–")
             out.append(f"| {rv} | " + " | ".join(cells_txt) + " |")
     return out
 

@@ -33,7 +33,7 @@ MODES = ("sim", "mpi")
 TOP_KEYS = ("name", "description", "claim", "mode", "timeout", "jobs", "base", "matrix",
             "variants", "overrides", "mini", "report")
 MINI_KEYS = ("base", "matrix", "timeout")
-REPORT_KEYS = ("rows", "columns", "facet", "target", "time")
+REPORT_KEYS = ("rows", "columns", "facet", "target", "time", "pivot")
 RUNNER_SET = ("metrics", "progress", "config", "resume", "checkpoint_dir")   # the runner's business
 DEFAULT_TIMEOUT_S = 1800.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -370,6 +370,11 @@ def _report(value, axes: dict, mode: str, fail) -> dict:
         fail("[report] time = sim_time needs mode = sim")
     if "facet" not in out and "rows" in out:
         out["facet"] = out["rows"]
+    from .report import PIVOTS
+
+    pivot = out.get("pivot", ["accuracy"])
+    if not isinstance(pivot, list) or not pivot or any(p not in PIVOTS for p in pivot):
+        fail(f"[report] pivot must be a list of: {', '.join(PIVOTS)}; got {pivot!r}")
     return out
 
 
