@@ -27,6 +27,8 @@ BENCHMARKS = {
                   "allreduce bandwidth: MPI_Allreduce vs ours (flat, hierarchical) vs Horovod"),
     "daso": ("hpcasync.bench.daso", "DASO vs SSGD (own) vs Horovod: time per epoch, time to accuracy"),
     "ps": ("hpcasync.bench.ps", "parameter-server pushes/s: RMA vs two-sided vs one-process bound"),
+    "ssgd": ("hpcasync.bench.ssgd", "SSGD ms/step: ours (overlapped, not) vs PyTorch DDP vs "
+             "Horovod vs compute only"),
 }
 
 

@@ -1,10 +1,16 @@
 """SSGD's optimizer: average gradients across ranks, then the user's optimizer step.
 
-Every step, every rank averages its gradient with all the others' (one allreduce over the flat
-gradient buffer) and applies the same local optimizer step, so replicas stay bitwise identical
-(invariant 3). The gradient's path: ``loss.backward()`` writes into views of ``FlatModel.grads`` ->
-``DistributedOptimizer.synchronize()`` allreduce-averages that one buffer in place ->
-the user's ``optimizer.step()`` reads the averaged ``p.grad`` views.
+Every step, every rank averages its gradient with all the others', g ← (1/N)·Σ_i g^(i), and applies
+the same local optimizer step, so replicas stay bitwise identical (invariant 3). The gradient's
+path: ``loss.backward()`` writes into views of ``FlatModel.grads``; the buffer is cut into buckets
+(contiguous ranges from its end, :mod:`.buckets`), each averaged by one allreduce — with
+``overlap=True`` (default) started from gradient hooks while backward still runs, on a communication
+thread; ``synchronize()`` waits for them (and averages the BatchNorm buffers last) -> the user's
+``optimizer.step()`` reads the averaged ``p.grad`` views. ``overlap=False`` reduces the same buckets
+in the same order after backward: the results are bitwise those of the overlapped path.
+
+Differences from Horovod's ``DistributedOptimizer`` (per-parameter hooks, fused on a timer by a
+background thread) and DDP (bucket copies, 25 MiB buckets): see :mod:`.buckets`.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..comm.broadcast import broadcast
 from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat
 from ..topology import init_mpi
+from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
 
 log = logging.getLogger("hpcasync")
 
@@ -32,10 +39,20 @@ class DistributedOptimizer(AlgorithmOptimizer):
         backward_passes_per_step: gradients of this many ``step()`` calls are accumulated locally
             before one allreduce and one optimizer step (as Horovod's option of the same name).
         compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce.
-        average_buffers: average floating buffers (BatchNorm running statistics) in the same
-            allreduce as the gradients, every step (default True: replicas stay bitwise identical,
-            buffers included; the cost is the buffers' few bytes). False: only when
-            :meth:`average_buffers` is called (the CLI did this at epoch ends before).
+        average_buffers: average floating buffers (BatchNorm running statistics) in one more
+            allreduce after the gradients' buckets, every step (default True: replicas stay
+            bitwise identical, buffers included; the cost is the buffers' few bytes). False: only
+            when :meth:`average_buffers` is called (the CLI did this at epoch ends before).
+        overlap: start each gradient bucket's allreduce as soon as backward has produced all its
+            gradients (default True); False: the same buckets after backward, in ``step()``.
+        bucket_bytes: bucket size in bytes of float32 gradient (default 256 KiB). At DDP's
+            25 MiB the models here (lenet 0.24 MB, resnet20 1.1 MB of gradient) would be one
+            bucket, started only when backward ends: nothing overlapped. 256 KiB gives resnet20
+            ~5 buckets; each costs one more allreduce latency (µs on one node). A choice to
+            confirm with ``hpcasync bench ssgd --bucket-mb`` on an idle machine, not a measurement.
+        progress: ``"thread"`` (default: a communication thread runs the blocking allreduces) or
+            ``"test"`` (nonblocking allreduces advanced from the gradient hooks); see
+            :class:`~hpcasync.ssgd.buckets.BucketReducer`.
 
     It is a ``torch.optim.Optimizer`` whose ``param_groups``/``state`` are the wrapped optimizer's,
     so LR schedulers and ``state_dict`` work on it (:mod:`hpcasync.optim`).
@@ -54,11 +71,15 @@ class DistributedOptimizer(AlgorithmOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  backward_passes_per_step: int = 1, compress: str | None = None,
-                 average_buffers: bool = True):
+                 average_buffers: bool = True, overlap: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: str = DEFAULT_PROGRESS):
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if compress not in (None, "bf16", "fp16"):
             raise ConfigError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
+        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 4:
+            raise ConfigError(f"bucket_bytes must be an integer >= 4 (one float32), got "
+                              f"{bucket_bytes!r}")
         self._wrap(as_flat(model), optimizer)
         if comm is None:
             comm = init_mpi().COMM_WORLD
@@ -72,6 +93,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self.comm_time = 0.0       # seconds spent in allreduce
         self._synchronized = False
         self._skip = False
+        # a subclass with its own synchronize() (e.g. a hierarchical allreduce) must not have
+        # the buckets started behind its back: no hooks for it
+        overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
+        self.reducer = BucketReducer(
+            self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=compress,
+            progress=progress,
+            last_pass=lambda: self.passes == self.backward_passes_per_step - 1)
+        self.overlap = self.reducer.overlap
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from ``root``'s parameters and buffers (not from seeds)."""
@@ -81,19 +110,20 @@ class DistributedOptimizer(AlgorithmOptimizer):
 
     def synchronize(self) -> None:
         """Average the flat gradient buffer (and the float buffers, with ``average_buffers``)
-        across ranks, in place. Called by ``step()``."""
-        self._collect()
+        across ranks, in place: waits for the buckets started during backward and reduces the
+        others (with ``overlap=False``: all of them, in the same order). Called by ``step()``.
+        ``comm_time`` counts the time waited here (communication hidden behind backward is not)."""
         t0 = time.perf_counter()
-        if self.sync_buffers:
+        self.reducer.finish()
+        self._collect()           # (a no-op pointer check: the reducer re-bound every gradient)
+        wire = self.flat.numel
+        if self.sync_buffers:     # the buffers' bucket, last: BatchNorm statistics of this step
             self.flat.buffer_wire.copy_(self.flat.buffers)
-            wire = self.flat.grads_and_buffers
-        else:
-            wire = self.flat.grads
-        allreduce(self.comm, wire, average=True, compress=self.compress)
-        if self.sync_buffers:
+            allreduce(self.comm, self.flat.buffer_wire, average=True, compress=self.compress)
             self.flat.buffers.copy_(self.flat.buffer_wire)
+            wire += self.flat.buffer_numel
         self.comm_time += time.perf_counter() - t0
-        self.bytes_sent += wire.numel() * (2 if self.compress else 4)
+        self.bytes_sent += wire * (2 if self.compress else 4)
         self._synchronized = True
 
     def _check_skip(self) -> None:
@@ -106,8 +136,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self.passes += 1
         if self.passes < self.backward_passes_per_step:
             return None          # keep accumulating into the flat gradient buffer
-        if not self._skip:
-            self.synchronize()
+        try:
+            if not self._skip:
+                self.synchronize()
+            else:
+                self.reducer.discard()
+        except BaseException:
+            self.passes = 0        # the step is dropped; the next zero_grad() starts afresh
+            raise
         self.passes = 0
         self._synchronized = False
         self.steps += 1
@@ -118,7 +154,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
         says); mid-accumulation (``backward_passes_per_step``) it keeps the partial sum."""
         if self.passes:
             return
+        self.reducer.discard()    # a backward not followed by step(): wait for what it started
         self.flat.zero_grad()
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication thread. Call it when done with an
+        optimizer that other code outlives (otherwise the hooks keep it alive and its idle daemon
+        thread waits until the process exits)."""
+        self.reducer.close()
 
     def average_buffers(self) -> None:
         """Average floating-point module buffers (BatchNorm running statistics) across ranks."""

@@ -4,7 +4,9 @@ Every step, every rank averages its gradient with all the others' (one allreduce
 gradient buffer) and applies the same local optimizer step, so replicas stay bitwise identical
 (invariant 3). The gradient's path: ``loss.backward()`` writes into views of ``FlatModel.grads`` ->
 ``DistributedOptimizer.synchronize()`` allreduce-averages that one buffer in place ->
-the user's ``optimizer.step()`` reads the averaged ``p.grad`` views.
+the user's ``optimizer.step()`` reads the averaged ``p.grad`` views. The buffer is averaged in
+buckets started during backward (``--ssgd-overlap``, default; ``--no-ssgd-overlap`` reduces the same
+buckets after it, bitwise the same result; ``--ssgd-bucket-mb``): :mod:`hpcasync.ssgd.buckets`.
 
 Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``; see
 :mod:`hpcasync.hetero`; the worker index is the rank): :class:`StepDelay` makes a slow rank sleep
@@ -26,8 +28,8 @@ Example (a user's own loop)::
 """
 from __future__ import annotations
 
+import argparse
 import logging
-
 
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
@@ -37,6 +39,7 @@ from ..hetero import StepDelay
 from ..hetero import check_options as check_hetero
 from .horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over, mean_over
+from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, PROGRESS
 from .optimizer import DistributedOptimizer
 
 log = logging.getLogger("hpcasync")
@@ -49,6 +52,15 @@ def add_arguments(parser) -> None:
     group.add_argument("--link-delay-us-per-mb", type=float, default=0.0,
                        help="ssgd: emulated slow inter-node link, µs per 10^6 bytes of each "
                             "step's gradient message (only with more than one node; default 0)")
+    group.add_argument("--ssgd-overlap", action=argparse.BooleanOptionalAction, default=True,
+                       help="ssgd: start each gradient bucket's allreduce during backward "
+                            "(default on; --no-ssgd-overlap reduces the same buckets after it)")
+    group.add_argument("--ssgd-bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
+                       help="ssgd: gradient bucket size in MiB (default %(default)s)")
+    group.add_argument("--ssgd-progress", choices=PROGRESS, default=DEFAULT_PROGRESS,
+                       help="ssgd: how overlapped buckets progress: a communication thread of "
+                            "blocking allreduces, or nonblocking ones tested from the gradient "
+                            "hooks (default %(default)s)")
 
 
 def validate(cfg) -> None:
@@ -56,6 +68,12 @@ def validate(cfg) -> None:
     d = cfg.options.get("link_delay_us_per_mb", 0.0)
     if not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
         raise ConfigError(f"--link-delay-us-per-mb must be a finite number >= 0, got {d!r}")
+    mb = cfg.options.get("ssgd_bucket_mb", DEFAULT_BUCKET_BYTES / 2**20)
+    if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 4 / 2**20 <= mb < 2**20:
+        raise ConfigError(f"--ssgd-bucket-mb must be a number of MiB >= 4 bytes, got {mb!r}")
+    progress = cfg.options.get("ssgd_progress", DEFAULT_PROGRESS)
+    if progress not in PROGRESS:
+        raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
 
 
@@ -70,7 +88,11 @@ def run(ctx: RunContext) -> RunResult:
     else:
         flat = FlatModel(model)
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
-        opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress)
+        bucket = int(cfg.options.get("ssgd_bucket_mb", DEFAULT_BUCKET_BYTES / 2**20) * 2**20)
+        opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress,
+                                   overlap=bool(cfg.options.get("ssgd_overlap", True)),
+                                   bucket_bytes=max(4, bucket),
+                                   progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
     opt.broadcast_parameters(root=0)
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:

@@ -1,0 +1,337 @@
+"""``hpcasync bench ssgd``: time per SSGD step — ours (overlapped and not) vs PyTorch DDP vs Horovod
+vs compute only.
+
+Run (the committed tables: 2 and 4 ranks, on an otherwise idle machine)::
+
+    mpiexec -n 4 hpcasync bench ssgd [--models resnet20 lenet mlp] [--batch-size 32]
+        [--steps 100] [--threads T] [--bucket-mb 0.25] [--out FILE]
+
+Every method trains its own replica of the same model (same seed, same initial parameters) on the
+same batches (seeded synthetic Fashion-MNIST-shaped images, different on each rank, the same for
+every method), with SGD (lr 0.01, momentum 0.9), batch ``--batch-size`` per rank. One step =
+``zero_grad``, forward, cross-entropy, backward, ``step()``. The methods take turns inside every
+step (after an idle barrier), so a burst of load on the machine hits all of them alike:
+
+* ``compute``: the same step with a plain local ``torch.optim.SGD`` — no communication (the bound);
+* ``ours``: :class:`hpcasync.ssgd.DistributedOptimizer` (buckets reduced during backward);
+* ``ours-no-overlap``: the same, ``overlap=False`` (the same buckets after backward);
+* ``ours-test``: overlapped with ``progress="test"`` (nonblocking allreduces advanced from the
+  hooks, no communication thread);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, gloo backend, its defaults (25 MiB
+  buckets, buffers broadcast from rank 0 at every forward); ``torch.distributed`` is initialised
+  over TCP at rank 0's address, sent to the others over MPI;
+* ``horovod``: ``horovod.torch.DistributedOptimizer`` (per-parameter hooks, fused by its background
+  thread), when ``import horovod.torch`` works — in a pass of its own after the others (its
+  background thread polls and would slow them), interleaved with a second ``compute`` column.
+
+A step's time is the slowest rank's (the others wait for it at the next collective anyway); the
+table gives the median over the timed steps. Ratios: ``X/compute`` = time(X) / time(compute)
+(≥ 1; 1.05 = 5 % over the bound); ``DDP/ours`` and ``Horovod/ours`` = time(peer) / time(ours)
+(> 1: ours is faster). Check line: ours and ours-no-overlap must end bitwise equal (they run the
+same reductions on the same data), and ours must stay close to DDP (same algorithm).
+
+Differences from the references: DDP's own benchmarks (``torch/distributed/benchmarks``) time
+ResNet-50 on GPUs with NCCL; Horovod's ``pytorch_synthetic_benchmark.py`` reports images/s of one
+method per run. Here all methods run in one job, step by step, on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, TopologyError
+
+log = logging.getLogger(__name__)
+
+MODELS = ("resnet20", "lenet", "mlp")
+METHODS = ("compute", "ours", "ours-no-overlap", "ours-test", "ddp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: cores / ranks on the node)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="our gradient bucket size in MiB (default: the optimizer's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
+    parser.add_argument("--no-horovod", action="store_true", help="skip Horovod even if installed")
+    parser.add_argument("--out", default=None, help="also write the markdown report to FILE")
+
+
+def _idle_barrier(comm, poll: float = 0.0005) -> None:
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def make_batches(args, rank: int, n: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` seeded synthetic batches of this rank (cycled through by every method)."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    return [(torch.randn(args.batch_size, 1, 28, 28, generator=g),
+             torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(n)]
+
+
+def init_ddp(comm) -> None:
+    """``torch.distributed`` (gloo) over TCP at rank 0's address, found and sent over MPI."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    addr = None
+    if comm.Get_rank() == 0:
+        host = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            addr = f"tcp://{host}:{s.getsockname()[1]}"
+    addr = comm.bcast(addr, root=0)
+    dist.init_process_group("gloo", init_method=addr, rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+
+class Method:
+    """One replica and its step: ``step(x, y)`` = zero_grad, forward, loss, backward, step."""
+
+    def __init__(self, name: str, model, opt, wrapped=None):
+        self.name, self.model, self.opt = name, model, opt
+        self.net = wrapped if wrapped is not None else model
+        self.times: list[float] = []
+
+    def step(self, x, y) -> None:
+        self.opt.zero_grad()
+        F.cross_entropy(self.net(x), y).backward()
+        self.opt.step()
+
+    def params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+def build(name: str, model_name: str, args, comm, hvd=None) -> Method:
+    from ..comm import FlatModel
+    from ..models import build_model
+    from ..ssgd.optimizer import DistributedOptimizer
+
+    torch.manual_seed(args.seed)                     # the same initial parameters everywhere
+    model = build_model(model_name, (1, 28, 28), 10)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if name == "compute":
+        return Method(name, model, sgd)
+    if name in ("ours", "ours-no-overlap", "ours-test"):
+        kw = {} if args.bucket_mb is None else {"bucket_bytes": max(4, int(args.bucket_mb * 2**20))}
+        opt = DistributedOptimizer(sgd, FlatModel(model), comm.Dup(),
+                                   overlap=name != "ours-no-overlap",
+                                   progress="test" if name == "ours-test" else "thread", **kw)
+        return Method(name, model, opt)
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return Method(name, model, sgd, DistributedDataParallel(model))
+    if name == "horovod":
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        return Method(name, model, opt)
+    raise ConfigError(f"unknown method {name!r}")
+
+
+def time_turns(comm, methods: list[Method], batches, steps: int, warmup: int) -> None:
+    """Run ``warmup + steps`` steps, the methods taking turns in each; fill ``Method.times``."""
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        for m in methods:
+            _idle_barrier(comm)
+            t0 = time.perf_counter()
+            m.step(x, y)
+            if i >= warmup:
+                m.times.append(time.perf_counter() - t0)
+
+
+def slowest_median(comm, times: list[float]) -> float:
+    """Median over steps of the slowest rank's time, in ms."""
+    from mpi4py import MPI
+
+    arr = np.asarray(times, dtype=np.float64)
+    comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+    return statistics.median(arr.tolist()) * 1e3
+
+
+def measure_model(comm, model_name: str, args, names: list[str], batches, hvd=None) -> dict:
+    methods = [build(n, model_name, args, comm, hvd) for n in names]
+    time_turns(comm, methods, batches, args.steps, args.warmup)
+    row = {m.name: slowest_median(comm, m.times) for m in methods}
+    by = {m.name: m for m in methods}
+    if "ours" in by and "ours-no-overlap" in by:
+        row["bitwise"] = comm.allreduce(
+            torch.equal(by["ours"].params(), by["ours-no-overlap"].params()), op=_land())
+    if "ours" in by and "ddp" in by:
+        row["ddp_diff"] = float((by["ours"].params() - by["ddp"].params()).abs().max())
+    for m in methods:
+        if hasattr(m.opt, "close"):
+            m.opt.close()
+    return row
+
+
+def _land():
+    from mpi4py import MPI
+    return MPI.LAND
+
+
+def load_horovod(comm, skip: bool):
+    from .allreduce import load_horovod as load
+    return load(comm, skip)
+
+
+def ddp_available(comm, skip: bool) -> bool:
+    import torch.distributed as dist
+    ok = not skip and dist.is_available() and dist.is_gloo_available()
+    return bool(comm.allreduce(ok, op=_land()))
+
+
+def measure(comm, args) -> list[dict]:
+    """One row per model: median ms/step (slowest rank) per method, plus the checks."""
+    batches = make_batches(args, comm.Get_rank())
+    names = ["compute", "ours", "ours-no-overlap", "ours-test"]
+    if ddp_available(comm, args.no_ddp):
+        init_ddp(comm)
+        names.append("ddp")
+    rows = []
+    for model_name in args.models:
+        row = measure_model(comm, model_name, args, names, batches)
+        rows.append({"model": model_name, **row})
+    hvd = load_horovod(comm, args.no_horovod)
+    if hvd is not None:              # its own pass: Horovod's background thread polls the CPU
+        hvd.init(comm=comm)
+        try:
+            for row in rows:
+                h = measure_model(comm, row["model"], args, ["compute", "horovod"], batches, hvd)
+                row["horovod"], row["compute-hvd"] = h["horovod"], h["compute"]
+        finally:
+            hvd.shutdown()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    has_ddp, has_hvd = "ddp" in rows[0], "horovod" in rows[0]
+    head = ["model", "compute ms", "ours ms", "no-overlap ms", "ours-test ms"]
+    head += ["DDP ms"] * has_ddp + ["Horovod ms", "compute (Horovod pass) ms"] * has_hvd
+    head += ["ours/compute", "no-overlap/compute", "ours-test/compute"] + ["DDP/ours"] * has_ddp
+    head += ["Horovod/ours"] * has_hvd
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], f"{r['compute']:.2f}", f"{r['ours']:.2f}",
+                 f"{r['ours-no-overlap']:.2f}", f"{r['ours-test']:.2f}"]
+        if has_ddp:
+            cells.append(f"{r['ddp']:.2f}")
+        if has_hvd:
+            cells += [f"{r['horovod']:.2f}", f"{r['compute-hvd']:.2f}"]
+        cells += [f"{r[k] / r['compute']:.3f}" for k in ("ours", "ours-no-overlap", "ours-test")]
+        if has_ddp:
+            cells.append(f"{r['ddp'] / r['ours']:.3f}")
+        if has_hvd:
+            cells.append(f"{r['horovod'] / r['ours']:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine(comm, threads: int) -> str:
+    from mpi4py import MPI
+
+    cores = os.cpu_count() or 0
+    ranks = comm.Get_size()
+    over = " (oversubscribed)" if ranks * threads > cores else ""
+    lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    return (f"{ranks} ranks x {threads} torch thread(s) on {cores} cores{over}, "
+            f"{platform.processor() or platform.machine()}, {lib}, torch {torch.__version__}")
+
+
+def report(comm, rows, args, threads: int, load: float, load_after: float) -> str:
+    checks = []
+    for r in rows:
+        if "bitwise" in r:
+            checks.append(f"{r['model']}: ours == no-overlap bitwise: {r['bitwise']}"
+                          + (f", max |ours - DDP| {r['ddp_diff']:.2g}" if "ddp_diff" in r else ""))
+    return "\n".join([
+        "# SSGD step benchmark", "",
+        f"Command: `{command_line(comm, args)}`", "",
+        f"Machine: {machine(comm, threads)}. 1-minute load average before the run: {load:.2f}, "
+        f"after: {load_after:.2f} (the benchmark's own ranks count in the second).", "",
+        f"ms per step (slowest rank, median of {args.steps} timed steps after {args.warmup} "
+        f"warm-up; batch {args.batch_size} per rank; methods take turns in every step). "
+        "X/compute = time ratio (≥ 1); DDP/ours, Horovod/ours = time(peer)/time(ours) "
+        "(> 1: ours faster).", "",
+        format_table(rows), "",
+        "Checks: " + "; ".join(checks), ""])
+
+
+def command_line(comm, args) -> str:
+    from ..launch import shown_mpiexec
+
+    argv = ["--models", *args.models, "--batch-size", str(args.batch_size),
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += ["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb is not None else []
+    argv += ["--no-ddp"] * bool(args.no_ddp) + ["--no-horovod"] * bool(args.no_horovod)
+    return f"{shown_mpiexec(comm.Get_size())} hpcasync bench ssgd {' '.join(argv)}"
+
+
+def run(args: argparse.Namespace, comm=None) -> int:
+    """``hpcasync bench ssgd`` (every rank calls it); rank 0 prints the table."""
+    from ..topology import init_mpi
+
+    for opt in ("batch_size", "steps"):
+        if getattr(args, opt) < 1:
+            raise ConfigError(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(args, opt)}")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    MPI = init_mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_size() < 2:
+        raise TopologyError("the SSGD benchmark needs at least 2 ranks "
+                            "(mpiexec -n 2 hpcasync bench ssgd)")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()[0]
+    try:
+        rows = measure(comm, args)
+    finally:
+        torch.set_num_threads(old)
+    if comm.Get_rank() == 0:
+        text = report(comm, rows, args, threads, load_before, os.getloadavg()[0])
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if args.out:
+            tmp = f"{args.out}.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone: ``mpiexec -n 4 python -m hpcasync.bench.ssgd [options]``."""
+    parser = argparse.ArgumentParser(prog="hpcasync bench ssgd",
+                                     description="SSGD step benchmark (see module docstring)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Gradient buckets for SSGD, reduced while the backward pass still computes.
+
+The flat gradient buffer ``FlatModel.grads`` holds the parameters in ``named_parameters()`` order;
+backward produces their gradients roughly in *reverse* order (the last layer first). So buckets are
+cut from the **end** of the buffer: walking the parameters backwards, a bucket closes once it holds
+at least ``bucket_bytes`` bytes (a parameter is never split). Bucket 0 covers the last parameters,
+the last bucket the first ones; each bucket is one contiguous range ``[lo, hi)`` of ``grads``.
+
+For ranks i = 0 … N-1 and each bucket b the reduction is the same as for the whole buffer,
+g_b ← (1/N)·Σ_i g_b^(i) — cutting only changes which elements travel together, never how one element
+is summed, so every bucket is one ``allreduce(comm, grads[lo:hi], average=True, compress=…)``.
+
+Overlap (:class:`BucketReducer`): a ``register_post_accumulate_grad_hook`` on every parameter
+counts, per bucket, the parameters whose gradient of this step is complete; on the last backward pass
+of a step (``backward_passes_per_step``) a bucket whose count reaches zero is *ready*. Buckets are
+started strictly in index order (bucket b only after b-1), so every rank issues the same collectives
+in the same order whatever order its backward fires the hooks in. A started bucket is handed to a
+communication thread that runs the blocking allreduce (Open MPI's tuned blocking algorithms; MPI
+runs with ``THREAD_MULTIPLE``), so communication makes progress while the main thread computes the
+rest of the backward pass. ``finish()`` starts every bucket not started yet (parameters that got no
+gradient this step: their slot is zeroed first), waits for the thread, and re-raises any error the
+thread met. Without overlap, ``finish()`` reduces the *same* buckets in the same order on the calling
+thread: the same MPI calls on the same data, so the two modes are bitwise identical by construction.
+
+``progress="test"`` is the other way to make progress: no thread; a hook starts the ready buckets'
+``MPI_Iallreduce`` and calls ``test()`` on those in flight at every later hook. It spends no core on
+a spinning communication thread, but a reduction advances only when a hook fires (few times for a
+model of few large tensors) and Open MPI's nonblocking algorithms (libnbc) are slower than its tuned
+blocking ones; which wins depends on the model and machine (``hpcasync bench ssgd`` times both).
+
+Example::
+
+    red = BucketReducer(flat, comm, bucket_bytes=256 * 1024, overlap=True)
+    loss.backward()                  # buckets start as their gradients complete
+    red.finish()                     # all buckets averaged; flat.grads is the mean gradient
+
+Differences from the references: PyTorch DDP's ``Reducer`` (Li et al., "PyTorch Distributed",
+VLDB 2020) copies gradients into separate bucket buffers, sizes the first bucket 1 MiB and the rest
+25 MiB, and can rebuild buckets from the order observed in the first step; here buckets are views of
+the flat buffer (no copy), of one size, fixed by the reverse parameter order. Horovod's
+``DistributedOptimizer`` (Sergeev & Del Balso 2018) starts one allreduce per parameter from a hook
+and fuses them in a background thread on a timer (``HOROVOD_CYCLE_TIME``); here the fusion is the
+fixed bucket and the thread starts a bucket as soon as it is complete. Unused parameters are not
+searched for in the graph (DDP's ``find_unused_parameters``): their buckets simply start at
+``finish()``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from ..comm import allreduce, iallreduce
+from ..errors import ConfigError
+
+log = logging.getLogger("hpcasync")
+
+DEFAULT_BUCKET_BYTES = 256 * 1024
+PROGRESS = ("thread", "test")
+#: the default ``progress``; to be settled by ``hpcasync bench ssgd`` on an idle machine (columns
+#: ``ours`` and ``ours-test``)
+DEFAULT_PROGRESS = "thread"
+
+
+def bucket_ranges(offsets: list[int], numels: list[int], bucket_bytes: int,
+                  itemsize: int = 4) -> list[tuple[int, int, list[int]]]:
+    """Buckets as ``(lo, hi, param_indices)``, bucket 0 holding the last parameters.
+
+    Walking parameters from the last to the first, a bucket is closed once it holds at least
+    ``bucket_bytes`` (wire) bytes; ranges are contiguous, cover ``[0, total)`` and never split a
+    parameter.
+    """
+    if bucket_bytes < 1:
+        raise ConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets, members, hi, size = [], [], None, 0
+    for k in reversed(range(len(offsets))):
+        if hi is None:
+            hi = offsets[k] + numels[k]
+        members.append(k)
+        size += numels[k] * itemsize
+        if size >= bucket_bytes:
+            buckets.append((offsets[k], hi, members))
+            members, hi, size = [], None, 0
+    if members:
+        buckets.append((offsets[members[-1]], hi, members))
+    return buckets
+
+
+class BucketReducer:
+    """Average ``flat.grads`` bucket by bucket, overlapped with backward (see module doc).
+
+    Args:
+        flat: the :class:`~hpcasync.comm.FlatModel`.
+        comm: communicator to average over.
+        bucket_bytes: bucket size in bytes of float32 gradient (default 256 KiB).
+        overlap: start buckets from gradient hooks on a communication thread (default True);
+            False: reduce the same buckets in the same order in :meth:`finish`.
+        compress: ``None``, ``"bf16"`` or ``"fp16"``: each bucket's wire format.
+        progress: how communication advances during backward. ``"thread"`` (default): a
+            communication thread runs each started bucket's blocking allreduce. ``"test"``: no
+            thread; the hooks start ``iallreduce`` (MPI_Iallreduce) and call ``test()`` on the
+            buckets in flight at every hook, ``finish()`` waits. Each mode's ``overlap=False`` runs
+            the same call per bucket (blocking / nonblocking then wait), so on-vs-off stays bitwise
+            within a mode; the two modes may differ in the last bits (Open MPI's blocking and
+            nonblocking collectives use different algorithms).
+        last_pass: callable, True when the backward now running is the last of the step
+            (``backward_passes_per_step``); hooks of earlier passes only accumulate.
+
+    Attributes: ``buckets`` (``(lo, hi, param_indices)``), ``events`` (when recording: a list of
+    ``("ready", param_index)`` / ``("start", bucket)`` / ``("done", bucket)`` tuples of the current
+    step, for tests), ``record`` (switch for ``events``).
+    """
+
+    def __init__(self, flat, comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 overlap: bool = True, compress: str | None = None,
+                 progress: str = DEFAULT_PROGRESS, last_pass=lambda: True):
+        if progress not in PROGRESS:
+            raise ConfigError(f"progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
+        self.flat, self.comm, self.compress, self.progress = flat, comm, compress, progress
+        self._inflight = []             # progress="test": handles of started buckets
+        numels = [int(torch.Size(s).numel()) for s in flat.shapes]
+        self.buckets = bucket_ranges(flat.offsets, numels, int(bucket_bytes))
+        self._bucket_of = {}
+        for b, (_, _, members) in enumerate(self.buckets):
+            for k in members:
+                self._bucket_of[k] = b
+        self.overlap = bool(overlap) and (progress == "test" or self._threads_ok())
+        self._last_pass = last_pass
+        self.record, self.events = False, []
+        self._views = [v for _, v in flat.views("grads")]
+        self._hooks, self._thread, self._queue = [], None, None
+        self._error: BaseException | None = None
+        self._reset()
+        if self.overlap:
+            for k, p in enumerate(flat._params):      # noqa: SLF001 (the flat model's own list)
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(k)))
+
+    def _threads_ok(self) -> bool:
+        from mpi4py import MPI
+
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            return True
+        log.warning("ssgd: MPI was initialised without THREAD_MULTIPLE: gradient buckets are "
+                    "reduced after backward (no overlap)")
+        return False
+
+    # -- per step -------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._pending = [len(m) for _, _, m in self.buckets]
+        self._seen = [False] * len(self.flat.shapes)
+        self._next = 0                  # the next bucket to start (buckets start in index order)
+        self._started = 0
+        if self.record:
+            self.events = []
+
+    def _hook(self, k: int):
+        view = self._views[k]
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)          # a zero_grad(set_to_none=True) detached it
+                p.grad = view
+            if not self._last_pass():
+                return
+            if self._seen[k]:
+                raise ConfigError(f"ssgd: gradient of {self.flat.names[k]} computed twice in one "
+                                  "step while its bucket is being reduced; use "
+                                  "backward_passes_per_step or overlap=False")
+            self._seen[k] = True
+            if self.record:
+                self.events.append(("ready", k))
+            b = self._bucket_of[k]
+            self._pending[b] -= 1
+            if self._pending[b] == 0:
+                self._start_ready()
+            if self._inflight:
+                self._poll()
+        return hook
+
+    def _poll(self) -> None:
+        """progress="test": advance the nonblocking reductions in flight (in order)."""
+        while self._inflight and self._inflight[0][1].test():
+            b, _ = self._inflight.pop(0)
+            if self.record:
+                self.events.append(("done", b))
+        for _, h in self._inflight:
+            h.test()
+
+    def _start_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        if self.record:
+            self.events.append(("start", b))
+        if self.progress == "test":
+            self._inflight.append((b, self._start(b)))
+            self._poll()
+            return
+        if self._thread is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._serve, name="hpcasync-ssgd-buckets",
+                                            daemon=True)
+            self._thread.start()
+        self._started += 1
+        self._queue.put(b)
+
+    def _start(self, b: int):
+        lo, hi, _ = self.buckets[b]
+        return iallreduce(self.comm, self.flat.grads[lo:hi], average=True,
+                          compress=self.compress, name="ssgd-bucket", step=b)
+
+    def _reduce(self, b: int) -> None:
+        lo, hi, _ = self.buckets[b]
+        if self.progress == "test":
+            self._start(b).wait()
+        else:
+            allreduce(self.comm, self.flat.grads[lo:hi], average=True, compress=self.compress)
+        if self.record:
+            self.events.append(("done", b))
+
+    def _serve(self) -> None:
+        while True:
+            b = self._queue.get()
+            try:
+                if b is None:
+                    return
+                if self._error is None:       # after an error, drain without communicating
+                    self._reduce(b)
+            except BaseException as exc:      # noqa: BLE001 (re-raised in the main thread)
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def finish(self) -> None:
+        """Reduce every bucket of this step; on return ``flat.grads`` is averaged."""
+        try:
+            if self.overlap:
+                if self._next < len(self.buckets):
+                    self._zero_missing()
+                    for b in range(self._next, len(self.buckets)):
+                        self._launch(b)
+                    self._next = len(self.buckets)
+                self._wait_all()
+                if self._error is not None:
+                    err, self._error = self._error, None
+                    raise RuntimeError(f"ssgd: bucket allreduce failed in the communication "
+                                       f"thread: {err!r}") from err
+            else:
+                self.flat.collect_grads()
+                for b in range(len(self.buckets)):
+                    if self.record:
+                        self.events.append(("start", b))
+                    self._reduce(b)
+        finally:
+            self._reset()
+
+    def _zero_missing(self) -> None:
+        """Parameters whose hook did not fire (no gradient this step, or set_to_none): their
+        slots get this step's gradient or zero, as ``FlatModel.collect_grads`` does; buckets
+        already in flight are not touched (their gradients are all views)."""
+        for b in range(self._next, len(self.buckets)):
+            for k in self.buckets[b][2]:
+                p, view = self.flat._params[k], self._views[k]      # noqa: SLF001
+                g = p.grad
+                if g is None:
+                    view.zero_()
+                elif g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+                p.grad = view
+
+    def _wait_all(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+        while self._inflight:
+            b, h = self._inflight.pop(0)
+            h.wait()
+            if self.record:
+                self.events.append(("done", b))
+
+    def discard(self) -> None:
+        """Wait for buckets in flight and forget this step's progress (a backward that is not
+        followed by a step, e.g. ``zero_grad()`` after an evaluation backward)."""
+        self._wait_all()
+        self._error = None
+        self._reset()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the thread."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
