@@ -41,7 +41,7 @@ def test_no_service_time_is_the_old_instant_server(tmp_path):
     assert summary["sim_time"] == pytest.approx((PUSHES // W - 1) * T + T)
 
 
-@pytest.mark.parametrize("service, shards", [(0.01, 1)])
+@pytest.mark.parametrize("service, shards", [(0.01, 1), (0.08, 4)])
 def test_a_saturated_server_sets_the_pace(tmp_path, service, shards):
     """Demand W / (T + S/K) exceeds capacity K / S: the epoch lasts ~ pushes x S/K."""
     per_push = service / shards
