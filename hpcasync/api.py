@@ -61,6 +61,9 @@ def algorithms() -> tuple[str, ...]:
     return SYNC_ALGORITHMS + PS_ALGORITHMS
 
 
+_DEFAULTS = {"ps_ranks": 1}          # init()'s --ps-ranks, the ParameterServer default
+
+
 @dataclass(frozen=True)
 class Roles:
     """What this rank is in the job (:func:`init`)."""
@@ -99,7 +102,8 @@ class Roles:
 
 def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
          device: str = "auto", ps_rank: int = 0, threads: int | None = None,
-         seed: int | None = None, fail_fast: bool = True, verbose: bool = False) -> Roles:
+         seed: int | None = None, fail_fast: bool = True, verbose: bool = False,
+         ps_ranks: int = 1) -> Roles:
     """Start MPI (if needed) and say what this rank is.
 
     Args:
@@ -108,6 +112,8 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         device: ``"auto"`` (local rank r -> ``cuda:r`` when CUDA is there, else CPU), ``"cpu"``,
             ``"cuda"``. Move your model to ``ctx.device`` before building the optimizer.
         ps_rank: the server's rank for PS algorithms (0).
+        ps_ranks: K server ranks (``ps_rank`` and the K - 1 after it), each serving a shard of θ;
+            ``is_server`` is true on all K (``ParameterServer`` takes K from here by default).
         threads: torch threads per rank (default: the cores of this process / ranks per node).
         seed: seed Python, numpy and torch identically on every rank.
         fail_fast: install the exception hook that ends the job on any rank's error (module doc).
@@ -126,6 +132,12 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
     if ps and topo.size < 2:
         raise ConfigError(f"{algorithm} needs a parameter server and at least one worker: start 2 "
                           "or more ranks (mpiexec -n 2 ...)")
+    if ps:
+        from .ps.shards import check_shards
+
+        check_shards(ps_ranks, topo.size)
+    _DEFAULTS["ps_ranks"] = ps_ranks if ps else 1
+    servers = [(ps_rank + s) % topo.size for s in range(ps_ranks)] if ps else []
     report = ps_rank if ps else 0
     logging.basicConfig(level=(logging.DEBUG if verbose else logging.INFO) if topo.rank == report
                         else logging.WARNING, stream=sys.stderr,
@@ -137,12 +149,12 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         from .train import seed_everything
 
         seed_everything(seed)
-    workers = topo.workers if ps else list(range(topo.size))
+    workers = [r for r in range(topo.size) if r not in servers]
+    serves = topo.rank in servers
     return Roles(rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
                  local_size=topo.local_size, node=topo.node, num_nodes=topo.num_nodes,
                  device=topo.device, algorithm=algorithm, ps_rank=topo.ps_rank,
-                 is_server=ps and topo.is_ps,
-                 worker_index=(workers.index(topo.rank) if not topo.is_ps else None) if ps else None,
+                 is_server=serves, worker_index=None if serves else workers.index(topo.rank),
                  num_workers=len(workers), topology=topo)
 
 

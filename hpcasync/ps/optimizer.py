@@ -19,12 +19,10 @@ server's θ (and the mean of the workers' latest buffers)::
         opt.finish()
     # here every rank's model holds the server's final θ
 
-Construction is collective (it broadcasts the server's parameters, so every worker starts from
-them, and allocates the RMA windows). A worker takes the server's first reply (θ as the server has
-it: a resumed server's, DC-ASGD's backup taken) at its first forward pass or ``step()``, whichever
-comes first; the server sends it when it enters ``serve()``. So the script may do anything,
-collectives included, between construction and ``serve()``; a worker that waits over 30 s for that
-first reply says so in the log.
+Construction is collective (it broadcasts the server's parameters and allocates the RMA windows).
+A worker takes the server's first reply (θ as the server has it) at its first forward pass or
+``step()``; the server sends it in ``serve()``, so the script may do anything (collectives too) in
+between; a worker that waits over 30 s for it says so in the log.
 
 Defaults that the CLI applies apply here too, each a keyword: the rule's paper schedule
 (``warmup_epochs``: SMEGA2/DANA/NAG warm the lr up from lr/N over 5 epochs, so they need
@@ -39,9 +37,8 @@ shat, shat-root and ensemble a worker's model is its own (``keeps_local``): a wo
 on that worker hands it to :meth:`resume_local`, applied after the first reply; without it the
 worker restarts from θ.
 
-Misuse is an error, not a hang: ``step()`` on the server or ``serve()`` on a worker raise at once; a
-worker that exits without ``finish()`` finishes at interpreter exit (with a warning); a server that
-exits without ``serve()`` ends the job (MPI_Abort) with a line saying so.
+Misuse is an error, not a hang (``step()`` on a server, ``serve()`` on a worker; a server exiting
+without ``serve()`` ends the job). ``ps_ranks=K`` shards θ over K servers (:mod:`.shards`).
 """
 from __future__ import annotations
 
@@ -56,9 +53,12 @@ import torch
 from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError
 from ..optim import AlgorithmOptimizer, as_flat
-from ..rules import RULES, Reply, make_rule, ps_lr_factor
+from ..rules import RULES, make_rule, ps_lr_factor
 from ..topology import default_topology
+from .lifecycle import at_exit, describe, peek, take_replies
 from .server import PSServer
+from .shards import (ShardLayout, check_shards, epoch_exchange, finish_sends, wait_ends,
+                     worker_pieces)
 from .transport import KIND_DONE, KIND_FINISH, make_transport
 from .worker import Patience
 
@@ -81,6 +81,7 @@ class ParameterServer(AlgorithmOptimizer):
         ps_rank: the server's rank in ``comm`` (default: the topology's, 0 unless ``hpcasync.init``
             was told otherwise).
         transport: ``"rma"`` (default), ``"rma-put"`` or ``"p2p"`` (:mod:`.transport`).
+        ps_ranks: K servers ``ps_rank``.. each serving a shard of θ (:mod:`.shards`; init's: 1).
         steps_per_epoch: pushes per worker per epoch; gives the server epochs (records,
             ``serve(on_epoch=...)``) and the warm-up its clock.
         epochs: epochs to record at the server (None: as many as the pushes cross).
@@ -93,7 +94,7 @@ class ParameterServer(AlgorithmOptimizer):
     """
 
     def __init__(self, model, algorithm: str = "asgd", *, lr: float, comm=None,
-                 ps_rank: int | None = None, transport: str = "rma",
+                 ps_rank: int | None = None, transport: str = "rma", ps_ranks: int | None = None,
                  steps_per_epoch: int | None = None, epochs: int | None = None,
                  warmup_epochs: float | None = None, average_buffers: bool = True,
                  start: bool = True, **hyper: Any):
@@ -115,6 +116,9 @@ class ParameterServer(AlgorithmOptimizer):
         flat = as_flat(model)
         if comm is None or ps_rank is None:
             topo = default_topology()
+            if comm is None and ps_ranks is None:
+                from ..api import _DEFAULTS
+                ps_ranks = _DEFAULTS["ps_ranks"]
             comm = topo.world if comm is None else comm
             ps_rank = topo.ps_rank if ps_rank is None else ps_rank
         if comm.Get_size() < 2:
@@ -123,6 +127,7 @@ class ParameterServer(AlgorithmOptimizer):
         if not 0 <= ps_rank < comm.Get_size():
             raise TopologyError(f"ps rank {ps_rank} does not exist in a world of "
                                 f"{comm.Get_size()} ranks")
+        ps_ranks = check_shards(1 if ps_ranks is None else ps_ranks, comm.Get_size(), flat.numel)
         self._own(flat, {"lr": lr})
         self.comm, self.ps_rank = comm, ps_rank
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
@@ -131,13 +136,24 @@ class ParameterServer(AlgorithmOptimizer):
         for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
             if tensor.numel():
                 broadcast(comm, tensor, root=ps_rank)
-        self.transport = make_transport(transport, comm, ps_rank, flat.numel,
-                                        extra=flat.buffer_numel,
-                                        reply_scalars=RULES[algorithm].func.reply_scalars)
+        self.layout = L = ShardLayout.build(comm, ps_rank=ps_rank, shards=ps_ranks,
+                                            numel=flat.numel)
+        self.shard, self.worker_ranks = L.shard, L.workers
+        # one transport per shard this rank is in (a server: its own; a worker: all K)
+        self.transports = [make_transport(
+            transport, c, ps_rank if L.K == 1 else 0, L.slice(flat.params, s).numel(),
+            extra=flat.buffer_numel if s == 0 else 0,
+            reply_scalars=RULES[algorithm].func.reply_scalars)
+            for s, c in enumerate(L.comms) if c is not None]
+        self.transport = self.transports[0]
         self.num_workers, self.worker = self.transport.num_workers, self.transport.worker
         self.is_server = self.transport.is_ps
         W = self.num_workers
-        self.rule = make_rule(algorithm, flat.params.detach().cpu().clone(), W, **self.hyper)
+        theta = flat.params.detach().cpu()
+        self.rules = [make_rule(algorithm, L.slice(theta, s).clone(), W, **self.hyper)
+                      for s in (range(L.K) if not self.is_server else [max(L.shard, 0)])]
+        self.rule = self.rules[0]
+        self.versions = [0] * len(self.rules)
         self.needs_loss = algorithm == "lcasgd"
         # SHAT/ENSEMBLE: a worker's model is its own, not a copy of a reply (checkpoints carry it)
         self.keeps_local = bool(getattr(self.rule, "keeps_local", False))
@@ -154,7 +170,7 @@ class ParameterServer(AlgorithmOptimizer):
         self._closed = False
         if self.is_server:
             log.info("%s", self.describe())
-        atexit.register(_at_exit, weakref.ref(self))
+        atexit.register(at_exit, weakref.ref(self))
         self._hook = None
         if not self.is_server and start:
             ref = weakref.ref(self)
@@ -169,12 +185,9 @@ class ParameterServer(AlgorithmOptimizer):
             self._hook.remove()
             self._hook = None
         if not self.started:
-            head = self.transport.recv_reply(self._reply, poll=Patience(
+            head = self._replies(None, poll=Patience(
                 f"{self.algorithm} worker {self.worker}: waiting for the parameter server's first "
                 f"reply for %d s: does rank {self.ps_rank} call opt.serve()?"))
-            self.rule.on_reply(self.flat.params,
-                               Reply(self._reply.to(self.flat.device), head.version, head.scalars),
-                               None)
             if self._resume_local is not None:      # a resumed SHAT/ENSEMBLE worker: its own model
                 self.flat.params.copy_(self._resume_local)
                 self._resume_local = None
@@ -224,11 +237,11 @@ class ParameterServer(AlgorithmOptimizer):
         if not self.started:
             self.start()
         g = self.flat.grads if grad is None else grad
-        self.transport.push(g.cpu(), self.flat.buffers.cpu(), version=self.version, loss=loss,
-                            oracle_loss=oracle_loss, last=last, stop=stop, lr=self.lr())
-        head = self.transport.recv_reply(self._reply)
-        self.rule.on_reply(self.flat.params, Reply(self._reply.to(self.flat.device), head.version,
-                                                   head.scalars), g if head.accepted else None)
+        pieces = worker_pieces(self.layout, g.cpu(), self.flat.numel)
+        for s, (t, piece) in enumerate(zip(self.transports, pieces)):   # all leave, then replies
+            t.push(piece, self.flat.buffers.cpu() if s == 0 else None, version=self.versions[s],
+                   loss=loss, oracle_loss=oracle_loss, last=last, stop=stop, lr=self.lr())
+        head = self._replies(g)
         self.version = head.version
         self.steps += 1
         self.rejected += not head.accepted
@@ -238,6 +251,12 @@ class ParameterServer(AlgorithmOptimizer):
             self.finished = self.stopped = True         # the server stopped the job (preemption)
         return head
 
+    def _replies(self, g, poll=None):         # worker: each shard's reply into the model
+        return take_replies(self, g, poll)
+
+    def peek(self, out: torch.Tensor) -> None:        # worker: current θ (LC-ASGD's oracle)
+        peek(self, out)
+
     def finish(self, *, stop_requested: Callable[[], bool] | None = None, collective=True):
         """Worker: no more pushes. Waits for the server's end message, reports the step count,
         then (``collective``) takes the final model with every other rank. Returns the model on
@@ -246,10 +265,15 @@ class ParameterServer(AlgorithmOptimizer):
         if self._closed:
             return self.flat.module
         if self.started and not self.finished:
-            self.transport.push(torch.zeros(0), kind=KIND_FINISH, version=self.version)
+            for t, v in zip(self.transports, self.versions):
+                t.push(torch.zeros(0), kind=KIND_FINISH, version=v)
         self.finished = True
-        stop = self.transport.wait_end(stop_requested)
-        self.transport.push(torch.zeros(0), kind=KIND_DONE, version=self.steps)
+        if len(self.transports) == 1:
+            stop = self.transport.wait_end(stop_requested)
+        else:
+            stop = wait_ends(self.transports, stop_requested)
+        for t in self.transports:
+            t.push(torch.zeros(0), kind=KIND_DONE, version=self.steps)
         if not collective:
             return stop
         self.close()
@@ -264,6 +288,9 @@ class ParameterServer(AlgorithmOptimizer):
         W = self.num_workers
         ppe = W * self.steps_per_epoch if self.steps_per_epoch else None
         on_buffers = self._take_buffers if self.sync_buffers else None
+        if self.layout.K > 1:
+            hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
+            callbacks["on_epoch"] = hook
         return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
                         on_buffers=on_buffers, **callbacks)
@@ -291,18 +318,8 @@ class ParameterServer(AlgorithmOptimizer):
         return self.flat.module
 
     def describe(self) -> str:
-        """The rule, its hyperparameters and the defaults in force, in words (logged by the
-        server at construction)."""
-        W = self.num_workers
-        hyper = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in self.hyper.items())
-        factor = ps_lr_factor(self.algorithm, W, self.warmup_epochs)
-        warm = (5.0 if self.warmup_epochs is None else self.warmup_epochs) if factor else 0
-        return (f"{self.algorithm} on {W} workers ({hyper}); lr warm-up from lr/{W} over "
-                f"{warm:g} epochs (warmup_epochs)" if warm else
-                f"{self.algorithm} on {W} workers ({hyper}); no lr warm-up (warmup_epochs)") + \
-            ("; the server's model takes the workers' mean BatchNorm buffers (average_buffers)"
-             if self.sync_buffers else "") + f"; transport {self.transport.name}"
+        """The rule and its settings in words (logged by the server at construction)."""
+        return describe(self)
 
     def _take_buffers(self, w: int, extra: torch.Tensor) -> None:
         self._buffers[w].copy_(extra)
@@ -311,7 +328,7 @@ class ParameterServer(AlgorithmOptimizer):
     def load_theta(self) -> None:
         """Server: the model takes θ (and the mean of the workers' latest buffers)."""
         self._server_only("load_theta")
-        self.flat.params.copy_(self.rule.theta)
+        self.layout.slice(self.flat.params, max(self.shard, 0)).copy_(self.rule.theta)
         if self.sync_buffers and any(self._seen):
             self.flat.buffers.copy_(self._buffers[torch.tensor(self._seen)].mean(0))
 
@@ -331,11 +348,22 @@ class ParameterServer(AlgorithmOptimizer):
         if self._closed:
             return
         self._closed = True
-        self.transport.close(collective=collective)
+        finish_sends(getattr(self, "_epoch_hook", None))
+        for t in self.transports:
+            t.close(collective=collective)
+        if collective:
+            self.layout.free()
         if not broadcast_model:
             return
         comm = self.comm if comm is None else comm
         root = self.ps_rank if root is None else root
+        if self.layout.K > 1:           # each server's slice from it (root: shard 0's server)
+            for s, server in enumerate(self.layout.servers):
+                broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
+                          else server)
+            if self.flat.buffers.numel():
+                broadcast(comm, self.flat.buffers, root=root)
+            return
         for tensor in (self.flat.params, self.flat.buffers):
             if tensor.numel():
                 broadcast(comm, tensor, root=root)
@@ -369,24 +397,3 @@ class ParameterServer(AlgorithmOptimizer):
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker}/{self.num_workers}"
         return f"ParameterServer({self.algorithm}, {role}, lr={self.lr():g})"
-
-
-def _at_exit(ref) -> None:
-    """Interpreter exit: a worker that never called finish() finishes now (so the server can end);
-    a server that never served ends the job, saying so (the workers wait for it)."""
-    opt = ref()
-    if opt is None or opt._closed:
-        return
-    from ..errors import fail_fast
-
-    try:
-        if opt.is_server and not opt.served:
-            fail_fast(ConfigError(f"rank {opt.ps_rank} is the parameter server of {opt.algorithm} "
-                                  "and exited without calling opt.serve(): the workers wait for "
-                                  "it. Call opt.serve() on the server rank (ctx.is_server)"))
-        elif not opt.is_server and opt.started:
-            log.warning("%s worker %d: finish() was not called; finishing at exit",
-                        opt.algorithm, opt.worker)
-            opt.finish()
-    except Exception as exc:  # noqa: BLE001 - at exit: report and end the job, never hang
-        fail_fast(exc)

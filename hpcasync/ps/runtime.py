@@ -63,6 +63,7 @@ from ..hetero import check_options as check_hetero
 from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
+from .shards import check_shards, load_shard_state, shard_snapshot
 
 log = logging.getLogger("hpcasync")
 
@@ -79,6 +80,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--ps-transport", default="rma", choices=("rma", "rma-put", "p2p"),
                    help="rma: one-sided Put in / Get out (default); rma-put: the PS Puts replies; "
                         "p2p: two-sided Isend/Recv")
+    g.add_argument("--ps-ranks", type=int, default=1,
+                   help="K server ranks (--ps-rank and the K-1 after it), each serving a "
+                        "contiguous shard of the parameters; the other ranks train (default 1)")
     g.add_argument("--ps-momentum", type=float, default=0.0,
                    help="shared server-side momentum of asgd/dcasgd/lcasgd/shat (default 0)")
     g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
@@ -147,6 +151,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"--ps-warmup-epochs must be a finite number >= 0, got {warm}")
     build_rule(cfg, torch.zeros(1), 1)
     check_hetero(opt)
+    shards = opt.get("ps_ranks", 1)
+    world = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    check_shards(shards, int(world) if world and world.isdigit() else shards + 1)
 
 
 def reporting_rank(topo) -> int:
@@ -161,16 +168,22 @@ def run(ctx: RunContext) -> RunResult:
     from .worker import run_worker, send_local
 
     cfg, topo = ctx.cfg, ctx.topo
-    W = len(topo.workers)
+    K = check_shards(cfg.options.get("ps_ranks", 1), topo.size)     # every rank, before MPI work
+    servers = [(topo.ps_rank + s) % topo.size for s in range(K)]
+    worker_ranks = [r for r in range(topo.size) if r not in servers]
+    W = len(worker_ranks)
     if W < 1:
         raise TopologyError(f"{cfg.algorithm} needs a parameter server and at least one worker: "
                             f"start 2 or more ranks")
     if len(ctx.train) // W < cfg.batch_size:
         raise ConfigError(f"each of the {W} workers gets {len(ctx.train) // W} training examples, "
                           f"fewer than one batch of {cfg.batch_size}")
-    delay = DelayModel.from_options(cfg.options, worker_ranks=topo.workers, seed=cfg.seed)
+    delay = DelayModel.from_options(cfg.options, worker_ranks=worker_ranks, seed=cfg.seed)
     batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
     state = ctx.resume_state()
+    if state is not None and state.get("ps_ranks", 1) != K:
+        raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
+                              f"ranks (--ps-ranks), this run has {K}")       # every rank raises
     if state is not None and state.get("batches_per_worker") != batches_per_worker:
         raise CheckpointError(f"checkpoint has {state.get('batches_per_worker')} batches per "
                               f"worker and epoch, this run {batches_per_worker} (another "
@@ -179,16 +192,17 @@ def run(ctx: RunContext) -> RunResult:
     model = ctx.make_model()
     # the front door's object: a worker's optimizer, the server's rule and loop
     opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
-                          transport=cfg.options.get("ps_transport", "rma"),
+                          transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
                           steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
                           warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
                           **rule_hyper(cfg))
     flat = opt.flat
     summary: dict = {}
     ulfm = ft.ulfm_enabled()
-    if topo.is_ps:
-        log.info("%s: PS rank %d, %d workers, transport %s, %s; %s", cfg.algorithm,
-                 topo.ps_rank, W, opt.transport.name, delay.describe(), ft.describe(ulfm))
+    if opt.is_server:
+        log.info("%s: PS rank%s %s, %d workers, transport %s, %s; %s", cfg.algorithm,
+                 "s" if K > 1 else "", ", ".join(map(str, servers)), W, opt.transport.name,
+                 delay.describe(), ft.describe(ulfm))
         summary, stopping = _serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm)
     else:
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
@@ -241,12 +255,14 @@ def run(ctx: RunContext) -> RunResult:
         raise Preempted("preempted: the parameter server stopped every worker after its "
                         "current push")
     # every rank ends with the PS's θ (and its averaged buffers)
-    for tensor in (flat.params, flat.buffers):
+    owners = [root] + [ft.translate(r, topo.world, comm) if lost else r for r in servers[1:]]
+    pieces = [(opt.layout.slice(flat.params, s), owner) for s, owner in enumerate(owners)]
+    for tensor, owner in [*pieces, (flat.buffers, root)]:      # each shard from its server
         if tensor.numel():
             host = tensor.detach().cpu().contiguous()      # a copy when on a GPU
-            comm.Bcast([host.numpy(), MPI.FLOAT], root=root)
+            comm.Bcast([host.numpy(), MPI.FLOAT], root=owner)
             tensor.copy_(host)
-    per_worker = comm.gather(summary if not topo.is_ps else None, root=root)
+    per_worker = comm.gather(summary if not opt.is_server else None, root=root)
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]
         summary["hetero"] = delay.to_record()
@@ -298,8 +314,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                     "batches_per_worker": batches_per_worker}
         if worker_locals is not None:
             snapshot["worker_locals"] = worker_locals
-        path = ctx.checkpoints.save(snapshot, epoch=epoch, step=server.stats.accepted,
-                                    **ctx.checkpoint_header())
+        path = shard_snapshot(opt, ctx.checkpoints, snapshot, epoch=epoch,
+                              step=server.stats.accepted, header=ctx.checkpoint_header())
         ctx.metrics.write("checkpoint", path=str(path), epoch=epoch, step=server.stats.accepted,
                           kind=kind, positions=list(server.positions))
         return path
@@ -323,6 +339,9 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                                  loss, step=server.stats.accepted))
     resumed_at = 0
     if state is not None:
+        base = (ctx.checkpoints.directory if ctx.checkpoints is not None
+                else os.path.dirname(os.path.abspath(cfg.resume)))
+        state = load_shard_state(opt, base, state, ctx.checkpoint_header())
         server.load_state_dict(state["ps"])
         budget = cfg.epochs * batches_per_worker          # --epochs may have changed
         server.finished = [p >= budget for p in server.positions]
@@ -342,7 +361,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     server.finish()
     if server.stopping:
         if ctx.checkpoints is not None:
-            save("stop", collect_locals(opt, server.failed) if opt.keeps_local else None)
+            save("stop", collect_locals(opt, server.failed)
+                 if opt.keeps_local and opt.shard <= 0 else None)
         else:
             log.warning("preempted without --checkpoint-dir: this run's progress is lost")
     opt.load_theta()

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from ..data import batches, num_batches, shard_indices
-from .transport import KIND_PEEK
 
 log = logging.getLogger("hpcasync")
 
@@ -130,8 +129,7 @@ def _oracle_loss(opt, model, x, y, loss_fn) -> float:
     """LC-ASGD's oracle: the loss at the PS's current θ on this batch (θ fetched by a PEEK)."""
     flat = opt.flat
     theta = torch.empty(flat.numel)
-    opt.transport.push(flat.grads, kind=KIND_PEEK)
-    opt.transport.recv_reply(theta)
+    opt.peek(theta)                         # every shard's slice
     params, buffers = flat.params.clone(), flat.buffers.clone()
     flat.params.copy_(theta)
     loss = loss_fn(model(x), y).item()
@@ -183,7 +181,7 @@ def collect_locals(opt, failed=()) -> list:
     from mpi4py import MPI
 
     out = []
-    for w, rank in enumerate(opt.transport.workers):
+    for w, rank in enumerate(opt.worker_ranks):          # world ranks
         local = None
         if w not in failed:
             local = torch.empty(opt.flat.numel)

@@ -22,6 +22,9 @@ Example::
     w0 = rule.initial_reply(0).params.clone()        # records θ_bak(0)
     reply = rule.on_push(0, grad, PushMeta(version=0))
 
+Sharding (``--ps-ranks K``): elementwise; each shard keeps its slice of the backups θ_bak(i) (and
+of MS(i) for DC-ASGD-a), so λ ⊙ g ⊙ g ⊙ (θ − θ_bak) is computed per slice; versions are per shard.
+
 Differences from the paper:
 * Decision (spec): MS is kept per worker, as Multiverso does (the paper's formula has one MS).
   MS is updated with the current g before λ is computed; it starts at zero.

@@ -38,6 +38,10 @@ Example::
     reply = rule.on_push(2, grad, PushMeta(version=5, loss=1.37))
     rule.last_factor                  # the multiplier applied to that gradient
 
+Sharding (``--ps-ranks K``): each shard runs its own loss predictors on the SAME losses (every
+push carries L, and L_oracle, to every shard) and the same versions (shards accept together), so
+every shard computes the same factor and scales its slice of g by it; θ and momentum are sliced.
+
 Differences from the paper: the whole compensation scheme (the formula, predictors, anchoring) is
 our design; see above. Decision: a push's (v, L) point is observed before predicting.
 """

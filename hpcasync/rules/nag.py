@@ -13,6 +13,9 @@ Example::
 
     rule = NAG(theta0, num_workers=8, lr=0.1, momentum=0.9)
 
+Sharding (``--ps-ranks K``): elementwise (as asgd.py); each shard keeps its slice of θ and of the
+momentum buffer and its own version; the look-ahead reply is computed per slice.
+
 Differences from the paper: the papers name the baseline without fixing the Nesterov formulation;
 we use PyTorch's (Sutskever) form above, so NAG-ASGD with one worker equals ``torch.optim.SGD(...,
 nesterov=True)`` step for step.

@@ -25,6 +25,10 @@ Example::
     reply = rule.on_push(1, grad, PushMeta(version=3))
     rule.on_reply(local, reply, grad)           # worker 1, in place
 
+Sharding (``--ps-ranks K``; shat, shat-root, ensemble, asp): elementwise; every shard keeps its
+own counters c_k (each counts the same pushes, so they agree) and sends them in its reply; a worker
+mixes each slice of its model with that shard's θ slice using that shard's scalars.
+
 Differences from the paper (Decisions of the spec, each an option or a documented guard):
 * momentum / weight decay are applied on the server side only (the local step is ``w − η·g``);
 * the worker does a local step before mixing (the paper's derivation implies it);

@@ -33,6 +33,10 @@ Example::
     rule.lr = smega2_lr(epoch + b / nb, base_lr=0.1, num_workers=8)   # schedule, each batch
     reply = rule.on_push(3, grad, PushMeta(version=17))                  # reply.params is θ̂
 
+Sharding (``--ps-ranks K``): elementwise; each shard keeps its slices of θ, v and a and its OWN
+cycle counter c (mod N): a shard counts the pushes it accepted, so the counters agree while the
+shards accept the same pushes; the θ̂ reply is computed per slice with that shard's c.
+
 Differences from the paper / reference code:
 * Retiring a worker shrinks N (never below 1). If the current cycle already holds c ≥ N_new pushes,
   it is closed at once with the mean of what it holds, v ← γ·v + a/c; otherwise it continues and

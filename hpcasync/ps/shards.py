@@ -1,0 +1,251 @@
+"""A sharded parameter server (``--ps-ranks K``): θ cut into K contiguous shards, one per server.
+
+Layout (:class:`ShardLayout`): the server ranks are ``ps_rank, ps_rank + 1, ..., ps_rank + K - 1``
+(modulo the world size); every other rank is a worker, numbered in rank order as with one server.
+The flat parameter vector of n elements (``FlatModel.params``) is split by element ranges as evenly
+as possible: shard s holds ``[lo_s, hi_s)`` with ``hi_s - lo_s = n // K + (s < n % K)`` (the first
+``n % K`` shards one element longer). Shard s has its own communicator ``{server s} + workers``
+(server at rank 0 there, worker i at rank i + 1), its own transport (the float buffers travel with
+shard 0's pushes only) and its own rule instance built on its slice ``θ[lo_s:hi_s]``; the server
+loop (``ps.server``) runs unchanged on each shard. Every rule here is elementwise apart from a few
+scalars, which become per shard (each rule's docstring says which: "Sharding: ...").
+
+A worker pushes slice s of its gradient to server s (all K pushes leave before it waits for any
+reply, so the servers work in parallel) and then takes each reply slice into ``params[lo_s:hi_s]``
+through shard s's worker-side rule (``rule.on_reply``). Versions are per shard: each shard counts
+the pushes it accepted.
+
+Bad pushes, consistently: a shard rejects what its rule rejects, and the decision must be the same
+on every shard. The scalars a rule validates (version, loss, the worker) are sent to every shard,
+so only a non-finite gradient element could be seen by one shard alone: with K > 1 a worker checks
+its gradient (``torch.isfinite(g).all()``, one pass over it) and, if any element is NaN/Inf, sends
+every shard an all-NaN slice, so every shard rejects the push; a gradient of the wrong length is
+sent as a zero-length slice to every shard (rejected everywhere). The worker's step is accepted
+only if every shard accepted it (they do or do not together; a disagreement is logged).
+
+Epoch records: shard 0's server (the reporting rank) evaluates θ at each epoch crossing; server
+s > 0 sends it a copy of its slice when it crosses the same epoch (each shard crosses epoch e at its
+own e·W·batches-th accepted push), so the evaluated θ is the concatenation of the shards' θ at
+their crossings. The final θ is broadcast slice by slice from each server.
+
+Checkpoints: every server writes its shard (shard 0 in ``--checkpoint-dir`` with ``ps_ranks`` and
+the bounds, server s > 0 in ``--checkpoint-dir/shard-<s>/`` under the same file name); resume reads
+shard 0's (every rank, as with one server) and each server s > 0 its own file beside it; a
+checkpoint written with another K is a one-line CheckpointError on every rank.
+
+Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, workers 2 and 3)::
+
+    layout = ShardLayout.build(comm, ps_rank=0, shards=2, numel=flat.numel)    # collective
+    layout.bounds        # [(0, ceil(n / 2)), (ceil(n / 2), n)]
+
+Differences from the reference design (Li et al., "Scaling Distributed Machine Learning with the
+Parameter Server", OSDI 2014, which shards key ranges over server nodes with consistent hashing and
+replicates them): contiguous ranges, no replication, and no server-to-server traffic beyond the
+epoch records. Known limits: with several workers the shards see the workers' pushes in different
+orders, so a checkpoint taken by one shard at an epoch or periodic point and another shard's at the
+same accepted count may hold different worker positions (resume then refuses: the positions must
+agree); a stop (preemption) is consistent when it reaches every shard through the workers' pushes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger("hpcasync")
+
+_TAG_EPOCH = 4191          # server s > 0 -> server 0: its slice at an epoch crossing
+
+
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]``: ``numel`` elements in ``shards`` contiguous ranges, the first
+    ``numel % shards`` one element longer than the rest."""
+    base, rest = divmod(numel, shards)
+    bounds, lo = [], 0
+    for s in range(shards):
+        hi = lo + base + (s < rest)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def check_shards(shards, world_size: int, numel: int | None = None) -> int:
+    """``shards`` as an int, or a one-line ConfigError: 1 <= K < world size (one worker at least),
+    and K <= the number of parameters."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ConfigError(f"--ps-ranks must be a positive integer, got {shards!r}")
+    if shards >= world_size:
+        raise ConfigError(f"--ps-ranks {shards} leaves no worker in a world of {world_size} "
+                          f"ranks: start more than {shards} ranks")
+    if numel is not None and shards > numel:
+        raise ConfigError(f"--ps-ranks {shards} is more than the model's {numel} parameters")
+    return shards
+
+
+class ShardLayout:
+    """Who serves which slice (module docstring). Attributes: ``servers`` (world ranks),
+    ``workers`` (world ranks), ``bounds``, ``shard`` (this rank's shard, -1 on a worker),
+    ``comms`` (shard s's communicator, None where this rank is not in it)."""
+
+    def __init__(self, comm, ps_rank: int, shards: int, numel: int):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        check_shards(shards, size, numel)
+        self.comm, self.K = comm, shards
+        self.servers = [(ps_rank + s) % size for s in range(shards)]
+        self.workers = [r for r in range(size) if r not in self.servers]
+        self.bounds = shard_bounds(numel, shards)
+        self.shard = self.servers.index(rank) if rank in self.servers else -1
+        self.comms: list = [None] * shards
+
+    @classmethod
+    def build(cls, comm, *, ps_rank: int, shards: int, numel: int) -> "ShardLayout":
+        """Collective over ``comm`` when ``shards > 1`` (K communicator creations)."""
+        from mpi4py import MPI
+
+        layout = cls(comm, ps_rank, shards, numel)
+        if shards == 1:
+            layout.comms[0] = comm
+            return layout
+        group = comm.Get_group()
+        for s, server in enumerate(layout.servers):
+            sub = group.Incl([server, *layout.workers])
+            new = comm.Create(sub)
+            sub.Free()
+            layout.comms[s] = None if new == MPI.COMM_NULL else new
+        group.Free()
+        return layout
+
+    def slice(self, t: torch.Tensor, s: int) -> torch.Tensor:
+        if self.K == 1:
+            return t
+        lo, hi = self.bounds[s]
+        return t[lo:hi]
+
+    def free(self) -> None:
+        if self.K > 1:
+            for c in self.comms:
+                if c is not None:
+                    c.Free()
+        self.comms = []
+
+
+def worker_pieces(layout: ShardLayout, g: torch.Tensor, numel: int) -> list[torch.Tensor]:
+    """The K slices a worker pushes (module docstring: non-finite or wrong-length gradients are
+    sent so that every shard rejects them)."""
+    if layout.K == 1:
+        return [g]
+    if g.numel() != numel:
+        return [torch.zeros(0)] * layout.K
+    if not bool(torch.isfinite(g).all()):
+        g = torch.full((numel,), float("nan"))
+    return [layout.slice(g, s) for s in range(layout.K)]
+
+
+def wait_ends(transports, request_stop=None) -> bool:
+    """Worker, after its last push, with K transports: wait for every server's end message (the
+    first time ``request_stop()`` is true a ``KIND_STOP`` goes to every server not yet ended);
+    returns True if any server stops the job."""
+    from mpi4py import MPI
+
+    from .wire import _TAG_END, KIND_STOP
+
+    ends = [torch.zeros(1, dtype=torch.float64) for _ in transports]
+    reqs = [t.comm.Irecv([e.numpy(), MPI.DOUBLE], source=t.ps_rank, tag=_TAG_END)
+            for t, e in zip(transports, ends)]
+    done = [False] * len(reqs)
+    t0, pause, asked = time.perf_counter(), 2e-5, False
+    while not all(done):
+        for i, r in enumerate(reqs):
+            done[i] = done[i] or r.Test()
+        if all(done):
+            break
+        if not asked and request_stop is not None and request_stop():
+            for t, d in zip(transports, done):
+                if not d:
+                    t.push(torch.zeros(0), kind=KIND_STOP)
+            asked = True
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2)
+    transports[0].wait_time += time.perf_counter() - t0
+    return any(bool(e[0]) for e in ends)
+
+
+def epoch_exchange(opt, server_epoch):
+    """Server side, K > 1: wrap ``on_epoch`` so that server 0 assembles θ from every shard at each
+    epoch crossing (module docstring) before calling it; servers s > 0 send their slice instead and
+    call nothing."""
+    from mpi4py import MPI
+
+    from .wire import wait
+
+    layout = opt.layout
+    pending: list = []
+
+    def crossed(epoch: int, record: dict) -> None:
+        if layout.shard == 0:
+            opt.load_theta()
+            for s in range(1, layout.K):
+                piece = layout.slice(opt.flat.params, s)
+                host = torch.empty(piece.numel())
+                wait(layout.comm.Irecv([host.numpy(), MPI.FLOAT], source=layout.servers[s],
+                                       tag=_TAG_EPOCH))
+                piece.copy_(host)
+            if server_epoch is not None:
+                server_epoch(epoch, record)
+            return
+        pending[:] = [(req, buf) for req, buf in pending if not req.Test()]
+        buf = opt.rule.theta.detach().cpu().clone()
+        pending.append((layout.comm.Isend([buf.numpy(), MPI.FLOAT], dest=layout.servers[0],
+                                          tag=_TAG_EPOCH), buf))
+    crossed.pending = pending           # the caller waits for these before closing
+    return crossed
+
+
+def finish_sends(on_epoch) -> None:
+    """Server s > 0: complete the epoch sends still in flight (before the transport closes)."""
+    from .wire import wait
+
+    for req, _ in getattr(on_epoch, "pending", ()):
+        wait(req)
+
+
+def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, header: dict):
+    """Server: write this shard's checkpoint (module docstring); returns its path. With K = 1 this
+    is ``manager.save`` of ``snapshot`` unchanged."""
+    from ..checkpoint import CheckpointManager, checkpoint_name
+
+    L = opt.layout
+    if L.K > 1:
+        snapshot = {**snapshot, "ps_ranks": L.K, "shard": L.shard,
+                    "bounds": [list(b) for b in L.bounds],
+                    "shard_file": checkpoint_name(epoch, step)}
+        if L.shard > 0:
+            manager = CheckpointManager(manager.directory / f"shard-{L.shard}", keep=manager.keep)
+    return manager.save(snapshot, epoch=epoch, step=step, **header)
+
+
+def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
+    """Server: the state to resume this shard from. ``state`` is shard 0's checkpoint (which
+    every rank reads); server s > 0 reads its own file beside it (``shard-<s>/``, same name) and
+    checks that it was cut the same way and holds the same worker positions."""
+    from pathlib import Path
+
+    from ..checkpoint import load_checkpoint
+    from ..errors import CheckpointError
+
+    L = opt.layout
+    if L.K == 1 or L.shard == 0:
+        return state
+    if state.get("bounds") != [list(b) for b in L.bounds]:
+        raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this model's "
+                              f"{[list(b) for b in L.bounds]}")
+    path = Path(directory) / f"shard-{L.shard}" / str(state.get("shard_file"))
+    mine = load_checkpoint(path, expect=header)
+    if mine.get("shard") != L.shard or mine["ps"]["positions"] != state["ps"]["positions"]:
+        raise CheckpointError(f"{path}: shard {L.shard}'s checkpoint does not match shard 0's "
+                              f"(worker positions {mine['ps']['positions']} vs "
+                              f"{state['ps']['positions']})")
+    return mine
