@@ -90,7 +90,7 @@ def test_buckets_start_during_backward(data, progress):
     model = build_model("resnet20", (1, 28, 28), 10)
     flat = FlatModel(model)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), flat, COMM,
-                               bucket_bytes=SMALL_BUCKET, progress=progress)
+                               bucket_bytes=SMALL_BUCKET, progress=progress, overlap=True)
     red = opt.reducer
     red.record = True
     x, y = _batch(data, 0, RANK)
@@ -176,7 +176,7 @@ def test_error_in_the_communication_thread_is_raised_in_step(data):
     model = build_model("lenet", (1, 28, 28), 10)
     flat = FlatModel(model)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), flat, COMM,
-                               bucket_bytes=SMALL_BUCKET)
+                               bucket_bytes=SMALL_BUCKET, overlap=True)
     opt.reducer.compress = "int3"            # what the thread will pass to allreduce
     with pytest.raises(RuntimeError, match="communication thread.*compress must be one of"):
         _one_step(model, opt, data)
@@ -192,7 +192,7 @@ def test_second_backward_in_one_step_is_refused(data):
     reduction: refused with an error naming the remedies."""
     model = build_model("mlp", (1, 28, 28), 10)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, COMM,
-                               bucket_bytes=SMALL_BUCKET)
+                               bucket_bytes=SMALL_BUCKET, overlap=True)
     x, y = _batch(data, 0, RANK)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -202,3 +202,12 @@ def test_second_backward_in_one_step_is_refused(data):
     _one_step(model, opt, data)
     opt.close()
     assert opt.steps == 1
+
+
+def test_overlap_default_is_off_on_the_cpu():
+    """overlap=None (the default): on for a model on a GPU, off on the CPU, where the
+    communication thread competes with backward for the core (experiments/results/ssgd.md)."""
+    model = build_model("mlp", (1, 28, 28), 10)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, COMM)
+    assert opt.overlap is False
+    opt.close()

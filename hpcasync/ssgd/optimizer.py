@@ -4,7 +4,7 @@ Every step, every rank averages its gradient with all the others', g ← (1/N)·
 the same local optimizer step, so replicas stay bitwise identical (invariant 3). The gradient's
 path: ``loss.backward()`` writes into views of ``FlatModel.grads``; the buffer is cut into buckets
 (contiguous ranges from its end, :mod:`.buckets`), each averaged by one allreduce — with
-``overlap=True`` (default) started from gradient hooks while backward still runs, on a communication
+``overlap=True`` (the default on a GPU; off on the CPU, where it measured slower) started from gradient hooks while backward still runs, on a communication
 thread; ``synchronize()`` waits for them (and averages the BatchNorm buffers last) -> the user's
 ``optimizer.step()`` reads the averaged ``p.grad`` views. ``overlap=False`` reduces the same buckets
 in the same order after backward: the results are bitwise those of the overlapped path.
@@ -43,8 +43,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
             allreduce after the gradients' buckets, every step (default True: replicas stay
             bitwise identical, buffers included; the cost is the buffers' few bytes). False: only
             when :meth:`average_buffers` is called (the CLI did this at epoch ends before).
-        overlap: start each gradient bucket's allreduce as soon as backward has produced all its
-            gradients (default True); False: the same buckets after backward, in ``step()``.
+        overlap: True: start each gradient bucket's allreduce as soon as backward has produced
+            all its gradients; False: the same buckets after backward, in ``step()`` (bitwise the
+            same results). Default None = on when the model is on a GPU, off on the CPU. Measured
+            on this 2-core machine (``experiments/results/ssgd.md``, idle, a core per rank): with
+            the CPU computing backward, the communication thread competes with it for the core,
+            and overlapped resnet20 took 1.13x compute-only against 1.08x without overlap
+            (lenet 1.14 vs 1.10, mlp 1.66 vs 1.37). On a GPU the CPU is free to drive MPI while
+            the device computes, which is what overlap is for.
         bucket_bytes: bucket size in bytes of float32 gradient (default 256 KiB). At DDP's
             25 MiB the models here (lenet 0.24 MB, resnet20 1.1 MB of gradient) would be one
             bucket, started only when backward ends: nothing overlapped. 256 KiB gives resnet20
@@ -71,7 +77,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  backward_passes_per_step: int = 1, compress: str | None = None,
-                 average_buffers: bool = True, overlap: bool = True,
+                 average_buffers: bool = True, overlap: bool | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: str = DEFAULT_PROGRESS):
         if backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -95,6 +101,8 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self._skip = False
         # a subclass with its own synchronize() (e.g. a hierarchical allreduce) must not have
         # the buckets started behind its back: no hooks for it
+        if overlap is None:                     # auto: see the docstring (measured on CPU)
+            overlap = self.flat.params.device.type == "cuda"
         overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
         self.reducer = BucketReducer(
             self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=compress,

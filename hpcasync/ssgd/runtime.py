@@ -5,7 +5,7 @@ gradient buffer) and applies the same local optimizer step, so replicas stay bit
 (invariant 3). The gradient's path: ``loss.backward()`` writes into views of ``FlatModel.grads`` ->
 ``DistributedOptimizer.synchronize()`` allreduce-averages that one buffer in place ->
 the user's ``optimizer.step()`` reads the averaged ``p.grad`` views. The buffer is averaged in
-buckets started during backward (``--ssgd-overlap``, default; ``--no-ssgd-overlap`` reduces the same
+buckets started during backward (``--ssgd-overlap``, default on a GPU; ``--no-ssgd-overlap``, the CPU default, reduces the same
 buckets after it, bitwise the same result; ``--ssgd-bucket-mb``): :mod:`hpcasync.ssgd.buckets`.
 
 Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``; see
@@ -52,9 +52,11 @@ def add_arguments(parser) -> None:
     group.add_argument("--link-delay-us-per-mb", type=float, default=0.0,
                        help="ssgd: emulated slow inter-node link, µs per 10^6 bytes of each "
                             "step's gradient message (only with more than one node; default 0)")
-    group.add_argument("--ssgd-overlap", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--ssgd-overlap", action=argparse.BooleanOptionalAction, default=None,
                        help="ssgd: start each gradient bucket's allreduce during backward "
-                            "(default on; --no-ssgd-overlap reduces the same buckets after it)")
+                            "(default: on with --device cuda, off on the CPU, where the "
+                            "communication thread measured slower; --no-ssgd-overlap reduces the "
+                            "same buckets after backward)")
     group.add_argument("--ssgd-bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                        help="ssgd: gradient bucket size in MiB (default %(default)s)")
     group.add_argument("--ssgd-progress", choices=PROGRESS, default=DEFAULT_PROGRESS,
@@ -90,7 +92,7 @@ def run(ctx: RunContext) -> RunResult:
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
         bucket = int(cfg.options.get("ssgd_bucket_mb", DEFAULT_BUCKET_BYTES / 2**20) * 2**20)
         opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress,
-                                   overlap=bool(cfg.options.get("ssgd_overlap", True)),
+                                   overlap=cfg.options.get("ssgd_overlap"),
                                    bucket_bytes=max(4, bucket),
                                    progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
     opt.broadcast_parameters(root=0)
