@@ -42,6 +42,7 @@ import time
 import numpy as np
 import torch
 
+from . import emit, idle_barrier
 from ..errors import ConfigError, TopologyError
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- timing ------------------------------------------------------------------------------------
-def _idle_barrier(comm, poll: float = 0.001) -> None:
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll)
-
-
 def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, float]:
     """Median over iterations of the slowest rank's seconds per method.
 
@@ -135,7 +130,7 @@ def time_memcpy(comm, nbytes: int, iters: int) -> float:
             times.append(time.perf_counter() - t0)
         median = statistics.median(times[WARMUP:])
         del pool, bufs
-    _idle_barrier(comm)
+    idle_barrier(comm)
     return comm.bcast(median, root=0)
 
 
@@ -311,13 +306,6 @@ def report(comm, rows: list[dict], command: str, load: float | None = None,
         summary(rows), ""])
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace, comm=None) -> int:
     """``hpcasync bench allreduce`` (every rank calls it); rank 0 prints the table."""
     from ..topology import init_mpi
@@ -342,10 +330,7 @@ def run(args: argparse.Namespace, comm=None) -> int:
         torch.set_num_threads(threads)
     if comm.Get_rank() == 0:
         text = report(comm, rows, command_line(comm, args), load_before, os.getloadavg()[0])
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-        if args.out:
-            _write_atomic(args.out, text)
+        emit(text, args.out)
     return 0
 
 
@@ -363,10 +348,9 @@ def command_line(comm, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone: ``mpiexec -n 4 python -m hpcasync.bench.allreduce [options]``."""
-    parser = argparse.ArgumentParser(prog="hpcasync bench allreduce",
-                                     description="allreduce benchmark (see module docstring)")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from . import standalone
+
+    return standalone(sys.modules[__name__], "hpcasync bench allreduce", "allreduce benchmark (see module docstring)", argv)
 
 
 if __name__ == "__main__":

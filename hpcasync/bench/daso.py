@@ -35,12 +35,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from . import emit, idle_barrier
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -125,12 +125,6 @@ def build(method: str, model, topo, args, delay_us: float, nbatches: int):
     return _ssgd_hier(sgd, flat, topo, delay)
 
 
-def _idle_barrier(comm, poll: float = 0.002) -> None:
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll)
-
-
 def train_epochs(method: str, topo, train, test, args, delay_us: float):
     """Train ``method`` for ``args.epochs`` epochs, yielding its result dict after each epoch
     (per-epoch times of the slowest rank, test accuracy), so runs can be interleaved by epoch."""
@@ -150,7 +144,7 @@ def train_epochs(method: str, topo, train, test, args, delay_us: float):
     for epoch in range(1, args.epochs + 1):
         indices = shard_indices(len(train), shard_index=topo.rank, num_shards=topo.size,
                                 seed=args.seed, epoch=epoch)
-        _idle_barrier(topo.world)
+        idle_barrier(topo.world, 0.002)
         t0 = time.perf_counter()
         loss_sum = 0.0
         model.train()
@@ -309,13 +303,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     if topo.rank == 0:
         text = report(results, args, topo, len(train), len(test), load)
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-        if args.out:
-            tmp = f"{args.out}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, args.out)
+        emit(text, args.out)
     topo.free()
     return 0
 

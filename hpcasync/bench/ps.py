@@ -32,11 +32,11 @@ import argparse
 import logging
 import os
 import platform
-import sys
 import time
 
 import torch
 
+from . import emit
 from ..errors import ConfigError, TopologyError
 
 log = logging.getLogger(__name__)
@@ -255,11 +255,5 @@ def run(args: argparse.Namespace, comm=None) -> int:
         text = "\n".join(["# Parameter-server benchmark", "", f"Command: `{cmd}`", "",
                           f"Machine: {machine(comm)}.", "", format_table(rows), "",
                           summary(rows), ""])
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-        if args.out:
-            tmp = f"{args.out}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, args.out)
+        emit(text, args.out)
     return 0

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import emit, idle_barrier
 from ..errors import ConfigError, TopologyError
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--no-horovod", action="store_true", help="skip Horovod even if installed")
     parser.add_argument("--out", default=None, help="also write the markdown report to FILE")
-
-
-def _idle_barrier(comm, poll: float = 0.0005) -> None:
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll)
 
 
 def make_batches(args, rank: int, n: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -150,7 +145,7 @@ def time_turns(comm, methods: list[Method], batches, steps: int, warmup: int) ->
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
         for m in methods:
-            _idle_barrier(comm)
+            idle_barrier(comm, 0.0005)
             t0 = time.perf_counter()
             m.step(x, y)
             if i >= warmup:
@@ -314,22 +309,15 @@ def run(args: argparse.Namespace, comm=None) -> int:
         torch.set_num_threads(old)
     if comm.Get_rank() == 0:
         text = report(comm, rows, args, threads, load_before, os.getloadavg()[0])
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-        if args.out:
-            tmp = f"{args.out}.tmp{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, args.out)
+        emit(text, args.out)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone: ``mpiexec -n 4 python -m hpcasync.bench.ssgd [options]``."""
-    parser = argparse.ArgumentParser(prog="hpcasync bench ssgd",
-                                     description="SSGD step benchmark (see module docstring)")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from . import standalone
+
+    return standalone(sys.modules[__name__], "hpcasync bench ssgd", "SSGD step benchmark (see module docstring)", argv)
 
 
 if __name__ == "__main__":
