@@ -153,7 +153,8 @@ def validate(cfg) -> None:
     check_hetero(opt)
     shards = opt.get("ps_ranks", 1)
     world = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
-    check_shards(shards, int(world) if world and world.isdigit() else shards + 1)
+    check_shards(shards, int(world) if world and world.isdigit() else shards + 1,
+                 algorithm=cfg.algorithm)
 
 
 def reporting_rank(topo) -> int:
@@ -168,7 +169,8 @@ def run(ctx: RunContext) -> RunResult:
     from .worker import run_worker, send_local
 
     cfg, topo = ctx.cfg, ctx.topo
-    K = check_shards(cfg.options.get("ps_ranks", 1), topo.size)     # every rank, before MPI work
+    K = check_shards(cfg.options.get("ps_ranks", 1), topo.size,      # every rank, before MPI work
+                     algorithm=cfg.algorithm)
     servers = [(topo.ps_rank + s) % topo.size for s in range(K)]
     worker_ranks = [r for r in range(topo.size) if r not in servers]
     W = len(worker_ranks)

@@ -72,11 +72,15 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def check_shards(shards, world_size: int, numel: int | None = None) -> int:
+def check_shards(shards, world_size: int, numel: int | None = None,
+                 algorithm: str | None = None) -> int:
     """``shards`` as an int, or a one-line ConfigError: 1 <= K < world size (one worker at least),
     and K <= the number of parameters."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ConfigError(f"--ps-ranks must be a positive integer, got {shards!r}")
+    if shards == 1 and world_size < 2 and algorithm is not None:
+        raise ConfigError(f"{algorithm} needs a parameter server and at least one worker: "
+                          f"start 2 or more ranks (this run has {world_size})")
     if shards >= world_size:
         raise ConfigError(f"--ps-ranks {shards} leaves no worker in a world of {world_size} "
                           f"ranks: start more than {shards} ranks")
