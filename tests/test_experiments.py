@@ -20,7 +20,7 @@ from tests.mpi_util import REPO, clean_env, run_cli, wait_for
 
 pytestmark = pytest.mark.rank0
 STUDIES = ("shat", "smega2", "delay_compensation", "delay_compensation_64", "odsgd", "daso",
-           "heterogeneity")
+           "heterogeneity", "ps_shards")
 TINY_BASE = {"dataset": "fashion-mnist-mini", "train_limit": 256, "test_limit": 100, "epochs": 1}
 
 
