@@ -129,3 +129,30 @@ def test_direct_path_equals_the_general_mpi_path_and_never_mixes_buffers(tune_fi
     finally:
         comm.Free()
     assert handle not in direct._decisions                # freeing the comm forgets it
+
+
+@pytest.mark.skipif(SIZE != 4, reason="needs 2 virtual nodes of 2 ranks")
+@pytest.mark.timeout(60)
+def test_nodes_that_decide_differently_still_agree_in_the_hierarchical_allreduce(tune_file,
+                                                                                  monkeypatch):
+    """Each node's communicator measures alone: node 0 finds the window faster, node 1 MPI. The
+    hierarchical allreduce must still take one path on both (else stage 2's chunks differ: under
+    MPICH "Message truncated", CI, 2026-11-23): the window only where every node chose it."""
+    from hpcasync.comm import hierarchical_allreduce, ihierarchical_allreduce
+    from hpcasync.topology import Topology
+
+    monkeypatch.setenv("HPCASYNC_TUNE_FILE", "none")      # no file shared between the nodes
+    topo = Topology.build(ranks_per_node=2)
+    node = RANK // 2
+    monkeypatch.setattr(tune, "measure",
+                        lambda comm, nbytes, wire: (1.0, 0.5) if node == 0 else (1.0, 2.0))
+    try:
+        x = torch.arange(300_001, dtype=torch.float32) * (RANK + 1)
+        hierarchical_allreduce(topo, x, average=True)
+        assert torch.equal(x, torch.arange(300_001, dtype=torch.float32) * 2.5)
+        assert comm_cache(topo.local)["auto_shm"][(2 << 20, False)] == (node == 0)
+        h = ihierarchical_allreduce(topo, torch.ones(70_000) * RANK, name="h")
+        assert torch.equal(h.wait(), torch.full((70_000,), 6.0))
+        assert COMM.allgather(_window_used(topo.local)) == [False] * 4
+    finally:
+        topo.free()

@@ -208,10 +208,13 @@ from tests.mpi_util import COMM, RANK, SIZE  # noqa: E402
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs the 4-rank MPI world (PS + 3 workers)")
 W = 3
 MULTI_BUDGET = 2 * ((1536 // W) // 32)          # pushes per worker: 2 epochs x 16 batches
-# |resumed - uninterrupted| test accuracy (500 images): asynchronous runs differ by their push
+# resumed - uninterrupted test accuracy (500 images): asynchronous runs differ by their push
 # orders, most with momentum (nag: 0.61-0.68 over uninterrupted runs, one resumed run 0.47 on a
-# box at load 15); 0.1 without momentum, 0.2 with. The exact checks above are the property.
-ACCURACY_MARGIN = {False: 0.1, True: 0.2}
+# box at load 15). Without momentum, 16 pairs on an idle box (dcasgd, lcasgd, asp, 2026-11-23):
+# -0.086 ... +0.064, mean +0.006 (no bias); CI at load saw asp -0.106. So the check is one-sided
+# (a resume that hurts, not one that helps) with 0.15 without momentum, 0.25 with. The exact
+# checks above are the property; this one only catches a resume that trains badly.
+ACCURACY_MARGIN = {False: 0.15, True: 0.25}
 MULTI = ["dcasgd", "lcasgd", "shat", "shat-root", "ensemble", "asp", "smega2", "nag"]
 
 
@@ -305,7 +308,7 @@ def test_several_workers_continue_from_the_saved_state(algorithm, tmp_path):
     if RANK == 0:
         assert [r["epoch"] for r in ctx.history] == list(range(header["epoch"], 3))
         got, want = ctx.history[-1]["test_accuracy"], ref.history[-1]["test_accuracy"]
-        assert abs(got - want) <= ACCURACY_MARGIN[algorithm in ("smega2", "nag")], (got, want)
+        assert got >= want - ACCURACY_MARGIN[algorithm in ("smega2", "nag")], (got, want)
     else:
         w = RANK - 1
         rule = build_rule(ctx.cfg, torch.zeros_like(theta), W)

@@ -27,17 +27,24 @@ reduce-scatter: the whole buffer is allreduced in the node, then across nodes by
 which saves a synchronisation where latency, not bytes, is the cost.
 
 Requires every node to have the same number of ranks (``topo.require_uniform``).
+
+Every node takes the same node-local path: with ``"auto"`` each node's communicator decides alone
+(:mod:`~hpcasync.comm.tune` measures per communicator), and one node on the window while another
+is on MPI would cut stage 2 into different chunks (MPICH: "Message truncated"). So the first message
+of each size class also agrees across nodes (logical AND over ``topo.glob``: the window only if
+every node chose it); the agreement is cached like the decision itself.
 """
 from __future__ import annotations
 
 import torch
 
 from .allreduce import flat_view, pick_engine, piece_elems, staged_steps
-from .cache import private_dup
+from .cache import comm_cache, private_dup
 from .compress import decode, encode, wire_dtype
 from .handle import Allgatherv, Allreduce, Handle, ReduceScatter, run_blocking
-from .ops import mpi_buffer, sum_op
+from .ops import HALF_DTYPES, mpi_buffer, sum_op
 from .shm import partition
+from .tune import size_class
 
 HIER_SMALL_BYTES = 64 << 10     # up to this size: whole-buffer allreduce in the node, then across
 
@@ -79,6 +86,20 @@ def _small_steps(topo, engine, glob, flat, *, wire, divisor):
     decode(w, flat, divisor=divisor)
 
 
+def _agreed(topo, glob, engine, nbytes: int, wire: torch.dtype, algorithm: str):
+    """``engine`` if every node has one for this size class, else None (collective over
+    ``glob`` on the first message of a class with ``"auto"``, several nodes)."""
+    if algorithm != "auto" or topo.num_nodes == 1:
+        return engine
+    from mpi4py import MPI
+
+    agreed = comm_cache(glob).setdefault("hier_auto", {})
+    key = (size_class(nbytes), wire in HALF_DTYPES)
+    if key not in agreed:
+        agreed[key] = bool(glob.allreduce(engine is not None, op=MPI.LAND))
+    return engine if agreed[key] else None
+
+
 def hierarchical_steps(topo, tensor: torch.Tensor, *, average: bool = False,
                        compress: str | None = None, algorithm: str = "auto",
                        bucket_bytes: int | None = None, chunk_elems: int | None = None):
@@ -91,7 +112,8 @@ def hierarchical_steps(topo, tensor: torch.Tensor, *, average: bool = False,
     glob = private_dup(topo.glob)
     op = sum_op(wire)
     nbytes = flat.numel() * wire.itemsize
-    engine = pick_engine(topo.local, nbytes, algorithm, cuda_aware=False, wire=wire)
+    engine = _agreed(topo, glob, pick_engine(topo.local, nbytes, algorithm, cuda_aware=False,
+                                             wire=wire), nbytes, wire, algorithm)
     if nbytes <= HIER_SMALL_BYTES and piece is None and flat.device.type == "cpu":
         return _small_steps(topo, engine, glob, flat, wire=wire, divisor=divisor), engine
     if engine is not None:
