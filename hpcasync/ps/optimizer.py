@@ -290,7 +290,7 @@ class ParameterServer(AlgorithmOptimizer):
         on_buffers = self._take_buffers if self.sync_buffers else None
         if self.layout.K > 1:
             hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
-            callbacks["on_epoch"] = hook
+            callbacks["on_epoch"], callbacks["on_served"] = hook, hook.end
         return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
                         on_buffers=on_buffers, **callbacks)
@@ -348,7 +348,8 @@ class ParameterServer(AlgorithmOptimizer):
         if self._closed:
             return
         self._closed = True
-        finish_sends(getattr(self, "_epoch_hook", None))
+        if self.is_server:
+            finish_sends(self, collective=collective)
         for t in self.transports:
             t.close(collective=collective)
         if collective:

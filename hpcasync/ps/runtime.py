@@ -63,7 +63,7 @@ from ..hetero import check_options as check_hetero
 from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
-from .shards import check_shards, load_shard_state, shard_snapshot
+from .shards import align_resume, check_shards, shard_snapshot
 
 log = logging.getLogger("hpcasync")
 
@@ -199,6 +199,10 @@ def run(ctx: RunContext) -> RunResult:
                           warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
                           **rule_hyper(cfg))
     flat = opt.flat
+    if state is not None:          # K > 1: each server its shard's file, positions aligned
+        base = (ctx.checkpoints.directory if ctx.checkpoints is not None
+                else os.path.dirname(os.path.abspath(cfg.resume)))
+        state = align_resume(opt, base, state, ctx.checkpoint_header())
     summary: dict = {}
     ulfm = ft.ulfm_enabled()
     if opt.is_server:
@@ -340,10 +344,7 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                              on_accept=lambda w, loss: ctx.divergence.check(
                                  loss, step=server.stats.accepted))
     resumed_at = 0
-    if state is not None:
-        base = (ctx.checkpoints.directory if ctx.checkpoints is not None
-                else os.path.dirname(os.path.abspath(cfg.resume)))
-        state = load_shard_state(opt, base, state, ctx.checkpoint_header())
+    if state is not None:           # this shard's state (align_resume)
         server.load_state_dict(state["ps"])
         budget = cfg.epochs * batches_per_worker          # --epochs may have changed
         server.finished = [p >= budget for p in server.positions]
@@ -374,6 +375,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             "ps_apply_s": round(server.apply_time, 3),
             "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks,
             "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
+            **({"resume_lost_pushes": state["resume_lost_pushes"]}
+               if state is not None and "resume_lost_pushes" in state else {}),
             "failed_workers": list(server.failed.values()),
             "rule_workers": ft.rule_worker_state(rule)}, server.stopping
 

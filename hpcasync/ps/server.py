@@ -81,6 +81,8 @@ class PSServer:
         on_checkpoint: ``on_checkpoint(kind)`` with kind ``"epoch"`` or ``"periodic"`` (module doc).
         checkpoint_every: accepted pushes between periodic checkpoints (0: epoch ends only).
         on_failure: ``on_failure(record)`` after a worker was found dead and retired.
+        on_served: ``on_served()`` when :meth:`serve` has crossed its last epoch, before it
+            returns (the sharded server's end message to server 0, :mod:`.shards`).
         on_accept: ``on_accept(worker, loss)`` after each accepted push, before it is answered
             (may raise to end the run, e.g. a divergence guard).
 
@@ -97,8 +99,10 @@ class PSServer:
                  stop_requested: Callable[[], bool] | None = None,
                  on_checkpoint: Callable[[str], Any] | None = None, checkpoint_every: int = 0,
                  on_failure: Callable[[dict], Any] | None = None,
-                 on_accept: Callable[[int, float], Any] | None = None):
+                 on_accept: Callable[[int, float], Any] | None = None,
+                 on_served: Callable[[], Any] | None = None):
         self.transport = transport
+        self.on_served = on_served
         self.rule = rule
         self.pushes_per_epoch = pushes_per_epoch
         self.epochs = epochs
@@ -170,6 +174,8 @@ class PSServer:
             self.stopping = False
             while self.epochs is not None and self.next_epoch <= self.epochs:
                 self._cross_epoch()                    # epochs not crossed (rejected pushes)
+        if self.on_served is not None:
+            self.on_served()
         return self.stats
 
     def _begin_stop(self, reason: str) -> None:

@@ -26,12 +26,29 @@ only if every shard accepted it (they do or do not together; a disagreement is l
 Epoch records: shard 0's server (the reporting rank) evaluates θ at each epoch crossing; server
 s > 0 sends it a copy of its slice when it crosses the same epoch (each shard crosses epoch e at its
 own e·W·batches-th accepted push), so the evaluated θ is the concatenation of the shards' θ at
-their crossings. The final θ is broadcast slice by slice from each server.
+their crossings. When server s > 0 closes it sends server 0 an empty message after its last slice:
+server 0, waiting for an epoch's slice, gets that instead if shard s ended without crossing the
+epoch, and at its own close it expects exactly that and nothing more. Shards that disagree on the
+epochs crossed (a bug, or a push one shard took and another did not) are then a one-line error on
+server 0 that ends the job, never a wait for a message that will not come. The final θ is
+broadcast slice by slice from each server.
 
 Checkpoints: every server writes its shard (shard 0 in ``--checkpoint-dir`` with ``ps_ranks`` and
 the bounds, server s > 0 in ``--checkpoint-dir/shard-<s>/`` under the same file name); resume reads
 shard 0's (every rank, as with one server) and each server s > 0 its own file beside it; a
 checkpoint written with another K is a one-line CheckpointError on every rank.
+
+Resume from a cut the shards took apart (:func:`align_resume`): a stop (preemption) checkpoint is
+one consistent cut -- every worker's last push reached every shard -- but with several workers an
+epoch or periodic checkpoint is not: each shard writes it at its own N-th accepted push, and the
+shards take the workers' pushes in different orders, so shard 0 may hold worker 0's 31st push
+and not worker 1's 30th while shard 1 holds the opposite (the same N = 61 on both). Refusing such
+a checkpoint would leave a crashed K > 1 run nothing to resume from; instead every worker resumes
+after the *latest* push any shard holds from it (elementwise max of the shards' positions), and
+a shard that had not yet applied some of those pushes never will: they are lost on that slice,
+as pushes in flight are lost when a server dies. Each shard counts them as taken (its push clock
+``accepted``, so every shard crosses the remaining epochs at the same push), not applied (its
+rule's version). The numbers are logged and reported (``resume_lost_pushes``, per shard).
 
 Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, workers 2 and 3)::
 
@@ -41,10 +58,7 @@ Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, 
 Differences from the reference design (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, which shards key ranges over server nodes with consistent hashing and
 replicates them): contiguous ranges, no replication, and no server-to-server traffic beyond the
-epoch records. Known limits: with several workers the shards see the workers' pushes in different
-orders, so a checkpoint taken by one shard at an epoch or periodic point and another shard's at the
-same accepted count may hold different worker positions (resume then refuses: the positions must
-agree); a stop (preemption) is consistent when it reaches every shard through the workers' pushes.
+epoch records; a resume from shards cut apart loses a few pushes on some slices (above).
 """
 from __future__ import annotations
 
@@ -53,11 +67,15 @@ import time
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, HpcasyncError
 
 log = logging.getLogger("hpcasync")
 
-_TAG_EPOCH = 4191          # server s > 0 -> server 0: its slice at an epoch crossing
+_TAG_EPOCH = 4191          # server s > 0 -> server 0: its slice at an epoch crossing; empty: end
+
+
+class ShardError(HpcasyncError):
+    """The shard servers disagree (on epochs crossed): a bug or a lost push, never waited out."""
 
 
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
@@ -194,8 +212,14 @@ def epoch_exchange(opt, server_epoch):
             for s in range(1, layout.K):
                 piece = layout.slice(opt.flat.params, s)
                 host = torch.empty(piece.numel())
+                status = MPI.Status()
                 wait(layout.comm.Irecv([host.numpy(), MPI.FLOAT], source=layout.servers[s],
-                                       tag=_TAG_EPOCH))
+                                       tag=_TAG_EPOCH), status)
+                if status.Get_count(MPI.FLOAT) != piece.numel():     # its end: no such crossing
+                    raise ShardError(f"{opt.algorithm} --ps-ranks {layout.K}: shard {s}'s server "
+                                     f"(rank {layout.servers[s]}) ended without crossing epoch "
+                                     f"{epoch}, which shard 0 crossed: the shards disagree on "
+                                     "the pushes they took")
                 piece.copy_(host)
             if server_epoch is not None:
                 server_epoch(epoch, record)
@@ -204,16 +228,43 @@ def epoch_exchange(opt, server_epoch):
         buf = opt.rule.theta.detach().cpu().clone()
         pending.append((layout.comm.Isend([buf.numpy(), MPI.FLOAT], dest=layout.servers[0],
                                           tag=_TAG_EPOCH), buf))
-    crossed.pending = pending           # the caller waits for these before closing
+    def end() -> None:
+        """Server s > 0, its last epoch crossed: the empty end message to server 0 (sent before
+        the end of the run's handshake with the workers, which server 0 may be waiting on)."""
+        if layout.shard > 0 and not crossed.ended:
+            crossed.ended = True
+            pending.append((layout.comm.Isend([torch.zeros(0).numpy(), MPI.FLOAT],
+                                              dest=layout.servers[0], tag=_TAG_EPOCH), None))
+    crossed.pending, crossed.end, crossed.ended = pending, end, False   # close() waits for these
     return crossed
 
 
-def finish_sends(on_epoch) -> None:
-    """Server s > 0: complete the epoch sends still in flight (before the transport closes)."""
+def finish_sends(opt, *, collective: bool = True) -> None:
+    """Server, K > 1, at close (before the transports close): server s > 0 completes its epoch
+    sends and its end message (:func:`epoch_exchange`'s ``end``); server 0 takes every end
+    message and raises :class:`ShardError` if a slice comes first (that shard crossed an epoch
+    server 0 did not). ``collective=False`` (a rank died): only the sends in flight."""
+    from mpi4py import MPI
+
     from .wire import wait
 
-    for req, _ in getattr(on_epoch, "pending", ()):
+    L, hook = opt.layout, getattr(opt, "_epoch_hook", None)
+    if hook is None or L.K == 1:
+        return
+    if collective:
+        hook.end()                      # if serve() did not get to it
+    for req, _ in hook.pending:
         wait(req)
+    if not collective or L.shard > 0:
+        return
+    for s in range(1, L.K):
+        status = MPI.Status()
+        wait(L.comm.Irecv([torch.empty(L.bounds[s][1] - L.bounds[s][0]).numpy(), MPI.FLOAT],
+                          source=L.servers[s], tag=_TAG_EPOCH), status)
+        if status.Get_count(MPI.FLOAT):
+            raise ShardError(f"{opt.algorithm} --ps-ranks {L.K}: shard {s}'s server (rank "
+                             f"{L.servers[s]}) crossed an epoch that shard 0 did not: the "
+                             "shards disagree on the pushes they took")
 
 
 def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, header: dict):
@@ -234,7 +285,7 @@ def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, heade
 def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     """Server: the state to resume this shard from. ``state`` is shard 0's checkpoint (which
     every rank reads); server s > 0 reads its own file beside it (``shard-<s>/``, same name) and
-    checks that it was cut the same way and holds the same worker positions."""
+    checks that it was cut the same way, at the same number of pushes."""
     from pathlib import Path
 
     from ..checkpoint import load_checkpoint
@@ -248,8 +299,44 @@ def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
                               f"{[list(b) for b in L.bounds]}")
     path = Path(directory) / f"shard-{L.shard}" / str(state.get("shard_file"))
     mine = load_checkpoint(path, expect=header)
-    if mine.get("shard") != L.shard or mine["ps"]["positions"] != state["ps"]["positions"]:
+    n0, n = sum(state["ps"]["positions"]), sum(mine["ps"]["positions"])
+    if mine.get("shard") != L.shard or n != n0 or mine.get("kind") != state.get("kind"):
         raise CheckpointError(f"{path}: shard {L.shard}'s checkpoint does not match shard 0's "
-                              f"(worker positions {mine['ps']['positions']} vs "
-                              f"{state['ps']['positions']})")
+                              f"(shard {mine.get('shard')}, {mine.get('kind')} at {n} pushes vs "
+                              f"{state.get('kind')} at {n0})")
     return mine
+
+
+def align_resume(opt, directory, state: dict, header: dict) -> dict:
+    """Every rank, K > 1 (collective over ``opt.comm``): the state this rank resumes from, with
+    the worker positions aligned over the shards (module docstring): a server gets its shard's
+    state (s > 0: its own file) with ``positions`` = the elementwise max over the shards,
+    ``stats`` counting the pushes it lost as taken, and ``resume_lost_pushes`` (per shard); a
+    worker gets shard 0's state with the aligned positions. With K = 1: ``state`` unchanged."""
+    import copy
+
+    L = opt.layout
+    if L.K == 1:
+        return state
+    mine = load_shard_state(opt, directory, state, header) if L.shard >= 0 else state
+    per_shard = [None] * L.K
+    for shard, positions in opt.comm.allgather((L.shard, mine["ps"]["positions"])):
+        if shard >= 0:
+            per_shard[shard] = [int(p) for p in positions]
+    aligned = [max(col) for col in zip(*per_shard)]
+    lost = [sum(a - p for a, p in zip(aligned, pos)) for pos in per_shard]
+    out = copy.copy(mine)
+    out["ps"] = ps = dict(mine["ps"], positions=aligned)
+    out["resume_lost_pushes"] = lost
+    if L.shard >= 0:
+        own = per_shard[L.shard]
+        stats = ps["stats"] = dict(ps["stats"])
+        stats["accepted"] = int(stats["accepted"]) + lost[L.shard]
+        stats["per_worker"] = [int(c) + a - p for c, a, p in
+                               zip(stats["per_worker"], aligned, own)]
+        if any(lost) and L.shard == 0:
+            log.warning("%s --ps-ranks %d: the shards' checkpoints hold different worker "
+                        "positions %s; every worker resumes after its latest push %s, and the "
+                        "shards lose %s pushes that they had not applied (module hpcasync.ps."
+                        "shards)", opt.algorithm, L.K, per_shard, aligned, lost)
+    return out
