@@ -289,7 +289,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     it on those workers too, with the same ``epoch``/``step`` labels (e.g. at the end of their
     epoch): each writes its model to ``directory/worker-<i>/``, which :func:`load_checkpoint`
     pairs with the server's file of the same labels. Elsewhere a worker's call writes nothing.
-    Returns the path on a rank that wrote.
+    Returns the path on a rank that wrote. A sharded server (``ps_ranks`` > 1) is a ConfigError:
+    only the CLI checkpoints its shards (:mod:`hpcasync.ps.shards`).
     """
     from .checkpoint import CheckpointManager
 
@@ -297,6 +298,12 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
     comm = topo.world if topo is not None else getattr(optimizer, "comm", None)
     ps = algorithm in PS_ALGORITHMS
+    if ps and getattr(getattr(optimizer, "layout", None), "K", 1) > 1:
+        raise ConfigError(f"hpcasync.save_checkpoint of a sharded parameter server (ps_ranks="
+                          f"{optimizer.layout.K}) is not supported: each server holds one slice "
+                          "of θ and of the rule's state, and on_epoch runs on the first server "
+                          "only. Use ps_ranks=1 in your loop, or the CLI (hpcasync train "
+                          "--ps-ranks K --checkpoint-dir DIR), which checkpoints every shard")
     header = {"algorithm": algorithm, "model": type(model).__name__}
     if ps and not optimizer.is_server:                  # a PS worker: its own model, if any
         if not optimizer.keeps_local:

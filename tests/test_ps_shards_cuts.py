@@ -59,10 +59,22 @@ COMMON = ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist-mini", "--
           "--epochs", "2", "--ps-ranks", "2"]
 
 
+def _rewrite(path, header: dict, state: dict) -> None:
+    """Write ``state`` as a checkpoint at ``path`` with ``header``'s fields (a tampered copy)."""
+    from hpcasync.checkpoint import save_checkpoint
+
+    std = ("format", "version", "algorithm", "model", "world_size", "epoch", "step", "created",
+           "hpcasync", "torch")
+    step = int(path.name.split("-s")[1][:-3])
+    save_checkpoint(path, state, algorithm=header["algorithm"], model=header["model"],
+                    world_size=header["world_size"], epoch=header["epoch"], step=step,
+                    extra={k: v for k, v in header.items() if k not in std})
+
+
 @pytest.mark.rank0
 @pytest.mark.timeout(600)
 def test_resume_from_a_cut_the_shards_took_apart(tmp_path):
-    from hpcasync.checkpoint import read_checkpoint, save_checkpoint
+    from hpcasync.checkpoint import read_checkpoint
 
     ck = tmp_path / "ck"
     r = run_mpi(4, [*COMMON, "--checkpoint-dir", str(ck), "--metrics", str(tmp_path / "a.jsonl")],
@@ -80,12 +92,7 @@ def test_resume_from_a_cut_the_shards_took_apart(tmp_path):
     print(f"epoch-1 cut as written: shard 0 {p0}, shard 1 {p1}")
     moved = [p0[0] + 1, p0[1] - 1]                          # shard 1 took worker 0's next push
     s1["ps"]["positions"] = moved                           # ... instead of worker 1's last
-    std = ("format", "version", "algorithm", "model", "world_size", "epoch", "step", "created",
-           "hpcasync", "torch")
-    save_checkpoint(ck / "shard-1" / e1.name, s1, algorithm=header1["algorithm"],
-                    model=header1["model"], world_size=header1["world_size"],
-                    epoch=header1["epoch"], step=header1["step"],
-                    extra={k: v for k, v in header1.items() if k not in std})
+    _rewrite(ck / "shard-1" / e1.name, header1, s1)
     r = run_mpi(4, [*COMMON, "--checkpoint-dir", str(ck), "--resume", "auto",
                     "--metrics", str(tmp_path / "b.jsonl")], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -111,3 +118,52 @@ def test_shards_that_disagree_on_epochs_end_the_job_with_one_line(mode, says):
     assert lines and says in lines[0], r.stderr[-3000:]
     assert "Traceback" not in r.stderr
 
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(400)
+def test_a_worker_death_without_ulfm_leaves_shard_checkpoints_that_resume(tmp_path):
+    """Worker rank 3 SIGKILLs itself in its 40th push (epoch 2 of 32 pushes per worker). Open MPI
+    then SIGTERMs the survivors: each server writes a SIGTERM checkpoint at its own push count
+    (kind ``signal``); MPICH's hydra SIGKILLs at once, leaving epoch 1's cut. Either way
+    ``--resume auto`` must pair the shards' files, align the positions and finish every push."""
+    import subprocess
+    import time
+
+    from hpcasync.checkpoint import checkpoint_name, read_checkpoint
+    from hpcasync.launch import OPEN_MPI
+    from tests.mpi_util import REPO, VENDOR, clean_env, mpiexec
+
+    ck = tmp_path / "ck"
+    args = [*COMMON, "--train-limit", "2048", "--checkpoint-dir", str(ck)]
+    t0 = time.time()
+    out = subprocess.run([*mpiexec(4), sys.executable, "-m", "hpcasync.cli", *args, "--metrics",
+                          str(tmp_path / "a.jsonl")], env=clean_env(HPCASYNC_INJECT_KILL="3:40"),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and time.time() - t0 < 60, out.stderr[-3000:]
+    newest = sorted(ck.glob("ckpt-*.pt"))[-1]
+    _, s0 = read_checkpoint(newest)
+    kind = "signal" if VENDOR == OPEN_MPI else "epoch"
+    assert s0["kind"] == kind, (s0["kind"], out.stderr[-3000:])
+    mine = sorted((ck / "shard-1").glob(newest.name[:len("ckpt-e0000")] + "-s*.pt"))
+    assert mine, sorted(p.name for p in (ck / "shard-1").iterdir())
+    h1, s1 = read_checkpoint(mine[-1])
+    print(f"{kind} checkpoints: shard 0 {s0['ps']['positions']}, shard 1 {s1['ps']['positions']}")
+    if kind == "signal" and mine[-1].name == newest.name:
+        # the two servers stood at the same push when the signal came (worker 2 had finished):
+        # make shard 1's as if its signal came one push of worker 3 earlier, under its own name
+        ps = s1["ps"]
+        ps["positions"][1] -= 1
+        ps["stats"]["accepted"] -= 1
+        ps["stats"]["per_worker"][1] -= 1
+        mine[-1].unlink()
+        _rewrite(ck / "shard-1" / checkpoint_name(h1["epoch"], h1["step"] - 1), h1, s1)
+    r = run_mpi(4, [*args, "--resume", "auto", "--metrics", str(tmp_path / "b.jsonl")],
+                timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = last_summary(tmp_path / "b.jsonl")
+    aligned = [max(a, b) for a, b in zip(s0["ps"]["positions"], s1["ps"]["positions"])]
+    lost = [sum(a - p for a, p in zip(aligned, s["ps"]["positions"])) for s in (s0, s1)]
+    assert [w["worker_start_step"] for w in got["workers"]] == aligned
+    assert got["resume_lost_pushes"] == lost
+    assert got["pushes"] == 128 and [w["worker_steps"] for w in got["workers"]] == [64, 64]

@@ -40,7 +40,8 @@ checkpoint written with another K is a one-line CheckpointError on every rank.
 
 Resume from a cut the shards took apart (:func:`align_resume`): a stop (preemption) checkpoint is
 one consistent cut -- every worker's last push reached every shard -- but with several workers an
-epoch or periodic checkpoint is not: each shard writes it at its own N-th accepted push, and the
+epoch or periodic checkpoint is not: each shard writes it at its own N-th accepted push (a SIGTERM
+checkpoint even at its own N, paired by epoch: :func:`load_shard_state`), and the
 shards take the workers' pushes in different orders, so shard 0 may hold worker 0's 31st push
 and not worker 1's 30th while shard 1 holds the opposite (the same N = 61 on both). Refusing such
 a checkpoint would leave a crashed K > 1 run nothing to resume from; instead every worker resumes
@@ -285,7 +286,9 @@ def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, heade
 def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     """Server: the state to resume this shard from. ``state`` is shard 0's checkpoint (which
     every rank reads); server s > 0 reads its own file beside it (``shard-<s>/``, same name) and
-    checks that it was cut the same way, at the same number of pushes."""
+    checks that it was cut the same way, at the same number of pushes. A SIGTERM checkpoint
+    (kind ``signal``, written by each server the moment the signal reached it, so at its own push
+    count) is paired with the shard's newest checkpoint of the same epoch instead."""
     from pathlib import Path
 
     from ..checkpoint import load_checkpoint
@@ -297,10 +300,20 @@ def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     if state.get("bounds") != [list(b) for b in L.bounds]:
         raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this model's "
                               f"{[list(b) for b in L.bounds]}")
-    path = Path(directory) / f"shard-{L.shard}" / str(state.get("shard_file"))
+    mine_dir = Path(directory) / f"shard-{L.shard}"
+    path = mine_dir / str(state.get("shard_file"))
+    exact = path.is_file() or state.get("kind") != "signal"
+    if not exact:       # each server's SIGTERM checkpoint is at its own push count: same epoch
+        tag = str(state.get("shard_file"))[:len("ckpt-e0000")]
+        same = sorted(mine_dir.glob(f"{tag}-s*.pt"), reverse=True)
+        if not same:
+            raise CheckpointError(f"shard {L.shard} has no checkpoint of epoch {tag[6:]} beside "
+                                  f"shard 0's SIGTERM checkpoint {state.get('shard_file')} "
+                                  f"(in {mine_dir})")
+        path = same[0]
     mine = load_checkpoint(path, expect=header)
     n0, n = sum(state["ps"]["positions"]), sum(mine["ps"]["positions"])
-    if mine.get("shard") != L.shard or n != n0 or mine.get("kind") != state.get("kind"):
+    if mine.get("shard") != L.shard or (exact and n != n0) or mine.get("kind") != state.get("kind"):
         raise CheckpointError(f"{path}: shard {L.shard}'s checkpoint does not match shard 0's "
                               f"(shard {mine.get('shard')}, {mine.get('kind')} at {n} pushes vs "
                               f"{state.get('kind')} at {n0})")
