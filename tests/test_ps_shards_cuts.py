@@ -167,3 +167,26 @@ def test_a_worker_death_without_ulfm_leaves_shard_checkpoints_that_resume(tmp_pa
     assert [w["worker_start_step"] for w in got["workers"]] == aligned
     assert got["resume_lost_pushes"] == lost
     assert got["pushes"] == 128 and [w["worker_steps"] for w in got["workers"]] == [64, 64]
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(300)
+def test_a_worker_death_under_ulfm_is_survived_by_every_shard(tmp_path):
+    """``--with-ft ulfm``, K = 2: worker 1 (rank 3) dies in its 40th push; both servers retire
+    it and the run ends with exit 0, the summary naming it by its world rank."""
+    import subprocess
+
+    from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
+
+    need_ulfm()
+    args = [*COMMON, "--train-limit", "2048", "--metrics", str(tmp_path / "a.jsonl")]
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *args],
+                         env=clean_env(HPCASYNC_INJECT_KILL="3:40"), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(tmp_path / "a.jsonl")
+    [failed] = s["failed_workers"]
+    assert (failed["worker"], failed["rank"], failed["pushes"]) == (1, 3, 39)
+    assert s["pushes_per_worker"] == [64, 39] and s["pushes"] == 103
+    assert s["rule_workers"]["alive"] == [True, False]
+    assert out.stderr.count("worker 1 (rank 3) died") == 2, out.stderr[-3000:]   # each shard

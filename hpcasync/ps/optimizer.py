@@ -291,6 +291,7 @@ class ParameterServer(AlgorithmOptimizer):
         if self.layout.K > 1:
             hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
             callbacks["on_epoch"], callbacks["on_served"] = hook, hook.end
+            callbacks["worker_ranks"] = self.layout.workers
         return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
                         on_buffers=on_buffers, **callbacks)

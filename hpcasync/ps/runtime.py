@@ -272,7 +272,7 @@ def run(ctx: RunContext) -> RunResult:
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]
         summary["hetero"] = delay.to_record()
-        ft.record_late_deaths(summary, lost, topo.workers)
+        ft.record_late_deaths(summary, lost, worker_ranks)
     summary = comm.bcast(summary, root=root)
     return RunResult(model=model, summary=summary)
 

@@ -83,6 +83,8 @@ class PSServer:
         on_failure: ``on_failure(record)`` after a worker was found dead and retired.
         on_served: ``on_served()`` when :meth:`serve` has crossed its last epoch, before it
             returns (the sharded server's end message to server 0, :mod:`.shards`).
+        worker_ranks: the workers' ranks in the job's communicator, for records and logs
+            (default: their ranks in the transport's, which differ for a shard's server).
         on_accept: ``on_accept(worker, loss)`` after each accepted push, before it is answered
             (may raise to end the run, e.g. a divergence guard).
 
@@ -100,8 +102,10 @@ class PSServer:
                  on_checkpoint: Callable[[str], Any] | None = None, checkpoint_every: int = 0,
                  on_failure: Callable[[dict], Any] | None = None,
                  on_accept: Callable[[int, float], Any] | None = None,
-                 on_served: Callable[[], Any] | None = None):
+                 on_served: Callable[[], Any] | None = None,
+                 worker_ranks: list[int] | None = None):
         self.transport = transport
+        self.worker_ranks = list(transport.workers if worker_ranks is None else worker_ranks)
         self.on_served = on_served
         self.rule = rule
         self.pushes_per_epoch = pushes_per_epoch
@@ -230,7 +234,7 @@ class PSServer:
                 continue
             self.rule.retire(w)
             self._done[w] = True
-            rank = self.transport.workers[w]
+            rank = self.worker_ranks[w]
             record = {"worker": w, "rank": rank, "ps_version": self.rule.version,
                       "pushes": self.positions[w], "finished": self.finished[w]}
             self.failed[w] = record
