@@ -35,10 +35,13 @@ RANKS_PER_NODE_ENV = "HPCASYNC_RANKS_PER_NODE"
 
 def init_mpi():
     """Initialise MPI if nobody has (the CLI defers it until options are validated); return MPI.
+    Tunes glibc's allocator first (:mod:`hpcasync.runtime.malloc`; ``HPCASYNC_MALLOC=default``).
     Fault tolerance asked for under MPICH is a ConfigError here, before MPI starts (ULFM is
     Open-MPI-only: :func:`hpcasync.runtime.ft.check_ft_request`)."""
     from .runtime.ft import check_ft_request
+    from .runtime.malloc import tune_malloc
 
+    tune_malloc()
     single_host_open_mpi_defaults()
     ulfm_open_mpi_defaults()
     from mpi4py import MPI
