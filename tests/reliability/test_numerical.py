@@ -190,10 +190,11 @@ def test_nan_gradients_rejected_at_the_ps_and_counted(tmp_path):
     assert "NaN" in json.dumps(summary["reject_reasons"])
     # finite weights that learned (125 pushes of 32 images, 2 epochs; chance is 10 %). This command
     # measured 51 47 44 43 / 56 / 51 % (seed 0 x4 / 1 / 2; the push order varies) and test loss
-    # 1.22-1.42 (2.30-2.31 untrained). With 1 epoch (62 pushes) it had measured 29.5-42 % and CI's
-    # MPICH pass then got 24 %: so the bars are the worst run - 8 points / + 0.2 in loss
-    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] >= 0.35, summary
-    assert summary["test_loss"] < 1.6, summary
+    # 1.22-1.42 (2.30-2.31 untrained); 12 more runs of it (2026-11-24, without the NaN) 34-55 %,
+    # loss 1.15-1.67, and a full-suite run loss 1.79. With 1 epoch (62 pushes) it had measured
+    # 29.5-42 % and CI's MPICH pass then got 24 %: so the bars are the worst run - 8 points / + 0.2
+    assert math.isfinite(summary["test_loss"]) and summary["test_accuracy"] >= 0.26, summary
+    assert summary["test_loss"] < 2.0, summary
 
 
 def test_diverged_error_is_a_user_error():
