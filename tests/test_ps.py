@@ -169,7 +169,7 @@ def test_runtime_counts_and_final_model_everywhere(algorithm, options):
         # dcasgd-a 69-79, lcasgd 69-79,
         # dana 66.5-77.5 (`_ctx(..., seed=s)` + ps.run under mpiexec -n 4); all at lr 0.05 but
         # nag at its default 0.02 (seeds 0 x4, 1-4: 69.5-77.5; at 0.05 it reached 52-74).
-        # Under MPICH (2026-11-24, seed 0, 10-14 runs each) the spread is wider: asgd 51-78,
+        # Under MPICH (2026-11-24, seed 0, 5-18 runs each) the spread is wider: asgd 51-78,
         # dcasgd-a 61.5-76, shat 44.5-57.5, smega2 71-77.5, dana 69.5-78.5 -> those bars moved.
         bar = {"asgd": 0.47, "shat": 0.33, "smega2": 0.65, "dcasgd-a": 0.57, "lcasgd": 0.65,
                "dana": 0.62, "nag": 0.65}[algorithm]
