@@ -69,17 +69,23 @@ def _run(script: Path, args: list[str], tmp_path: Path, timeout: float = 300):
     return r.stdout
 
 
+def _each_backend(name: str, args: list[str], pattern: str, tmp_path: Path) -> dict:
+    """Run example ``name`` with the facade and (when it imports) real Horovod; the one number
+    ``pattern`` finds in each output, by backend."""
+    found = {}
+    for backend in ["facade"] + (["horovod"] if HOROVOD_ERROR is None else []):
+        out = _run(_variant(name, backend, tmp_path), args, tmp_path)
+        values = re.findall(pattern, out)
+        assert len(values) == 1, out[-2000:]
+        found[backend] = float(values[0])
+    return found
+
+
 @pytest.mark.rank0
 @pytest.mark.timeout(700)
 def test_pytorch_mnist_example_reaches_horovods_accuracy(tmp_path):
-    accuracy = {}
-    backends = ["facade"] + (["horovod"] if HOROVOD_ERROR is None else [])
-    for backend in backends:
-        out = _run(_variant("pytorch_mnist.py", backend, tmp_path),
-                   ["--epochs", "1", "--log-interval", "1000"], tmp_path)
-        found = re.findall(r"Accuracy: ([\d.]+)%", out)
-        assert len(found) == 1, out[-2000:]
-        accuracy[backend] = float(found[0])
+    accuracy = _each_backend("pytorch_mnist.py", ["--epochs", "1", "--log-interval", "1000"],
+                             r"Accuracy: ([\d.]+)%", tmp_path)
     print(f"pytorch_mnist.py, 1 epoch, 4 ranks: {accuracy}")
     assert accuracy["facade"] >= 50.0, accuracy
     if "horovod" in accuracy:
@@ -91,14 +97,9 @@ def test_pytorch_mnist_example_reaches_horovods_accuracy(tmp_path):
 @pytest.mark.rank0
 @pytest.mark.timeout(700)
 def test_pytorch_synthetic_benchmark_example_runs(tmp_path):
-    rates = {}
-    backends = ["facade"] + (["horovod"] if HOROVOD_ERROR is None else [])
-    for backend in backends:
-        out = _run(_variant("pytorch_synthetic_benchmark.py", backend, tmp_path),
-                   ["--model", "resnet18", "--batch-size", "4", "--num-warmup-batches", "1",
-                    "--num-batches-per-iter", "2", "--num-iters", "2"], tmp_path)
-        found = re.findall(r"Total img/sec on 4 CPU\(s\): ([\d.]+)", out)
-        assert len(found) == 1, out[-2000:]
-        rates[backend] = float(found[0])
+    rates = _each_backend("pytorch_synthetic_benchmark.py",
+                          ["--model", "resnet18", "--batch-size", "4", "--num-warmup-batches", "1",
+                           "--num-batches-per-iter", "2", "--num-iters", "2"],
+                          r"Total img/sec on 4 CPU\(s\): ([\d.]+)", tmp_path)
     print(f"pytorch_synthetic_benchmark.py resnet18 batch 4, 4 ranks, img/sec: {rates}")
     assert all(v > 0 for v in rates.values()), rates
