@@ -290,8 +290,7 @@ class ParameterServer(AlgorithmOptimizer):
         on_buffers = self._take_buffers if self.sync_buffers else None
         if self.layout.K > 1:
             hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
-            callbacks["on_epoch"], callbacks["on_served"] = hook, hook.end
-            callbacks["worker_ranks"] = self.layout.workers
+            callbacks.update(on_epoch=hook, on_served=hook.end, worker_ranks=self.layout.workers)
         return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
                         on_buffers=on_buffers, **callbacks)
@@ -349,8 +348,7 @@ class ParameterServer(AlgorithmOptimizer):
         if self._closed:
             return
         self._closed = True
-        if self.is_server:
-            finish_sends(self, collective=collective)
+        finish_sends(self, collective=collective)        # a shard server's epoch messages
         for t in self.transports:
             t.close(collective=collective)
         if collective:
