@@ -17,6 +17,8 @@ step (after an idle barrier), so a burst of load on the machine hits all of them
 * ``ours-no-overlap``: the same, ``overlap=False`` (the same buckets after backward);
 * ``ours-test``: overlapped with ``progress="test"`` (nonblocking allreduces advanced from the
   hooks, no communication thread);
+* ``facade``: ``hpcasync.horovod.DistributedOptimizer`` — a Horovod script's optimizer line run on
+  hpcasync (the same bucket reducer as ``ours``, reached through Horovod's API);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, gloo backend, its defaults (25 MiB
   buckets, buffers broadcast from rank 0 at every forward); ``torch.distributed`` is initialised
   over TCP at rank 0's address, sent to the others over MPI;
@@ -27,7 +29,7 @@ step (after an idle barrier), so a burst of load on the machine hits all of them
 A step's time is the slowest rank's (the others wait for it at the next collective anyway); the
 table gives the median over the timed steps. Ratios: ``X/compute`` = time(X) / time(compute)
 (≥ 1; 1.05 = 5 % over the bound); ``DDP/ours`` and ``Horovod/ours`` = time(peer) / time(ours)
-(> 1: ours is faster). Check line: ours and ours-no-overlap must end bitwise equal (they run the
+(> 1: ours is faster); ``Horovod/facade``, ``DDP/facade`` the same for the facade. Check line: ours and ours-no-overlap must end bitwise equal (they run the
 same reductions on the same data), and ours must stay close to DDP (same algorithm).
 
 Differences from the references: DDP's own benchmarks (``torch/distributed/benchmarks``) time
@@ -55,7 +57,7 @@ from ..errors import ConfigError, TopologyError
 log = logging.getLogger(__name__)
 
 MODELS = ("resnet20", "lenet", "mlp")
-METHODS = ("compute", "ours", "ours-no-overlap", "ours-test", "ddp")
+METHODS = ("compute", "ours", "ours-no-overlap", "ours-test", "facade", "ddp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +132,12 @@ def build(name: str, model_name: str, args, comm, hvd=None) -> Method:
                                    overlap=name != "ours-no-overlap",
                                    progress="test" if name == "ours-test" else "thread", **kw)
         return Method(name, model, opt)
+    if name == "facade":
+        import hpcasync.horovod as facade
+
+        facade.init()
+        opt = facade.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        return Method(name, model, opt)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -196,7 +204,7 @@ def ddp_available(comm, skip: bool) -> bool:
 def measure(comm, args) -> list[dict]:
     """One row per model: median ms/step (slowest rank) per method, plus the checks."""
     batches = make_batches(args, comm.Get_rank())
-    names = ["compute", "ours", "ours-no-overlap", "ours-test"]
+    names = ["compute", "ours", "ours-no-overlap", "ours-test", "facade"]
     if ddp_available(comm, args.no_ddp):
         init_ddp(comm)
         names.append("ddp")
@@ -218,14 +226,14 @@ def measure(comm, args) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     has_ddp, has_hvd = "ddp" in rows[0], "horovod" in rows[0]
-    head = ["model", "compute ms", "ours ms", "no-overlap ms", "ours-test ms"]
+    head = ["model", "compute ms", "ours ms", "no-overlap ms", "ours-test ms", "facade ms"]
     head += ["DDP ms"] * has_ddp + ["Horovod ms", "compute (Horovod pass) ms"] * has_hvd
     head += ["ours/compute", "no-overlap/compute", "ours-test/compute"] + ["DDP/ours"] * has_ddp
-    head += ["Horovod/ours"] * has_hvd
+    head += ["Horovod/ours"] * has_hvd + ["DDP/facade"] * has_ddp + ["Horovod/facade"] * has_hvd
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], f"{r['compute']:.2f}", f"{r['ours']:.2f}",
-                 f"{r['ours-no-overlap']:.2f}", f"{r['ours-test']:.2f}"]
+                 f"{r['ours-no-overlap']:.2f}", f"{r['ours-test']:.2f}", f"{r['facade']:.2f}"]
         if has_ddp:
             cells.append(f"{r['ddp']:.2f}")
         if has_hvd:
@@ -235,6 +243,10 @@ def format_table(rows: list[dict]) -> str:
             cells.append(f"{r['ddp'] / r['ours']:.3f}")
         if has_hvd:
             cells.append(f"{r['horovod'] / r['ours']:.3f}")
+        if has_ddp:
+            cells.append(f"{r['ddp'] / r['facade']:.3f}")
+        if has_hvd:
+            cells.append(f"{r['horovod'] / r['facade']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -107,6 +107,7 @@ class BucketReducer:
             nonblocking collectives use different algorithms).
         last_pass: callable, True when the backward now running is the last of the step
             (``backward_passes_per_step``); hooks of earlier passes only accumulate.
+        average: average (default) or, False, sum the gradients (Horovod's ``op=Sum``).
 
     Attributes: ``buckets`` (``(lo, hi, param_indices)``), ``events`` (when recording: a list of
     ``("ready", param_index)`` / ``("start", bucket)`` / ``("done", bucket)`` tuples of the current
@@ -115,10 +116,11 @@ class BucketReducer:
 
     def __init__(self, flat, comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, compress: str | None = None,
-                 progress: str = DEFAULT_PROGRESS, last_pass=lambda: True):
+                 progress: str = DEFAULT_PROGRESS, last_pass=lambda: True, average: bool = True):
         if progress not in PROGRESS:
             raise ConfigError(f"progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         self.flat, self.comm, self.compress, self.progress = flat, comm, compress, progress
+        self.average = average
         self._inflight = []             # progress="test": handles of started buckets
         numels = [int(torch.Size(s).numel()) for s in flat.shapes]
         self.buckets = bucket_ranges(flat.offsets, numels, int(bucket_bytes))
@@ -211,7 +213,7 @@ class BucketReducer:
 
     def _start(self, b: int):
         lo, hi, _ = self.buckets[b]
-        return iallreduce(self.comm, self.flat.grads[lo:hi], average=True,
+        return iallreduce(self.comm, self.flat.grads[lo:hi], average=self.average,
                           compress=self.compress, name="ssgd-bucket", step=b)
 
     def _reduce(self, b: int) -> None:
@@ -219,7 +221,8 @@ class BucketReducer:
         if self.progress == "test":
             self._start(b).wait()
         else:
-            allreduce(self.comm, self.flat.grads[lo:hi], average=True, compress=self.compress)
+            allreduce(self.comm, self.flat.grads[lo:hi], average=self.average,
+                      compress=self.compress)
         if self.record:
             self.events.append(("done", b))
 

@@ -1,0 +1,276 @@
+"""``hvd.init()`` and the questions a script asks about its place in the job.
+
+The facade's world is an ``MPI_Comm`` of its own (a duplicate of ``COMM_WORLD``, so the script's
+collectives never interleave with the toolkit's), its *local* communicator the ranks of this node
+(``MPI_Comm_split_type`` shared memory, or the virtual nodes of ``ranks_per_node``) and its *cross*
+communicator the ranks with this local rank on every node — Horovod's three numbers, the same
+communicators hpcasync's topology builds for DASO.
+
+With a parameter-server algorithm named at ``init(algorithm=...)`` the server rank(s) leave the
+script here: they serve (see :mod:`.server`) and exit when the workers are done; ``size()``,
+``rank()`` and every collective then count the workers only, so a Horovod script shards its data
+over the ranks that train without a change.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger("hpcasync")
+
+
+@dataclass
+class _State:
+    comm: object            # the facade's world: every rank, or the workers of a PS algorithm
+    local: object
+    cross: object
+    roles: object           # hpcasync.Roles of the whole job
+    algorithm: str | None
+    homogeneous: bool
+    spec_sent: bool = False
+
+
+_STATE: _State | None = None
+
+
+def _state() -> _State:
+    if _STATE is None:
+        raise ValueError("hpcasync.horovod has not been initialized; use hvd.init().")
+    return _STATE
+
+
+def init(comm=None, process_sets=None, *, algorithm: str | None = None,
+         ranks_per_node: int | None = None, ps_rank: int = 0, ps_ranks: int = 1) -> None:
+    """Start MPI and the facade (collective; a second call does nothing).
+
+    Args (Horovod's): ``comm`` — only ``None`` or ``MPI.COMM_WORLD``; ``process_sets`` — not
+    supported (``NotImplementedError``).
+
+    hpcasync's keywords:
+        algorithm: the algorithm ``DistributedOptimizer`` will run by default. A parameter-server
+            algorithm (asgd, smega2, ...) must be named here, the one extra line of a Horovod
+            script: the server rank(s) ``ps_rank`` .. ``ps_rank + ps_ranks - 1`` serve and exit
+            inside this call; on the workers ``size()``/``rank()`` count the workers.
+        ranks_per_node: group the ranks of a machine into virtual nodes (``local_*``/``cross_*``
+            and DASO's node groups follow them).
+    """
+    global _STATE
+    if _STATE is not None:
+        return
+    if process_sets is not None:
+        raise NotImplementedError("hpcasync.horovod: process sets (init(process_sets=...)) are "
+                                  "not supported; use mpi4py communicators")
+    import hpcasync
+    from ..api import PS_ALGORITHMS
+    from ..topology import init_mpi
+
+    MPI = init_mpi()
+    if comm is not None and comm is not MPI.COMM_WORLD and not (
+            isinstance(comm, MPI.Comm) and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in
+            (MPI.IDENT, MPI.CONGRUENT)):
+        raise NotImplementedError("hpcasync.horovod.init(comm=...) with a sub-communicator or a "
+                                  "list of ranks is not supported: start the job with the ranks "
+                                  "you want")
+    roles = hpcasync.init(algorithm, ranks_per_node=ranks_per_node, ps_rank=ps_rank,
+                          ps_ranks=ps_ranks, threads=torch.get_num_threads())
+    world = roles.topology.world
+    if algorithm in PS_ALGORITHMS:
+        mine = world.Split(MPI.UNDEFINED if roles.is_server else 0, roles.rank)
+        if roles.is_server:
+            from .server import serve_and_exit
+
+            serve_and_exit(roles)           # never returns
+        comm = mine
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        if ranks_per_node is not None:
+            grouped = local.Split(local.Get_rank() // ranks_per_node, comm.Get_rank())
+            local.Free()
+            local = grouped
+        cross = comm.Split(local.Get_rank(), comm.Get_rank())
+        first = min(r for r in range(roles.size) if r not in _servers(roles))
+        if roles.rank == first:
+            atexit.register(_no_optimizer_at_exit)
+    else:
+        topo = roles.topology
+        comm, local, cross = world.Dup(), topo.local.Dup(), topo.glob.Dup()
+    sizes = comm.allgather(local.Get_size())
+    _STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
+                    homogeneous=len(set(sizes)) == 1)
+
+
+def _servers(roles) -> list[int]:
+    from ..api import _DEFAULTS
+
+    return [(roles.ps_rank + s) % roles.size for s in range(_DEFAULTS["ps_ranks"])]
+
+
+def _no_optimizer_at_exit() -> None:
+    """The first worker, at exit: if no DistributedOptimizer was built, release the server(s)."""
+    if _STATE is not None and not _STATE.spec_sent:
+        from .server import send_spec
+
+        send_spec(_STATE.roles, None)
+
+
+def shutdown() -> None:
+    """Forget the facade's communicators (MPI itself is finalized at exit)."""
+    global _STATE
+    if _STATE is None:
+        return
+    for c in (_STATE.local, _STATE.cross):
+        c.Free()
+    if _STATE.algorithm is None or _STATE.comm is not _STATE.roles.topology.world:
+        _STATE.comm.Free()
+    _STATE = None
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def size() -> int:
+    """Ranks that train (every rank; the workers with a parameter-server algorithm)."""
+    return _state().comm.Get_size()
+
+
+def rank() -> int:
+    return _state().comm.Get_rank()
+
+
+def local_size() -> int:
+    return _state().local.Get_size()
+
+
+def local_rank() -> int:
+    return _state().local.Get_rank()
+
+
+def cross_size() -> int:
+    return _state().cross.Get_size()
+
+
+def cross_rank() -> int:
+    return _state().cross.Get_rank()
+
+
+def is_homogeneous() -> bool:
+    """True when every node has the same number of ranks."""
+    return _state().homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    from mpi4py import MPI
+
+    _state()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return True
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    """False: no NCCL; CUDA tensors travel through host memory (hpcasync's comm layer)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """True: collectives take CUDA tensors (staged through host memory)."""
+    return True
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def _unsupported(what: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"hpcasync.horovod does not support {what}")
+    call.__name__ = what.split("(")[0].split(" ")[0]
+    return call
+
+
+start_timeline = _unsupported("start_timeline (the Horovod timeline)")
+stop_timeline = _unsupported("stop_timeline (the Horovod timeline)")
+add_process_set = _unsupported("add_process_set (process sets)")
+remove_process_set = _unsupported("remove_process_set (process sets)")
+
+
+class ProcessSet:
+    """Process sets are not supported: constructing one raises."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("hpcasync.horovod does not support process sets (ProcessSet)")
+
+
+class _GlobalProcessSet:
+    """``hvd.global_process_set``: the only process set (every rank of the facade)."""
+
+    process_set_id = 0
+
+    def size(self) -> int:
+        return size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ProcessSet(process_set_id=0, global)"
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def check_process_set(process_set) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError("hpcasync.horovod does not support process sets other than "
+                                  "hvd.global_process_set")
+
+
+def require_algorithm(algorithm: str | None) -> str | None:
+    """The algorithm a DistributedOptimizer runs: its own keyword, else init's."""
+    from ..api import PS_ALGORITHMS, algorithms
+
+    st = _state()
+    if algorithm is None:
+        return st.algorithm
+    if algorithm not in algorithms():
+        raise ConfigError(f"unknown algorithm {algorithm!r} (choose from "
+                          f"{', '.join(algorithms())})")
+    if algorithm in PS_ALGORITHMS and st.algorithm != algorithm:
+        raise ConfigError(f"{algorithm} runs a parameter server: name it at "
+                          f"hvd.init(algorithm={algorithm!r}) so the server rank leaves the "
+                          "script there (init was given "
+                          f"{st.algorithm!r})")
+    if st.algorithm in PS_ALGORITHMS and algorithm != st.algorithm:
+        raise ConfigError(f"hvd.init(algorithm={st.algorithm!r}) set aside a server rank; "
+                          f"DistributedOptimizer(algorithm={algorithm!r}) cannot run without one")
+    return algorithm

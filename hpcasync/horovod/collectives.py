@@ -1,0 +1,515 @@
+"""Horovod's collectives on torch tensors, over the facade's MPI communicator.
+
+Every collective is one MPI call on a host copy of the tensor (CUDA tensors are copied to the host
+and the result back, as hpcasync's comm layer stages them). The ``_async`` forms start a
+nonblocking MPI collective and return an integer handle for :func:`synchronize` / :func:`poll`;
+the blocking forms are the async ones waited at once. In-place forms (``allreduce_``,
+``broadcast_``, ...) write the result into the tensor given; the others return a new tensor and
+leave the input alone.
+
+Semantics follow ``horovod.torch`` 0.28.1 (the tests compare each call with real Horovod):
+
+* reductions: ``op`` Average (default), Sum, Min, Max, Product; Average is the sum scaled by
+  ``postscale_factor / size`` after the reduction, ``prescale_factor`` scales each rank's input
+  before it; integer tensors are scaled in float64 and truncated toward zero. float16/bfloat16 are
+  summed with hpcasync's 16-bit MPI op (float32 arithmetic, one rounding per addition; MPI has no
+  16-bit type), their min/max/product reduced in float32 and rounded once;
+* ``allgather`` concatenates along dim 0 (first dimensions may differ); ``alltoall`` sends
+  ``splits[i]`` rows to rank i (default: equal parts) and returns ``(output, received_splits)``
+  when ``splits`` was given, else the output; ``reducescatter`` gives rank r rows
+  ``[r·n/size …]`` of the reduced tensor, the first ``n mod size`` ranks one row more;
+* ``allreduce``, ``allgather``, ``broadcast``, ``alltoall`` and ``reducescatter`` (out-of-place)
+  are differentiable with Horovod's backward passes, including its convention that the gradient
+  of ``allgather`` is the *average* of the incoming gradients over ranks (not their sum), that of
+  an averaging ``reducescatter`` the gathered gradient (not divided by size), and that of
+  ``broadcast`` the average on the root and zero elsewhere.
+
+Not reproduced: Horovod's name-based negotiation, which lets ranks submit asynchronous collectives
+in different orders. Here, as in MPI, every rank issues its collectives in the same order;
+``name=`` is kept on the handle for messages only.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import torch
+
+from .basics import _state, check_process_set
+from .compression import Compression
+
+# Horovod's op constants (horovod.common.basics: Average=0, Sum=1, Adasum=2, Min=3, Max=4,
+# Product=5)
+Average, Sum, Adasum, Min, Max, Product = range(6)
+_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+             Product: "Product"}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class HorovodInternalError(RuntimeError):
+    """Raised where Horovod raises its internal error (a collective that failed)."""
+
+
+# -- handles --------------------------------------------------------------------------------------
+
+class _Work:
+    """A collective in flight: MPI requests, then ``finish()`` makes the result."""
+
+    __slots__ = ("name", "requests", "finish", "result", "done", "keep")
+
+    def __init__(self, name, requests, finish, keep=()):
+        self.name, self.requests, self.finish = name, requests, finish
+        self.result, self.done = None, False
+        self.keep = keep            # the buffers MPI reads/writes until the requests complete
+
+    def complete(self):
+        from mpi4py import MPI
+
+        if not self.done:
+            MPI.Request.Waitall(self.requests)
+            self.result, self.done, self.requests = self.finish(), True, []
+            self.keep = ()
+        return self.result
+
+
+_works: dict[int, _Work] = {}
+_ids = itertools.count(1)
+
+
+def _handle(work: _Work) -> int:
+    h = next(_ids)
+    _works[h] = work
+    return h
+
+
+def poll(handle: int) -> bool:
+    """True when the collective of ``handle`` has completed (``synchronize`` will not block)."""
+    from mpi4py import MPI
+
+    work = _works.get(handle)
+    if work is None:
+        raise ValueError(f"poll: unknown handle {handle!r}")
+    return work.done or MPI.Request.Testall(work.requests)
+
+
+def synchronize(handle: int):
+    """Wait for the collective of ``handle``; returns its output (a tensor, or a tuple)."""
+    work = _works.pop(handle, None)
+    if work is None:
+        raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
+    return work.complete()
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+def _comm(process_set):
+    check_process_set(process_set)
+    return _state().comm
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``tensor`` (the buffer MPI reduces in place)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise NotImplementedError("hpcasync.horovod: sparse tensors are not supported "
+                                  "(use sparse_as_dense or .to_dense())")
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _buf(t: torch.Tensor):
+    """mpi4py buffer spec of CPU tensor ``t`` (16-bit floats as 2-byte integers)."""
+    from mpi4py import MPI
+
+    if t.dtype in _HALF:
+        return [t.view(torch.int16).numpy(), MPI.INT16_T]
+    if t.dtype == torch.bool:
+        return [t.view(torch.uint8).numpy(), MPI.C_BOOL]
+    return t.numpy()
+
+
+def _mpi_op(op: int, dtype: torch.dtype):
+    from mpi4py import MPI
+
+    if op in (Average, Sum):
+        if dtype in _HALF:
+            from ..comm.ops import sum_op
+
+            return sum_op(dtype)
+        return MPI.SUM
+    return {Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}[op]
+
+
+def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``factor · t`` in place (integers in float64, truncated toward zero, as Horovod)."""
+    if factor == 1.0:
+        return t
+    if t.dtype.is_floating_point:
+        if t.dtype in _HALF:
+            return t.copy_(t.float() * factor)
+        return t.mul_(factor)
+    return t.copy_((t.double() * factor).to(t.dtype))
+
+
+def _check_op(op, average, default=Average):
+    if average is not None:
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning)
+        op = Average if average else Sum
+    op = default if op is None else op
+    if op == Adasum:
+        raise NotImplementedError("hpcasync.horovod does not support op=hvd.Adasum")
+    if op not in _OP_NAMES:
+        raise ValueError(f"unknown reduction op {op!r}")
+    return op
+
+
+def _deliver(result: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The result on ``like``'s device: written into ``out`` (in-place forms) or a new tensor."""
+    if out is not None:
+        with torch.no_grad():
+            out.copy_(result)
+        return out
+    return result.to(like.device) if like.device.type != "cpu" else result
+
+
+# -- allreduce ---------------------------------------------------------------------------------------
+
+def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set):
+    from mpi4py import MPI
+
+    comm = _comm(process_set)
+    n = comm.Get_size()
+    bufs, reqs, casts = [], [], []
+    for t in tensors:
+        b = _scale(_host(t), prescale)
+        cast = b.dtype in _HALF and op not in (Average, Sum)
+        work = b.float() if cast else b
+        bufs.append((b, work))
+        casts.append(cast)
+        bufs.append(_buf(work))
+        reqs.append(comm.Iallreduce(MPI.IN_PLACE, bufs[-1], op=_mpi_op(op, work.dtype)))
+
+    def finish():
+        results = []
+        for (b, work), cast, t, out in zip(bufs[0::2], casts, tensors, outs):
+            if cast:
+                b.copy_(work)
+            _scale(b, postscale / n if op == Average else postscale)
+            results.append(_deliver(b, t, out))
+        return results
+    return _Work(name, reqs, finish)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=None) -> int:
+    op = _check_op(op, average)
+    work = _start_allreduce([tensor], [None], op, prescale_factor, postscale_factor, name,
+                            process_set)
+    finish = work.finish
+    work.finish = lambda: finish()[0]
+    return _handle(work)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=None) -> int:
+    op = _check_op(op, average)
+    work = _start_allreduce([tensor], [tensor], op, prescale_factor, postscale_factor, name,
+                            process_set)
+    finish = work.finish
+    work.finish = lambda: finish()[0]
+    return _handle(work)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=None) -> torch.Tensor:
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, name, process_set):
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale, process_set = ctx.args
+        g = synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale,
+                                        process_set))
+        return g, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> torch.Tensor:
+    """Reduce ``tensor`` over every rank and return the result (differentiable)."""
+    op = _check_op(op, average)
+    wire, ctx = compression.compress(tensor)
+    out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, name, process_set)
+    return compression.decompress(out, ctx)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=None) -> int:
+    op = _check_op(op, average)
+    tensors = list(tensors)
+    return _handle(_start_allreduce(tensors, [None] * len(tensors), op, prescale_factor,
+                                    postscale_factor, name, process_set))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=None) -> int:
+    op = _check_op(op, average)
+    tensors = list(tensors)
+    return _handle(_start_allreduce(tensors, tensors, op, prescale_factor, postscale_factor,
+                                    name, process_set))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """:func:`allreduce` of each tensor of the list; returns the list of results."""
+    wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
+    outs = [allreduce(w, average, name, Compression.none, op, prescale_factor, postscale_factor,
+                      process_set) for w in wires]
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=None):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# -- allgather ----------------------------------------------------------------------------------------
+
+def _rows(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() else 1
+
+
+def allgather_async(tensor, name=None, process_set=None) -> int:
+    comm = _comm(process_set)
+    src = _host(tensor)
+    if src.dim() == 0:
+        src = src.reshape(1)
+    shapes = comm.allgather((tuple(src.shape[1:]), src.dtype))
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"allgather: tensors differ beyond the first dimension or in dtype "
+                         f"across ranks: {shapes}")
+    rows = comm.allgather(src.shape[0])
+    row = max(1, src[0].numel()) if src.shape[0] else int(torch.Size(src.shape[1:]).numel())
+    out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
+    counts = [r * row for r in rows]
+    displs = [sum(counts[:i]) for i in range(len(counts))]
+    sendbuf, recvbuf = _buf(src), _buf(out)
+    if isinstance(recvbuf, list):
+        recvbuf = [recvbuf[0], (counts, displs), recvbuf[1]]
+    else:
+        recvbuf = [recvbuf, (counts, displs)]
+    req = comm.Iallgatherv(sendbuf, recvbuf)
+    return _handle(_Work(name, [req], lambda: _deliver(out, tensor, None),
+                         keep=(src, sendbuf, recvbuf)))
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows, ctx.process_set = _rows(tensor), process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = _comm(ctx.process_set)
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,   # as Horovod's
+                                              process_set=ctx.process_set))
+        rows = comm.allgather(ctx.rows)
+        start = sum(rows[:comm.Get_rank()])
+        return reduced.narrow(0, start, ctx.rows), None, None
+
+
+def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (differentiable)."""
+    return _AllgatherFn.apply(tensor, name, process_set)
+
+
+# -- broadcast ----------------------------------------------------------------------------------------
+
+def _start_broadcast(tensor, root_rank, name, process_set, out):
+    comm = _comm(process_set)
+    if not 0 <= root_rank < comm.Get_size():
+        raise ValueError(f"broadcast: root_rank {root_rank} is not a rank of {comm.Get_size()}")
+    b = _host(tensor)
+    buf = _buf(b)
+    req = comm.Ibcast(buf, root=root_rank)
+    return _handle(_Work(name, [req], lambda: _deliver(b, tensor, out), keep=(b, buf)))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
+    return _start_broadcast(tensor, root_rank, name, process_set, None)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
+    return _start_broadcast(tensor, root_rank, name, process_set, tensor)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,
+                                              process_set=ctx.process_set))
+        if _comm(ctx.process_set).Get_rank() != ctx.root:
+            reduced = reduced * 0
+        return reduced, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every rank, as a new tensor (differentiable)."""
+    return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+
+
+# -- alltoall ------------------------------------------------------------------------------------------
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
+    comm = _comm(process_set)
+    n = comm.Get_size()
+    src = _host(tensor)
+    if src.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if src.shape[0] % n:
+            raise ValueError(f"alltoall: the first dimension ({src.shape[0]}) is not divisible "
+                             f"by the number of ranks ({n}); pass splits")
+        send = [src.shape[0] // n] * n
+    else:
+        send = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        if len(send) != n or any(s < 0 for s in send) or sum(send) != src.shape[0]:
+            raise ValueError(f"alltoall: splits {send} must be {n} non-negative counts adding up "
+                             f"to the first dimension {src.shape[0]}")
+    recv = comm.alltoall(send)
+    row = int(torch.Size(src.shape[1:]).numel())
+    out = torch.empty((sum(recv), *src.shape[1:]), dtype=src.dtype)
+
+    def spec(t, rows):
+        counts = [r * row for r in rows]
+        displs = [sum(counts[:i]) for i in range(n)]
+        b = _buf(t)
+        return [b[0], (counts, displs), b[1]] if isinstance(b, list) else [b, (counts, displs)]
+
+    bufs = (spec(src, send), spec(out, recv))
+    req = comm.Ialltoallv(*bufs)
+    received = torch.tensor(recv, dtype=torch.int32)
+    return _handle(_Work(name, [req], lambda: (_deliver(out, tensor, None), received),
+                         keep=(src, bufs)))
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        g, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received,
+                                          process_set=ctx.process_set))
+        return g, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=None):
+    """Send ``splits[i]`` rows of ``tensor`` to rank i; returns the rows received, in rank order
+    (and, when ``splits`` was given, how many came from each rank)."""
+    return _AlltoallFn.apply(tensor, splits, name, process_set)
+
+
+# -- reducescatter -----------------------------------------------------------------------------------
+
+def _scatter_rows(rows: int, n: int) -> list[int]:
+    return [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0) -> int:
+    from mpi4py import MPI
+
+    op = _check_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError("reducescatter supports op Average and Sum")
+    comm = _comm(process_set)
+    n = comm.Get_size()
+    src = _scale(_host(tensor), prescale_factor)
+    if src.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    rows = _scatter_rows(src.shape[0], n)
+    row = int(torch.Size(src.shape[1:]).numel())
+    out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
+    counts = [r * row for r in rows]
+    bufs = (_buf(src), _buf(out))
+    req = comm.Ireduce_scatter(*bufs, recvcounts=counts,
+                               op=_mpi_op(op, src.dtype)) if n > 1 else MPI.REQUEST_NULL
+    if n == 1:
+        out.copy_(src)
+
+    def finish():
+        _scale(out, postscale_factor / n if op == Average else postscale_factor)
+        return _deliver(out, tensor, None)
+    return _handle(_Work(name, [req], finish, keep=(src, bufs)))
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale, postscale):
+        ctx.op, ctx.process_set, ctx.scale = op, process_set, prescale * postscale
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
+                                               postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Horovod's convention (its allgather backward averages): Sum's gradient is the gathered
+        # gradient times size, Average's the gathered gradient itself; times pre- and postscale
+        scale = ctx.scale * (_comm(ctx.process_set).Get_size() if ctx.op == Sum else 1)
+        g = allgather(grad.contiguous() * scale if scale != 1 else grad.contiguous(),
+                      process_set=ctx.process_set)
+        return g, None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over every rank and keep this rank's rows (see the module doc)."""
+    wire, ctx = compression.compress(tensor)
+    out = _ReducescatterFn.apply(wire, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+# -- barrier, join ------------------------------------------------------------------------------------
+
+def barrier(process_set=None) -> None:
+    _comm(process_set).Barrier()
+
+
+def join(device=-1) -> int:
+    """Every rank calls it once it has no more data; returns the last rank to join.
+
+    Unlike Horovod, ranks that have joined do not keep serving the others' allreduces with zeros:
+    every rank must reach ``join()`` having issued the same collectives (uneven data ends in the
+    exit check of :func:`hpcasync.init` after 30 s, naming the problem)."""
+    import time
+
+    comm = _state().comm
+    return max(comm.allgather((time.time_ns(), comm.Get_rank())))[1]

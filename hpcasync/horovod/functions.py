@@ -1,0 +1,120 @@
+"""Horovod's helpers over the collectives: parameters, optimizer state and Python objects.
+
+* :func:`broadcast_parameters` — ``model.state_dict()`` or ``model.named_parameters()`` (or any
+  ``(name, tensor)`` sequence / dict) from ``root_rank``, in place, in name order;
+* :func:`broadcast_optimizer_state` — the optimizer's ``state_dict()`` from ``root_rank``: tensors
+  (momentum buffers, step counts) in place, scalars (lr, momentum, ...) into ``param_groups``; an
+  optimizer with no state yet on the root is first given one by a zero-gradient step, as Horovod
+  does, so every rank ends with the same keys;
+* :func:`broadcast_object` / :func:`allgather_object` — any picklable object.
+"""
+from __future__ import annotations
+
+import collections.abc
+
+import torch
+
+from .basics import _state, check_process_set
+from .collectives import broadcast_
+
+
+def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
+    """Overwrite every rank's parameters (and buffers) with ``root_rank``'s, in place."""
+    check_process_set(process_set)
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, collections.abc.Iterable):
+        items = list(params)
+        if any(not isinstance(i, tuple) or len(i) != 2 for i in items):
+            raise ValueError("broadcast_parameters takes a state_dict, a dict or a sequence of "
+                             "(name, tensor) pairs (e.g. model.named_parameters())")
+        items = sorted(items, key=lambda i: i[0])
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    names = broadcast_object([n for n, _ in items], root_rank)
+    if names != [n for n, _ in items]:
+        raise ValueError("broadcast_parameters: the ranks hold different parameter names")
+    for name, p in items:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name} is a {type(p).__name__}, not a tensor")
+        with torch.no_grad():
+            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name)
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int, process_set=None) -> None:
+    """Make every rank's ``optimizer`` state (and hyperparameters) ``root_rank``'s."""
+    check_process_set(process_set)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    state = optimizer.state_dict()
+    if not state["state"]:                          # no step yet: make the state exist everywhere
+        _zero_step(optimizer)
+        state = optimizer.state_dict()
+    root_state = broadcast_object(state if _state().comm.Get_rank() == root_rank else None,
+                                  root_rank)
+    own = state["state"]
+    for key, entry in root_state["state"].items():
+        for k, v in entry.items():
+            mine = own.get(key, {}).get(k)
+            if torch.is_tensor(v) and torch.is_tensor(mine) and mine.shape == v.shape:
+                with torch.no_grad():
+                    mine.copy_(v.to(mine.device, mine.dtype))
+    groups = root_state["param_groups"]
+    for group, root_group in zip(optimizer.param_groups, groups):
+        for k, v in root_group.items():
+            if k != "params":
+                group[k] = v
+    if set(own) != set(root_state["state"]):
+        optimizer.load_state_dict(root_state)     # (moves tensors to the parameters' devices)
+
+
+def _zero_step(optimizer) -> None:
+    """One step with zero gradients (and lr 0 where there is one) to create the state."""
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                saved.append(p)
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else g["lr"].zero_()
+    params = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    _inner_step(optimizer)
+    with torch.no_grad():
+        for p, old in zip((p for g in optimizer.param_groups for p in g["params"]), params):
+            p.copy_(old)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    for p in saved:
+        p.grad = None
+
+
+def _inner_step(optimizer) -> None:
+    """The optimizer's own update, without a facade's synchronization."""
+    skip = getattr(optimizer, "skip_synchronize", None)
+    if skip is not None and getattr(optimizer, "_hvd_facade", False):
+        with skip():
+            optimizer.step()
+    else:
+        optimizer.step()
+
+
+def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
+    """``root_rank``'s ``obj`` (pickled) on every rank."""
+    check_process_set(process_set)
+    comm = _state().comm
+    if not 0 <= root_rank < comm.Get_size():
+        raise ValueError(f"broadcast_object: root_rank {root_rank} is not a rank of "
+                         f"{comm.Get_size()}")
+    return comm.bcast(obj, root=root_rank)
+
+
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every rank's ``obj`` (pickled), in rank order."""
+    check_process_set(process_set)
+    return _state().comm.allgather(obj)

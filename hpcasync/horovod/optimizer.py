@@ -1,0 +1,300 @@
+"""``hvd.DistributedOptimizer``: the user's optimizer, its gradients averaged by hpcasync's SSGD —
+or, with ``algorithm=``, any of the toolkit's 14 algorithms.
+
+The SSGD path (default): the returned object's class is a subclass of the user's optimizer class
+(``isinstance(opt, torch.optim.SGD)`` holds; its ``param_groups`` and ``state`` are the user
+optimizer's own objects), with Horovod's ``synchronize()`` / ``skip_synchronize()`` /
+``set_backward_passes_per_step()`` and guards. Its parameters are flattened into one float32
+buffer (:class:`hpcasync.comm.FlatModel` over a holder of the optimizer's parameters; the
+Parameter objects stay the same) and the gradients are reduced by
+:class:`hpcasync.ssgd.buckets.BucketReducer` — contiguous buckets of the flat gradient buffer,
+started from gradient hooks during backward (``overlap``) or after it, as hpcasync's own SSGD does.
+So the path from ``optimizer.step()`` to the wire is::
+
+    step() -> synchronize() -> BucketReducer.finish() -> allreduce(comm, grads[lo:hi]) per bucket
+           -> the user's optimizer class's step()
+
+Where it differs from Horovod (``horovod/torch/optimizer.py``):
+
+* fusion is by fixed contiguous buckets of the flat buffer (``bucket_bytes``, 256 KiB), not
+  Horovod's timed fusion buffer; ``overlap`` defaults to on for CUDA parameters and off on the
+  CPU, where hpcasync measured it slower (``hpcasync.ssgd.DistributedOptimizer``); ``groups``
+  is accepted and ignored (buckets already group);
+* parameters must be float32 on one device (``NotImplementedError`` otherwise);
+* ``zero_grad()`` zeroes the gradients in place (they stay views of the flat buffer) whatever
+  ``set_to_none`` says;
+* ``gradient_predivide_factor`` gives the same average (Average = sum/size; the split of the
+  division before/after the sum only changes rounding; fp16 compression divides before the sum);
+* ``op=Adasum``, custom compressors and sparse gradients raise ``NotImplementedError``.
+
+Other algorithms (``algorithm="daso"``, ``"odsgd"``, a PS rule; or named at ``hvd.init``): the
+object returned is the algorithm's optimizer from :func:`hpcasync.optimizer` (a
+``torch.optim.Optimizer``, not the user's class) over the same parameters, hyperparameters taken
+from the user's SGD and from the extra keywords. DASO needs ``epochs=`` and ``steps_per_epoch=``
+(it closes each epoch itself after ``steps_per_epoch`` steps; pass ``step(loss=loss)`` to drive
+its loss-plateau schedule, otherwise its knobs stay as given). A PS rule must be named at
+``hvd.init(algorithm=...)`` (the server leaves the script there); without ``steps_per_epoch`` the
+warm-up of smega2/dana/nag is off (logged once).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import warnings
+
+import torch
+
+from ..errors import ConfigError
+from ..ssgd.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
+from .basics import _state, check_process_set, require_algorithm
+from .collectives import Adasum, Average, Sum
+from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from .server import ParamHolder, send_spec, spec_of
+
+log = logging.getLogger("hpcasync")
+
+_WIRE = {NoneCompressor: None, FP16Compressor: "fp16", BF16Compressor: "bf16"}
+
+
+class _HorovodOptimizer:
+    """Mixed in before the user's optimizer class (see the module doc)."""
+
+    _hvd_facade = True
+
+    def _hvd_setup(self, named, compression, passes, op, overlap, bucket_bytes, progress):
+        from ..comm import FlatModel
+
+        params = _params(self)
+        bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+        if bad:
+            raise NotImplementedError(f"hpcasync.horovod.DistributedOptimizer flattens float32 "
+                                      f"parameters; these are {', '.join(bad)}")
+        if len({p.device for p in params}) > 1:
+            raise NotImplementedError("hpcasync.horovod.DistributedOptimizer: parameters on "
+                                      "more than one device")
+        self._hvd_names = {id(p): n for n, p in named}
+        self._hvd_flat = flat = FlatModel(ParamHolder(params))
+        self.backward_passes_per_step = passes
+        self._hvd_counts = [0] * len(params)
+        self._hvd_last = True
+        self._hvd_pending = False
+        self._hvd_synchronized = False
+        self._hvd_should_sync = True
+        self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_guard(k))
+                           for k, p in enumerate(params) if p.requires_grad]
+        if overlap is None:
+            overlap = flat.params.device.type == "cuda"
+        self._hvd_reducer = BucketReducer(
+            flat, _state().comm.Dup(), bucket_bytes=bucket_bytes, overlap=overlap,
+            compress=_WIRE[compression], progress=progress, average=op == Average,
+            last_pass=lambda: self._hvd_last)
+
+    def _hvd_guard(self, k: int):
+        def hook(p):
+            self._hvd_counts[k] += 1
+            if self._hvd_counts[k] > self.backward_passes_per_step:
+                raise AssertionError(
+                    f"the gradient of {self._hvd_names.get(id(p), f'parameter {k}')} was computed "
+                    f"more than backward_passes_per_step={self.backward_passes_per_step} times "
+                    "before step(): raise backward_passes_per_step to accumulate gradients "
+                    "locally, or call step()/synchronize() after each backward")
+            self._hvd_last = self._hvd_counts[k] == self.backward_passes_per_step
+            self._hvd_pending = True
+        return hook
+
+    def synchronize(self) -> None:
+        """Reduce the gradients across ranks now (every bucket; those started during backward are
+        waited for)."""
+        self._hvd_reducer.finish()
+        self._hvd_counts = [0] * len(self._hvd_counts)
+        self._hvd_pending = False
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``optimizer.synchronize(); (clip ...); with optimizer.skip_synchronize(): step()``."""
+        self._hvd_should_sync = False
+        try:
+            yield
+        finally:
+            self._hvd_should_sync = True
+
+    def step(self, closure=None):
+        if self._hvd_should_sync:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() after optimizer.synchronize() without the "
+                              "optimizer.skip_synchronize() context: the gradients are reduced "
+                              "a second time (slower, and with op=Sum wrong)")
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_pending:
+            raise AssertionError("optimizer.zero_grad() between loss.backward() and "
+                                 "optimizer.step()/synchronize(): the gradients of that backward "
+                                 "are being reduced; call step() or synchronize() first")
+        self._hvd_flat.zero_grad()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._hvd_counts = [0] * len(self._hvd_counts)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._hvd_reducer.discard()
+        self._hvd_counts = [0] * len(self._hvd_counts)
+        self._hvd_pending = self._hvd_synchronized = False
+        self._hvd_should_sync = True
+        super().load_state_dict(state_dict)
+
+
+def _params(opt) -> list:
+    seen, out = set(), []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _named(opt, named_parameters) -> list:
+    """Horovod's checks of ``named_parameters`` (ValueError, as Horovod)."""
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(opt.param_groups)
+                for j, p in enumerate(g["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, as "
+                         "model.named_parameters() gives")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: "
+                         f"{', '.join(dups)}")
+    unnamed = {id(p) for p in _params(opt)} - {id(p) for _, p in named}
+    if unnamed:
+        raise ValueError(f"named_parameters was given but {len(unnamed)} of the optimizer's "
+                         "parameters are not named in it")
+    return named
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None, *,
+                         algorithm: str | None = None, overlap: bool | None = None,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         progress: str = DEFAULT_PROGRESS, **hyper):
+    """Horovod's ``DistributedOptimizer`` (module doc). hpcasync's keywords: ``algorithm`` (one of
+    :func:`hpcasync.algorithms`; default: ``hvd.init``'s, else ssgd), ``overlap``,
+    ``bucket_bytes``, ``progress`` (SSGD's buckets), and the algorithm's hyperparameters."""
+    st = _state()
+    check_process_set(process_set)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    named = _named(optimizer, named_parameters)
+    if op == Adasum:
+        raise NotImplementedError("hpcasync.horovod does not support op=hvd.Adasum")
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    if compression not in _WIRE:
+        raise NotImplementedError(f"hpcasync.horovod.DistributedOptimizer supports "
+                                  f"Compression.none/fp16/bf16, not a custom compressor "
+                                  f"({getattr(compression, '__name__', compression)!r})")
+    algorithm = require_algorithm(algorithm)
+    if algorithm not in (None, "ssgd"):
+        return _algorithm_optimizer(st, optimizer, algorithm, hyper)
+    if hyper:
+        raise TypeError(f"DistributedOptimizer got unexpected keyword(s) {', '.join(hyper)} "
+                        "(hyperparameters go with algorithm=...)")
+    cls = type(type(optimizer).__name__, (_HorovodOptimizer, type(optimizer)),
+               {"__module__": __name__, "__doc__": _HorovodOptimizer.__doc__})
+    opt = cls.__new__(cls)
+    opt.__dict__.update(optimizer.__dict__)        # the same param_groups, state and defaults
+    for attr in ("step", "zero_grad"):             # instance patches of the wrapped optimizer
+        opt.__dict__.pop(attr, None)
+    opt._hvd_setup(named, compression, backward_passes_per_step, op, overlap, bucket_bytes,
+                   progress)
+    return opt
+
+
+# -- the toolkit's other algorithms ----------------------------------------------------------------
+
+def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
+    from ..api import PS_ALGORITHMS, _from_torch_optimizer, optimizer as make
+    from ..rules import ps_lr_factor
+
+    holder = ParamHolder(_params(optimizer))
+    if algorithm == "daso":
+        missing = [k for k in ("epochs", "steps_per_epoch") if k not in hyper]
+        if missing:
+            raise ConfigError(f"algorithm='daso' schedules its phases by epoch: pass "
+                              f"{' and '.join(f'{k}=...' for k in missing)} to "
+                              "DistributedOptimizer (steps_per_epoch: step() calls per epoch, "
+                              "e.g. len(train_loader))")
+        opt = make("daso", holder, optimizer, **hyper)
+        opt.__class__ = _EpochClosingDASO
+        opt._losses = []
+        return opt
+    if algorithm not in PS_ALGORITHMS:
+        return make(algorithm, holder, optimizer, **hyper)
+    resolved = {**_from_torch_optimizer(algorithm, optimizer), **hyper}
+    if (resolved.get("steps_per_epoch") is None and resolved.get("warmup_epochs") is None
+            and ps_lr_factor(algorithm, 2, None) is not None):
+        resolved["warmup_epochs"] = 0
+        log.warning("%s: no steps_per_epoch given to DistributedOptimizer: the paper's lr warm-up "
+                    "is off (pass steps_per_epoch=len(train_loader) to keep it)", algorithm)
+    roles = st.roles
+    first = min(r for r in range(roles.size) if r not in _servers_of(roles))
+    if roles.rank == first:
+        send_spec(roles, spec_of(algorithm, resolved, _params(optimizer)))
+    st.spec_sent = True
+    opt = make(algorithm, holder, **resolved)
+    atexit.register(_finish_quietly, opt)        # runs before the PS's own exit hook
+    return opt
+
+
+def _servers_of(roles):
+    from .basics import _servers
+
+    return _servers(roles)
+
+
+def _finish_quietly(opt) -> None:
+    """At exit, a PS worker finishes (the server then ends the run); the facade's scripts never
+    call finish() themselves."""
+    if not opt._closed:
+        if not opt.started:
+            opt.start()
+        opt.finish()
+
+
+def _daso_base():
+    from ..daso.optimizer import DASO
+
+    return DASO
+
+
+class _EpochClosingDASO(_daso_base()):
+    """DASO that closes its epoch itself after ``steps_per_epoch`` steps (a Horovod loop does not
+    call ``epoch_end``). ``step(loss=...)`` feeds the plateau schedule; without losses the epoch
+    is reported as improving by half each time, so the knobs stay where they were set."""
+
+    def step(self, closure=None, *, loss=None):
+        result = super().step(closure)
+        if loss is not None:
+            self._losses.append(float(loss.detach() if torch.is_tensor(loss) else loss))
+        if self.schedule.batch == self.batches_per_epoch:
+            value = (sum(self._losses) / len(self._losses) if self._losses
+                     else math.ldexp(1.0, -self.schedule.epoch))
+            self._losses = []
+            self.epoch_end(value)
+        return result
