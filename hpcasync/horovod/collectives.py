@@ -204,24 +204,24 @@ def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set):
     return _Work(name, reqs, finish)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None) -> int:
-    op = _check_op(op, average)
-    work = _start_allreduce([tensor], [None], op, prescale_factor, postscale_factor, name,
+def _allreduce_one(tensor, out, average, name, op, prescale, postscale, process_set) -> int:
+    work = _start_allreduce([tensor], [out], _check_op(op, average), prescale, postscale, name,
                             process_set)
     finish = work.finish
     work.finish = lambda: finish()[0]
     return _handle(work)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=None) -> int:
+    return _allreduce_one(tensor, None, average, name, op, prescale_factor, postscale_factor,
+                          process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None) -> int:
-    op = _check_op(op, average)
-    work = _start_allreduce([tensor], [tensor], op, prescale_factor, postscale_factor, name,
-                            process_set)
-    finish = work.finish
-    work.finish = lambda: finish()[0]
-    return _handle(work)
+    return _allreduce_one(tensor, tensor, average, name, op, prescale_factor, postscale_factor,
+                          process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
