@@ -156,16 +156,19 @@ def test_p2p_shares_only_bitwise_equal_replies():
             t.send_reply(w, theta, 0, True)
         counts.append((t.pool.buffers, t.state_bytes(), _allocated(t)))
         idle_barrier()
+        idle_barrier()
         t.send_reply(0, theta, 7, True)             # B: the same object at the same version,
         theta.add_(1.0)                             #    modified in place -> a second copy
         t.send_reply(1, theta, 7, True)
         t.send_reply(2, theta.clone(), 7, True)     #    another object, same bits -> shared
         counts.append((t.pool.buffers, t.state_bytes(), _allocated(t)))
         idle_barrier()
+        idle_barrier()
         t.send_reply(0, zero, 9, True)              # C: 0.0 vs -0.0: equal floats, other bits
         t.send_reply(1, -zero, 9, True)
         t.send_reply(2, zero.clone(), 9, True)
         counts.append((t.pool.buffers, t.state_bytes(), _allocated(t)))
+        idle_barrier()
         idle_barrier()
         shared, copies, peak = t.pool.shared, t.pool.copies, t.peak_bytes
         want = {0: [_digest(orig), _digest(orig), _digest(zero)],
@@ -173,10 +176,11 @@ def test_p2p_shares_only_bitwise_equal_replies():
                 2: [_digest(orig), _digest(theta), _digest(zero)]}
     else:
         local = torch.empty(BIG)
-        for _ in range(3):
+        for _ in range(3):               # a round's replies are received only after the
+            idle_barrier()               # server counted its copies, and the next round starts
+            head = t.recv_reply(local)   # only after they were (one barrier: MPICH sometimes
+            got.append((head.version, _digest(local)))    # still held round A's copy in B)
             idle_barrier()
-            head = t.recv_reply(local)
-            got.append((head.version, _digest(local)))
     t.close()
     got_all = COMM.gather(got)
     if RANK == 0:
