@@ -93,6 +93,8 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
         if world is not None or rank == 0:
             where = f" (rank {rank})" if world is not None and size > 1 else ""
             print(f"hpcasync: error{where}: {exc}", file=sys.stderr, flush=True)
+    elif world is not None and _dead_ranks_line(world, exc, rank):
+        pass                  # a peer died (ULFM) where nothing survives it: one line said so
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         print(f"hpcasync: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
@@ -110,6 +112,26 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
             time.sleep(PRE_MPI_FOLLOWER_WAIT_S)
     sys.stdout.flush()
     os._exit(code) if world is not None else sys.exit(code)
+
+
+def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
+    """For a process failure reported by ULFM (``MPI_ERR_PROC_FAILED``/``REVOKED``) where no
+    recovery applies: print one line naming the dead world ranks and return True."""
+    from .runtime.recovery import proc_failure
+
+    if not proc_failure(exc):
+        return False
+    try:
+        from .runtime.ft import _ranks_in
+
+        world.Ack_failed()
+        dead = _ranks_in(world.Get_failed(), world)
+    except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
+        dead = []
+    who = f"rank(s) {', '.join(map(str, dead))} died" if dead else "a rank died"
+    print(f"hpcasync: error (rank {rank}): {who}; this run cannot survive it here ({exc}); "
+          "ending the job", file=sys.stderr, flush=True)
+    return True
 
 
 def run_guarded(main, *args, **kwargs):

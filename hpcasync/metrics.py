@@ -42,13 +42,30 @@ class MetricsWriter:
         self.enabled = enabled and self.path is not None
         self.t0 = time.time()
         self._fh = None
+        self.epochs: set = set()      # epochs whose ``epoch`` record is in the stream
         if self.enabled:
             self.partial = self.path.with_name(self.path.name + ".partial")
             self._fh = open(self.partial, "w", encoding="utf-8")
 
+    def reopen_append(self) -> None:
+        """Become the writer of this stream on another rank (its writer died, ULFM recovery):
+        append to the existing ``.partial`` file (on a shared file system)."""
+        if self.path is None or self._fh is not None:
+            return
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        try:
+            self.epochs |= {r.get("epoch") for r in read_metrics(self.partial)
+                            if r.get("event") == "epoch"}
+        except (OSError, ValueError):        # a torn last line: the records before it count
+            pass
+        self._fh = open(self.partial, "a", encoding="utf-8")
+        self.enabled = True
+
     def write(self, event: str, **fields: Any) -> None:
         if not self.enabled:
             return
+        if event == "epoch":
+            self.epochs.add(fields.get("epoch"))
         record = {"event": event, "time_s": round(time.time() - self.t0, 4), **fields}
         self._fh.write(json.dumps(_jsonable(record), allow_nan=False) + "\n")
         self._fh.flush()

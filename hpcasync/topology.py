@@ -160,6 +160,26 @@ class Topology:
                    virtual_nodes=ranks_per_node is not None,
                    device=pick_device(device, local_rank), ps_rank=ps_rank)
 
+    def shrunk(self, world) -> "Topology":
+        """The topology of ``world``, the survivors of this topology's world after a death
+        (``MPI_Comm_shrink``; collective over it): every survivor stays on its (virtual) node,
+        nodes that lost every rank are gone, nodes are renumbered in order. A node that lost some
+        ranks makes the topology non-uniform. The world rank of the parameter server is kept
+        where it survived (else 0)."""
+        rank, size = world.Get_rank(), world.Get_size()
+        local = world.Split(color=self.node, key=rank)
+        glob = world.Split(color=local.Get_rank(), key=rank)
+        nodes = sorted(set(world.allgather(self.node)))
+        sizes = world.allgather(local.Get_size())
+        from .runtime.ft import translate
+
+        ps = translate(self.ps_rank, self.world, world) if self.ps_rank < self.size else -1
+        return Topology(world=world, local=local, glob=glob, rank=rank, size=size,
+                        local_rank=local.Get_rank(), local_size=local.Get_size(),
+                        node=nodes.index(self.node), num_nodes=len(nodes),
+                        uniform=len(set(sizes)) == 1, virtual_nodes=self.virtual_nodes,
+                        device=self.device, ps_rank=max(ps, 0))
+
     def require_uniform(self, what: str) -> None:
         """Raise unless every node has the same number of ranks (``what`` names the caller)."""
         if not self.uniform:

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..runtime.ft import ft_requested
 from .cache import comm_cache
 from .ops import HALF_DTYPES
 
@@ -107,11 +108,15 @@ def _write(path: Path | None, key: str, record: dict) -> None:
 
 def use_shm(comm, nbytes: int, wire: torch.dtype) -> bool:
     """True when ``auto`` should reduce ``nbytes`` of ``wire`` on ``comm`` (one node, > 1 rank)
-    through the shared-memory window. Collective the first time a class is seen on ``comm``."""
+    through the shared-memory window (never under ULFM, where a dead peer must surface as an MPI
+    error). Collective the first time a class is seen on ``comm``."""
     cls = size_class(nbytes)
     decisions = comm_cache(comm).setdefault("auto_shm", {})
     half = wire in HALF_DTYPES
     hit = decisions.get((cls, half))
+    if hit is None and ft_requested():
+        # under ULFM a peer's death must surface as an MPI error, not as a spin on window memory
+        hit = decisions[(cls, half)] = False
     if hit is None:
         forced = os.environ.get("HPCASYNC_ALLREDUCE", "").lower()
         if forced and forced not in ("mpi", "shm"):

@@ -15,10 +15,10 @@ from hpcasync.data.datasets import (DATASETS, NORMALIZATION, ArrayDataset, load_
                                     locate_dataset,
                                     make_mini_set, normalize_images)
 from hpcasync.data.idx import read_idx, read_idx_pair, write_idx
-from hpcasync.data.sharding import (Sharder, batches, epoch_permutation, mix_seed, num_batches,
+from hpcasync.data.sharding import (EpochShards, Sharder, batches, epoch_permutation, mix_seed, num_batches,
                                     shard_indices)
 
-__all__ = ["ArrayDataset", "DATASETS", "NORMALIZATION", "Sharder", "batches", "epoch_permutation",
+__all__ = ["ArrayDataset", "DATASETS", "EpochShards", "NORMALIZATION", "Sharder", "batches", "epoch_permutation",
            "load_dataset", "locate_dataset", "make_mini_set", "mix_seed", "normalize_images", "num_batches",
            "read_bin_batch", "read_cifar10_dir", "read_idx", "read_idx_pair", "read_pickle_batch",
            "safe_unpickle", "shard_indices", "write_idx"]

@@ -36,7 +36,8 @@ import torch
 
 from hpcasync.errors import ConfigError
 
-__all__ = ["mix_seed", "epoch_permutation", "shard_indices", "num_batches", "batches", "Sharder"]
+__all__ = ["mix_seed", "epoch_permutation", "shard_indices", "num_batches", "batches", "Sharder",
+           "EpochShards"]
 
 _U32 = 2 ** 32
 _MASK64 = 2 ** 64 - 1
@@ -169,3 +170,38 @@ class Sharder:
     def __repr__(self) -> str:
         return (f"Sharder(length={self.length}, shard_index={self.shard_index}, "
                 f"num_shards={self.num_shards}, seed={self.seed})")
+
+
+class EpochShards:
+    """Every shard of one epoch, as a world that may shrink mid-epoch sees them.
+
+    Built for S shards it holds exactly :func:`shard_indices` of each (so a run without failures
+    trains on the same batches). :meth:`reshard` after ``done`` batches of every shard: the
+    examples not yet trained on (every shard's rest, the dead ranks' included) are pooled in shard
+    order and cut into equal contiguous shards for the survivors, the few left over (fewer than
+    the survivors) dropped as the epoch's own remainder is. Computed alike on every rank, with no
+    communication.
+
+    Example::
+
+        plan = EpochShards(len(train), num_shards=4, seed=42, epoch=1)
+        plan = plan.reshard(17, num_shards=3, batch_size=32)   # rank 3 died after 17 batches
+        for x, y in batches(train, plan.shards[rank], batch_size):
+            ...
+    """
+
+    def __init__(self, length: int, *, num_shards: int, seed: int, epoch: int):
+        self.shards = [shard_indices(length, shard_index=s, num_shards=num_shards, seed=seed,
+                                     epoch=epoch) for s in range(num_shards)]
+
+    def num_batches(self, batch_size: int) -> int:
+        return num_batches(len(self.shards[0]), batch_size)
+
+    def reshard(self, done: int, num_shards: int, batch_size: int) -> "EpochShards":
+        """The rest of the epoch after ``done`` batches of ``batch_size``, over ``num_shards``."""
+        _check_int(num_shards, "number of shards", 1)
+        rest = torch.cat([s[done * batch_size:] for s in self.shards])
+        per = len(rest) // num_shards
+        out = EpochShards.__new__(EpochShards)
+        out.shards = [rest[k * per:(k + 1) * per].clone() for k in range(num_shards)]
+        return out

@@ -129,6 +129,12 @@ class ODSGD(AlgorithmOptimizer):
     def broadcast_parameters(self, root: int = 0) -> None:
         self.worker.broadcast_parameters(root=root)
 
+    def set_comm(self, comm) -> None:
+        """Run over ``comm`` from now on (after a ULFM recovery shrank the world; see
+        :meth:`ODSGDWorker.set_comm`)."""
+        self.comm = comm
+        self.worker.set_comm(comm)
+
     # -- state ------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
         """This rank's view: the global state (identical on every rank) and its own local

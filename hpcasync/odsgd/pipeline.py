@@ -168,6 +168,15 @@ class ODSGDWorker:
         if self._pool is not None:
             self._pool.shutdown()
 
+    def set_comm(self, comm) -> None:
+        """Run over ``comm`` from now on (the survivors' world after a ULFM recovery): the round
+        in flight on the old, revoked communicators is dropped (its gradients are lost) and
+        rounds get a private duplicate of ``comm``."""
+        r, self.round = self.round, None
+        if r is not None and r.future is not None:
+            r.future.exception(timeout=30)    # the progress thread has left the dead request
+        self.comm, self.round_comm = comm, comm.Dup()
+
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics across workers (blocking; no round in flight)."""
         if self.flat.buffers.numel():

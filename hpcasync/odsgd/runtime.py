@@ -90,17 +90,18 @@ of global updates; the round is an allreduce, not a PS push/pull (reason above).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 
 import torch
 
-from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import StepDelay
-from ..runtime.context import RunContext, RunResult, mean_over
-from ..runtime.ft import signal_hook
-from .checkpoint import consistent_point, load_state
+from ..runtime.context import RunContext, RunResult
+from ..runtime.ft import signal_hook, ulfm_enabled
+from ..runtime.recovery import EpochCursor, SyncRecovery
+from .checkpoint import consistent_point, global_state, load_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
 from .optimizer import ODSGD
 from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
@@ -166,7 +167,7 @@ def run(ctx: RunContext) -> RunResult:
     hp = hyper_from_config(cfg)
     model = ctx.make_model()
     opt = ODSGD(model, comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
-                **dataclasses.asdict(hp))                   # the front door's object
+                broadcast=False, **dataclasses.asdict(hp))     # the front door's object
     worker = opt.worker
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root:
@@ -176,48 +177,91 @@ def run(ctx: RunContext) -> RunResult:
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
     inject = signal_hook(topo.rank)          # testing: HPCASYNC_INJECT_SIGNAL=RANK:STEP
     state = ctx.resume_state()
+    rec = SyncRecovery(ctx, enabled=ulfm_enabled())
     if state is not None:
-        load_state(worker, state["global"], state["locals"][topo.rank])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
+        rec.failures = list(state.get("rank_failures", []))
     device = topo.device
-    for epoch in range(start_epoch, cfg.epochs + 1):
-        indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
-                                seed=cfg.seed, epoch=epoch)
-        nbatches = len(indices) // cfg.batch_size
-        first = start_batch if epoch == start_epoch else 0
-        ctx.progress.start(nbatches - first, f"epoch {epoch}/{cfg.epochs}")
-        loss_sum, compute = (loss_carry if epoch == start_epoch else 0.0), 0.0
-        before, steps_before, slept = StepTimes(**vars(worker.times)), worker.steps, delay.slept
-        model.train()
-        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size, start_batch=first),
-                                   start=first):
-            t0 = time.perf_counter()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad()
-            delay.begin()
-            loss = ctx.loss_fn(model(x), y)
-            loss.backward()
-            loss_value = loss.item()
-            compute += time.perf_counter() - t0
-            delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
-            opt.step()
-            loss_sum += ctx.step_done(epoch, i + 1, loss_value)
-            if inject is not None:
-                inject()
-            if i + 1 < nbatches:
-                consistent_point(ctx, worker, epoch=epoch, batch=i + 1, loss_sum=loss_sum)
-        worker.synchronize()
-        worker.average_buffers()
-        times = _epoch_times(topo.world, worker.times, before, compute, nbatches)
-        times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
-                                 - min(steps_before, hp.warmup_iters))
-        train_loss = mean_over(topo.world, float(loss_sum) / max(1, nbatches))
-        times["sleep_time_max_s"] = round(max(topo.world.allgather(delay.slept - slept)), 4)
-        with worker.global_weights():
-            ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
-                          bytes_communicated=topo.world.allreduce(worker.bytes_sent), **times)
-        consistent_point(ctx, worker, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
-                          label=epoch)
+
+    def adopted_state() -> dict:
+        """The global model (identical on every rank) for survivors to adopt after a death."""
+        return {"global": global_state(worker), "buffers": worker.flat.buffers.detach().cpu(),
+                "history": ctx.history}
+
+    def load_adopted(blob: dict) -> None:
+        load_state(worker, blob["global"], {"local": blob["global"]["W"], "ms": worker.ws.ms,
+                                            "buffers": blob["buffers"]})
+        ctx.history.extend(blob["history"][len(ctx.history):])
+
+    # positions (epoch, batches done, started), recovery and re-sharding as in hpcasync.ssgd
+    cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
+    summary = None
+    while summary is None:
+        topo = ctx.topo
+        try:
+            if not cur.started:
+                ctx.kill_point("startup")
+                worker.broadcast_parameters(root=0)
+                if state is not None:        # (after the broadcast, which sets W from params)
+                    load_state(worker, state["global"], state["locals"][topo.rank])
+                cur.started = 1
+            if cur.finished:                               # the final gathers
+                ctx.kill_point("final")
+                summary = {"bytes_communicated": topo.world.allreduce(worker.bytes_sent),
+                           "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}
+                if rec.failures:         # the global model, bitwise on every survivor
+                    summary["replica_sha256"] = topo.world.allgather(
+                        hashlib.sha256(worker.glob.W.numpy().tobytes()).hexdigest())
+                continue
+            if cur.begin_epoch():
+                before, steps_before, slept = (StepTimes(**vars(worker.times)), worker.steps,
+                                               delay.slept)
+                compute = 0.0
+            epoch = cur.epoch
+            if cur.in_epoch:
+                model.train()
+                t0 = time.perf_counter()
+                x, y = cur.batch(device)
+                opt.zero_grad()
+                delay.begin()
+                loss = ctx.loss_fn(model(x), y)
+                loss.backward()
+                loss_value = loss.item()
+                compute += time.perf_counter() - t0
+                delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
+                opt.step()
+                cur.step_done(loss_value)
+                rec.step_completed()
+                if inject is not None:
+                    inject()
+                if cur.in_epoch:
+                    consistent_point(ctx, worker, epoch=epoch, batch=cur.done,
+                                     loss_sum=cur.loss_sum)
+                continue
+            worker.synchronize()
+            worker.average_buffers()
+            times = _epoch_times(topo.world, worker.times, before, compute,
+                                 max(1, worker.steps - steps_before))
+            times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
+                                     - min(steps_before, hp.warmup_iters))
+            train_loss = cur.train_loss(topo.world)
+            times["sleep_time_max_s"] = round(max(topo.world.allgather(delay.slept - slept)), 4)
+            with worker.global_weights():
+                ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
+                              bytes_communicated=topo.world.allreduce(worker.bytes_sent),
+                              world_size=topo.size, **times)
+            consistent_point(ctx, worker, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
+                             label=epoch)
+            cur.next_epoch()
+        except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
+            if not rec.handles(exc):
+                raise
+            known = len(ctx.history)
+            cur.adopt(rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
+                                  load=load_adopted, revoke=(worker.round_comm,)))
+            opt.set_comm(ctx.topo.world)
+            for record in ctx.history[known:]:   # epoch ends the metrics writer had missed
+                ctx.metrics.write("epoch", **record)
     opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
     return RunResult(model=model, summary={
         "steps": worker.steps, "rounds": worker.rounds,
@@ -225,8 +269,7 @@ def run(ctx: RunContext) -> RunResult:
         "local_opt": hp.local_opt, "delta": hp.delta, "progress": worker.progress,
         "compute_time_s": round(sum(r["compute_time_s"] for r in ctx.history), 4),
         "wait_time_s": round(sum(r["wait_time_s"] for r in ctx.history), 4),
-        "bytes_communicated": topo.world.allreduce(worker.bytes_sent), **delay.record(),
-        "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
+        **summary, **delay.record(), **rec.summary()})
 
 
 def _epoch_times(comm, now: StepTimes, before: StepTimes, compute: float, nbatches: int) -> dict:

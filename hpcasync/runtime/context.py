@@ -142,6 +142,8 @@ class RunContext:
     # (ssgd, daso); None: the runtime builds its own torch.optim.SGD from cfg
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     _fault_step: int | None = field(default=None, init=False)
+    # failure injection (HPCASYNC_INJECT_KILL_AT, runtime.ft.kill_points): kill_point(phase)
+    kill_point: Callable[[str], None] = field(default=None, init=False)
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
     def __post_init__(self) -> None:
@@ -149,6 +151,9 @@ class RunContext:
             factor=getattr(self.cfg, "divergence_factor", DEFAULT_FACTOR))
         # Testing hook: HPCASYNC_INJECT_FAULT=RANK:STEP raises on that rank after that many steps,
         # so the abort path is exercised with a real exception inside a real run.
+        from .ft import kill_points
+
+        self.kill_point = kill_points(self.topo.rank)
         spec = os.environ.get("HPCASYNC_INJECT_FAULT", "")
         if spec:
             rank, _, step = spec.partition(":")
@@ -171,6 +176,7 @@ class RunContext:
     def after_step(self) -> None:
         """Call once per training step on every training rank: counts steps, runs the hooks."""
         self.steps += 1
+        self.kill_point("step")
         if self._fault_step is not None and self.steps >= self._fault_step:
             raise RuntimeError(f"injected fault (HPCASYNC_INJECT_FAULT) at step {self.steps}")
 
@@ -234,6 +240,7 @@ class RunContext:
             stop = self.preempt.agree(comm)
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):
+            self.kill_point("checkpoint")
             if writer:
                 state = make_state()
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
@@ -255,14 +262,16 @@ class RunContext:
         ``eval_comm`` must not call it. Returns the record (on every calling rank).
         """
         comm = self.topo.world if eval_comm is None else eval_comm
+        self.kill_point("epoch_end")
         self.divergence.check_weights(model, where=f"the end of epoch {epoch}")
         test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device,
                                        loss_fn=self.loss_fn)
         record = {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
                   "test_accuracy": test_acc, "wall_time_s": round(time.time() - self.t0, 3), **extra}
-        self.history.append(record)
+        self.history = [r for r in self.history if r["epoch"] != epoch] + [record]
         self.progress.close()
-        self.metrics.write("epoch", **record)
+        if epoch not in self.metrics.epochs:  # (an epoch end redone after a death: written once)
+            self.metrics.write("epoch", **record)
         if comm.Get_rank() == 0:
             log.info("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%% (%.1f s)",
                      epoch, train_loss, test_loss, 100 * test_acc, record["wall_time_s"])

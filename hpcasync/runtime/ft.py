@@ -192,6 +192,43 @@ def kill_hook(rank: int) -> Callable[[], None] | None:
     return inject_hook("HPCASYNC_INJECT_KILL", rank, signal.SIGKILL)
 
 
+KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG"
+PHASES = ("startup", "step", "epoch_end", "checkpoint", "final")
+
+
+def kill_points(rank: int) -> Callable[[str], None]:
+    """Failure injection for the synchronous runtimes: ``HPCASYNC_INJECT_KILL_AT=RANK:PHASE:N``
+    (several, comma-separated: one rank after another) makes rank RANK SIGKILL itself the N-th
+    time it reaches PHASE, one of :data:`PHASES` (``startup``: before the first broadcast;
+    ``step``: after a completed step; ``epoch_end``: before the evaluation; ``checkpoint``: when
+    a checkpoint is written; ``final``: before the final gathers). With
+    ``HPCASYNC_INJECT_KILL_LOG=FILE`` it first appends ``RANK PHASE N UNIX_TIME`` to FILE, so a
+    test or study measures the time from the kill. Returns ``point(phase)``."""
+    plan: dict[str, int] = {}
+    for item in filter(None, os.environ.get(KILL_AT_ENV, "").split(",")):
+        r, phase, n = (item.split(":") + ["", "", ""])[:3]
+        if phase not in PHASES or not (r.isdigit() and n.isdigit()):
+            from ..errors import ConfigError
+            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N with PHASE one of "
+                              f"{', '.join(PHASES)}")
+        if int(r) == rank:
+            plan[phase] = int(n)
+    counts = dict.fromkeys(plan, 0)
+
+    def point(phase: str) -> None:
+        if phase not in plan:
+            return
+        counts[phase] += 1
+        if counts[phase] == plan[phase]:
+            stamp = os.environ.get(KILL_LOG_ENV)
+            if stamp:
+                import time
+                with open(stamp, "a", encoding="utf-8") as fh:
+                    fh.write(f"{rank} {phase} {plan[phase]} {time.time():.6f}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    return point
+
+
 def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) -> None:
     """Add to ``summary["failed_workers"]`` the ``lost`` ranks (from :func:`survivors`) that the
     PS had not seen die: they died after their last message."""

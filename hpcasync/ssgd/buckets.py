@@ -292,6 +292,15 @@ class BucketReducer:
         self._error = None
         self._reset()
 
+    def set_comm(self, comm) -> None:
+        """Reduce over ``comm`` from now on (the survivors' communicator after a ULFM recovery):
+        requests in flight on the old, revoked communicator are abandoned, and this step's
+        progress is forgotten."""
+        self.comm = comm
+        self._inflight = []
+        self._error = None
+        self._reset()
+
     def close(self) -> None:
         """Remove the hooks and stop the thread."""
         for h in self._hooks:

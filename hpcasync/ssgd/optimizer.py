@@ -171,6 +171,15 @@ class DistributedOptimizer(AlgorithmOptimizer):
         thread waits until the process exits)."""
         self.reducer.close()
 
+    def set_comm(self, comm) -> None:
+        """Average over ``comm`` from now on: after dead ranks were shrunk out of the world
+        (ULFM, :class:`~hpcasync.runtime.recovery.SyncRecovery`). The step in progress is dropped:
+        call ``zero_grad()`` and redo its backward."""
+        self.comm = comm
+        self.reducer.set_comm(comm)
+        self.passes = 0
+        self._synchronized = False
+
     def average_buffers(self) -> None:
         """Average floating-point module buffers (BatchNorm running statistics) across ranks."""
         if self.flat.buffers.numel():

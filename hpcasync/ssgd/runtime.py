@@ -33,12 +33,13 @@ import logging
 
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
-from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import StepDelay
 from ..hetero import check_options as check_hetero
 from .horovod import check_backend
-from ..runtime.context import RunContext, RunResult, max_over, mean_over
+from ..runtime.context import RunContext, RunResult, max_over
+from ..runtime.ft import ulfm_enabled
+from ..runtime.recovery import EpochCursor, SyncRecovery, params_digest
 from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, PROGRESS
 from .optimizer import DistributedOptimizer
 
@@ -95,7 +96,7 @@ def run(ctx: RunContext) -> RunResult:
                                    overlap=cfg.options.get("ssgd_overlap"),
                                    bucket_bytes=max(4, bucket),
                                    progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
-    opt.broadcast_parameters(root=0)
+    rec = SyncRecovery(ctx, enabled=flat is not None and ulfm_enabled())
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
         log.info("ssgd: heterogeneity: %s", delay.model.describe())
@@ -110,46 +111,82 @@ def run(ctx: RunContext) -> RunResult:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
+        rec.failures = list(state.get("rank_failures", []))
 
     def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
         """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
         return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "epoch": epoch, "batch": batch, "loss_sum": loss_sum}
+                "epoch": epoch, "batch": batch, "loss_sum": loss_sum,
+                "rank_failures": rec.failures}
 
-    device = topo.device
-    for epoch in range(start_epoch, cfg.epochs + 1):
-        indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
-                                seed=cfg.seed, epoch=epoch)
-        nbatches = len(indices) // cfg.batch_size
-        first = start_batch if epoch == start_epoch else 0
-        loss_sum = loss_carry if epoch == start_epoch else 0.0
-        ctx.progress.start(nbatches - first, f"epoch {epoch}/{cfg.epochs}")
-        slept = delay.slept
-        model.train()
-        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size, start_batch=first),
-                                   start=first):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad()
-            delay.begin()
-            loss = ctx.loss_fn(model(x), y)
-            loss.backward()
-            delay.end(opt.steps)         # a straggler sleeps here; the allreduce waits for it
-            opt.step()
-            link.block(wire_bytes)
-            loss_sum += ctx.step_done(epoch, i + 1, loss.item())
-            if i + 1 < nbatches:
-                ctx.consistent_point(topo.world, lambda: snapshot(epoch, i + 1, loss_sum),
-                                     epoch=epoch, step=opt.steps, writer=topo.rank == 0)
-        if not getattr(opt, "sync_buffers", False):      # (averaged with every step otherwise)
-            opt.average_buffers()
-        train_loss = mean_over(topo.world, loss_sum / max(1, nbatches))
-        ctx.epoch_end(epoch, model, train_loss=train_loss,
-                      bytes_communicated=topo.world.allreduce(opt.bytes_sent),
-                      comm_time_s=round(opt.comm_time, 4),
-                      sleep_time_max_s=round(max_over(topo.world, delay.slept - slept), 4))
-        ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
-                             step=opt.steps, writer=topo.rank == 0, force=True)
-    return RunResult(model=model, summary={
-        "backend": cfg.backend, "steps": opt.steps,
-        "bytes_communicated": topo.world.allreduce(opt.bytes_sent), **delay.record(),
-        "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
+    def load_adopted(blob: dict) -> None:
+        """After a death: take the most advanced survivor's state (see SyncRecovery.recover)."""
+        model.load_state_dict(blob["model"])
+        opt.load_state_dict(blob["optimizer"])
+        missed = blob["history"][len(ctx.history):]     # epoch ends it finished and we did not
+        ctx.history.extend(missed)
+        late.extend(missed)
+
+    late: list[dict] = []
+    # the loop walks positions (epoch, batches done, started): after a death (ULFM) the survivors
+    # adopt the most advanced position and state, and re-shard the rest of the epoch over
+    # themselves (hpcasync.runtime.recovery)
+    cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
+    slept, summary, device = delay.slept, None, topo.device
+    while summary is None:
+        topo = ctx.topo
+        try:
+            if not cur.started:
+                ctx.kill_point("startup")
+                opt.broadcast_parameters(root=0)     # (a resumed run: the same state everywhere)
+                cur.started = 1
+            if cur.finished:                         # the final gathers
+                ctx.kill_point("final")
+                summary = {"backend": cfg.backend, "steps": opt.steps,
+                           "bytes_communicated": topo.world.allreduce(opt.bytes_sent),
+                           **delay.record(),
+                           "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}
+                if rec.failures:         # the survivors' replicas, bitwise (a test asserts it)
+                    summary["replica_sha256"] = topo.world.allgather(params_digest(model))
+                continue
+            if cur.begin_epoch():
+                slept = delay.slept
+            epoch = cur.epoch
+            if cur.in_epoch:
+                model.train()
+                x, y = cur.batch(device)
+                opt.zero_grad()
+                delay.begin()
+                loss = ctx.loss_fn(model(x), y)
+                loss.backward()
+                delay.end(opt.steps)     # a straggler sleeps here; the allreduce waits for it
+                opt.step()
+                link.block(wire_bytes)
+                cur.step_done(loss.item())
+                rec.step_completed()
+                if cur.in_epoch:
+                    ctx.consistent_point(topo.world,
+                                         lambda: snapshot(epoch, cur.done, cur.loss_sum),
+                                         epoch=epoch, step=opt.steps, writer=topo.rank == 0)
+                continue
+            if not getattr(opt, "sync_buffers", False):      # (averaged with every step otherwise)
+                opt.average_buffers()
+            ctx.epoch_end(epoch, model, train_loss=cur.train_loss(topo.world),
+                          bytes_communicated=topo.world.allreduce(opt.bytes_sent),
+                          comm_time_s=round(opt.comm_time, 4),
+                          sleep_time_max_s=round(max_over(topo.world, delay.slept - slept), 4),
+                          world_size=topo.size)
+            ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
+                                 step=opt.steps, writer=topo.rank == 0, force=True)
+            cur.next_epoch()
+        except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
+            if not rec.handles(exc):
+                raise
+            cur.adopt(rec.recover(position=cur.position, load=load_adopted,
+                                  state=lambda: {**snapshot(cur.epoch, cur.done, 0.0),
+                                                 "history": ctx.history}))
+            opt.set_comm(ctx.topo.world)
+            for record in late:                  # the metrics writer had not finished them
+                ctx.metrics.write("epoch", **record)
+            late.clear()
+    return RunResult(model=model, summary={**summary, **rec.summary()})

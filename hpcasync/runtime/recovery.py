@@ -1,0 +1,287 @@
+"""A synchronous runtime keeps training through a dead rank (ULFM), without a restart.
+
+Synchronous replicas are bitwise identical, so a dead replica loses nothing but its share of the
+step in flight. Under Open MPI's ULFM (``mpirun --with-ft ulfm``, :func:`~.ft.ulfm_enabled`) a
+collective that involves a dead process raises ``MPI_ERR_PROC_FAILED`` on some ranks; the others
+may already be one step further, or blocked in the next collective. :meth:`SyncRecovery.recover`,
+called on every survivor from the ``except`` of its step:
+
+1. **revoke** the world communicator (``MPI_Comm_revoke``: every rank still blocked on it, or
+   entering a call on it, gets ``MPI_ERR_REVOKED`` and comes here too);
+2. **shrink** it (``MPI_Comm_shrink``: an agreement on who is alive; the survivors keep their
+   order, so the lowest surviving rank becomes rank 0);
+3. **adopt the most advanced state**: the survivors allgather their positions ``(epoch, batches
+   done)``; the most advanced one (lowest rank among equals) broadcasts its state — model,
+   optimizer, position, epoch history — and every survivor loads it. A rank whose last collective
+   succeeded holds a correct step (MPI: a call that returns success left correct results on that
+   rank), so nothing computed is thrown away but the step nobody finished, which is redone;
+4. **rebuild the topology** on the shrunk world (:meth:`hpcasync.topology.Topology.shrunk`: each
+   survivor stays on its node) and re-shard the rest of the epoch over the survivors
+   (:class:`~hpcasync.data.sharding.EpochShards`);
+5. hand the metrics stream over when its writer died (the new rank 0 appends to ``.partial``) and
+   write a ``rank_failed`` record: who died (original world ranks), when, what the recovery cost.
+
+A death during the recovery itself (in the broadcast after the shrink) is one more failure: the
+steps repeat on the shrunk communicator. Without ULFM nothing here runs: the launcher ends the job
+and the checkpoint-and-resume path (``--checkpoint-dir``, ``--resume auto``) is the recovery.
+
+Example (the shape of :mod:`hpcasync.ssgd.runtime`'s loop)::
+
+    rec = SyncRecovery(ctx, enabled=ft.ulfm_enabled())
+    while not done:
+        try:
+            step()
+        except Exception as exc:
+            if not rec.handles(exc):
+                raise
+            state = rec.recover(position=(epoch, i), state=lambda: snapshot(), load=restore)
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from .ft import failed_ranks
+
+log = logging.getLogger("hpcasync")
+
+
+def proc_failure(exc: BaseException | None) -> bool:
+    """``exc`` (or an exception it was raised from) reports dead processes or a revoked
+    communicator (ULFM's ``MPI_ERR_PROC_FAILED``, ``..._PENDING``, ``MPI_ERR_REVOKED``)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:                     # pragma: no cover - mpi4py is a dependency
+        return False
+    codes = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                             "ERR_REVOKED")} - {None}
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class SyncRecovery:
+    """Survive dead ranks in a synchronous runtime (see the module doc).
+
+    Args:
+        ctx: the run's :class:`~hpcasync.runtime.context.RunContext` (its ``topo`` is replaced
+            after a recovery; ``metrics``, ``history`` and ``steps`` are kept consistent).
+        enabled: ULFM is on (otherwise :meth:`handles` is always False and errors propagate).
+
+    Attributes: ``failures`` (one dict per recovery, as in the ``rank_failed`` records),
+    ``original`` (the original world rank of each rank of the current world).
+    """
+
+    def __init__(self, ctx, *, enabled: bool):
+        self.ctx, self.enabled = ctx, bool(enabled)
+        self.original = list(range(ctx.topo.size))
+        self.failures: list[dict[str, Any]] = []
+        self._pending_next_step: dict | None = None
+        self._t0 = time.time()
+
+    def handles(self, exc: BaseException) -> bool:
+        """True when ``exc`` is a process failure this object recovers from."""
+        return self.enabled and proc_failure(exc)
+
+    def recover(self, *, position: tuple, state: Callable[[], Any],
+                load: Callable[[Any], None], revoke: tuple = ()) -> tuple:
+        """Revoke, shrink, adopt the most advanced survivor's state, rebuild the topology.
+
+        ``position`` is this rank's progress (comparable tuples; larger = further); ``state()``
+        returns what ``load(obj)`` restores (pickled and broadcast from the most advanced rank).
+        ``revoke``: more communicators the runtime uses (revoked first, so that a survivor
+        blocked on one of them wakes up). Returns the adopted position. Collective over the
+        survivors."""
+        detected = time.time()
+        t0 = time.perf_counter()
+        topo = self.ctx.topo
+        world, lost_all = topo.world, []
+        for comm in revoke:
+            try:
+                comm.Revoke()
+            except Exception:          # noqa: BLE001 - already revoked, or freed
+                pass
+        while True:
+            try:
+                world.Revoke()
+            except Exception:          # noqa: BLE001 - already revoked by another survivor
+                pass
+            new = world.Shrink()
+            kept = _kept(world, new)
+            lost = [self.original[r] for r in range(world.Get_size()) if r not in kept]
+            self.original = [self.original[r] for r in kept]
+            lost_all += lost
+            try:
+                positions = new.allgather(tuple(position))
+                src = max(range(len(positions)), key=lambda r: (positions[r], -r))
+                blob = new.bcast(state() if new.Get_rank() == src else None, root=src)
+                break
+            except Exception as exc:    # noqa: BLE001 - another death during the recovery
+                if not proc_failure(exc):
+                    raise
+                failed_ranks(new, exc)
+                world = new
+        load(blob)
+        self.ctx.topo = topo.shrunk(new)
+        took = time.perf_counter() - t0
+        record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
+                  "survivors": list(self.original), "detected_at_s": round(detected - self._t0, 4),
+                  "detected_unix": round(detected, 4), "recovery_s": round(took, 4),
+                  "position": list(positions[src]), "adopted_from": self.original[src],
+                  "steps_behind": [_behind(p, positions[src]) for p in positions],
+                  "next_step_s": None}
+        self.failures.append(record)
+        self._pending_next_step = record
+        self._hand_over_metrics()
+        self.ctx.metrics.write("rank_failed", **record)
+        if self.ctx.topo.rank == 0:
+            log.warning("rank(s) %s died; going on with %d ranks (recovered in %.3f s, from the "
+                        "state of rank %d at %s)", ", ".join(map(str, sorted(lost_all))),
+                        new.Get_size(), took, self.original[src], tuple(positions[src]))
+        return positions[src]
+
+    def step_completed(self) -> None:
+        """Call after each completed step: the first one after a recovery is timed (the record's
+        ``next_step_s``, from the detection to the end of that step)."""
+        rec = self._pending_next_step
+        if rec is not None:
+            self._pending_next_step = None
+            rec["next_step_s"] = round(time.time() - rec["detected_unix"], 4)
+
+    def summary(self) -> dict[str, Any]:
+        """For the run's summary: ``rank_failures`` (the records) and ``failed_ranks``."""
+        return {"rank_failures": self.failures,
+                "failed_ranks": sorted(r for f in self.failures for r in f["dead_ranks"]),
+                "fault_tolerance": "ulfm" if self.enabled else "none"}
+
+    def _hand_over_metrics(self) -> None:
+        """The metrics stream and the INFO log live on rank 0; if the old rank 0 died, the new
+        one appends to the stream (same file system, as the checkpoints' directory)."""
+        m = self.ctx.metrics
+        if self.ctx.topo.rank != 0 or m.enabled or getattr(m, "path", None) is None:
+            return
+        m.reopen_append()
+        from ..train import setup_logging
+
+        setup_logging(self.original[0], report_rank=self.original[0])
+        log.warning("rank %d takes over the metrics stream and the log (rank 0 died)",
+                    self.original[0])
+
+
+class EpochCursor:
+    """Where a synchronous loop is — ``(epoch, batches done, started)`` — and which examples each
+    rank trains on this epoch (:class:`~hpcasync.data.sharding.EpochShards` over the current
+    world). A step advances ``done``, an epoch end ``epoch``; :meth:`adopt` moves to the position
+    a recovery adopted and re-shards the rest of the epoch over the survivors.
+
+    Example::
+
+        cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
+        while not cur.finished:
+            if cur.begin_epoch():
+                ...                                    # per-epoch counters
+            if cur.in_epoch:
+                x, y = cur.batch(device)
+                ...                                    # forward, backward, step
+                cur.step_done(loss.item())
+            else:
+                ...                                    # evaluate (cur.train_loss(comm))
+                cur.next_epoch()
+    """
+
+    def __init__(self, ctx, *, epoch: int = 1, done: int = 0, loss_sum: float = 0.0):
+        self.ctx, self.epoch, self.done, self.started = ctx, epoch, done, 0
+        self.loss_sum, self.loss_n = loss_sum, done
+        self.plan = None
+
+    @property
+    def position(self) -> tuple:
+        return (self.epoch, self.done, self.started)
+
+    @property
+    def finished(self) -> bool:
+        return self.epoch > self.ctx.cfg.epochs
+
+    def begin_epoch(self) -> bool:
+        """Make this epoch's plan if there is none yet (over the current world); True if made."""
+        if self.plan is not None:
+            return False
+        from ..data import EpochShards
+
+        cfg = self.ctx.cfg
+        self.plan = EpochShards(len(self.ctx.train), num_shards=self.ctx.topo.size,
+                                seed=cfg.seed, epoch=self.epoch)
+        self.ctx.progress.start(self.nbatches - self.done, f"epoch {self.epoch}/{cfg.epochs}")
+        return True
+
+    @property
+    def nbatches(self) -> int:
+        return self.plan.num_batches(self.ctx.cfg.batch_size)
+
+    @property
+    def in_epoch(self) -> bool:
+        return self.done < self.nbatches
+
+    def batch(self, device):
+        """This rank's next batch ``(x, y)`` on ``device``."""
+        b, data = self.ctx.cfg.batch_size, self.ctx.train
+        idx = self.plan.shards[self.ctx.topo.rank][self.done * b:(self.done + 1) * b]
+        return (data.images.index_select(0, idx).to(device, non_blocking=True),
+                data.labels.index_select(0, idx).to(device, non_blocking=True))
+
+    def step_done(self, loss: float) -> None:
+        self.done += 1
+        self.loss_sum += self.ctx.step_done(self.epoch, self.done, loss)
+        self.loss_n += 1
+
+    def train_loss(self, comm) -> float:
+        """The mean over ranks of each rank's mean step loss this epoch."""
+        from .context import mean_over
+
+        return mean_over(comm, self.loss_sum / max(1, self.loss_n))
+
+    def next_epoch(self) -> None:
+        self.epoch, self.done, self.loss_sum, self.loss_n, self.plan = \
+            self.epoch + 1, 0, 0.0, 0, None
+
+    def adopt(self, adopted: tuple) -> None:
+        """Go to the position a recovery adopted; the rest of a started epoch is re-sharded over
+        the (new) world, a later epoch starts afresh over it."""
+        self.started = 1
+        if adopted[0] != self.epoch or self.plan is None:
+            self.plan, self.loss_sum, self.loss_n = None, 0.0, 0
+            self.epoch, self.done = adopted[0], adopted[1]
+            return
+        self.plan = self.plan.reshard(adopted[1], self.ctx.topo.size, self.ctx.cfg.batch_size)
+        self.done = 0
+
+
+def params_digest(model) -> str:
+    """SHA-256 of a model's parameters and buffers (equal digests: bitwise equal replicas)."""
+    from ..train import params_digest as digest
+
+    return digest(model)
+
+
+def _kept(old, new) -> list[int]:
+    """Ranks of ``old`` that are in ``new``, in ``new``'s order."""
+    from mpi4py import MPI
+
+    a, b = new.Get_group(), old.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(a, list(range(a.Get_size())), b)]
+    finally:
+        a.Free()
+        b.Free()
+
+
+def _behind(p: tuple, q: tuple) -> int:
+    """How many batches position ``p`` was behind ``q`` (0, 1, or -1 across an epoch end)."""
+    if p[0] == q[0]:
+        return int(q[1] - p[1])
+    return -1

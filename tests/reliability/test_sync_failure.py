@@ -1,0 +1,221 @@
+"""A rank of a synchronous run dies (real SIGKILLs, ``mpirun --with-ft ulfm``): the survivors
+revoke and shrink the world, adopt the most advanced state, re-shard the rest of the epoch and
+train on (:mod:`hpcasync.runtime.recovery`) — exit 0, the summary and a ``rank_failed`` record say
+who died and what recovery cost, the survivors' replicas are bitwise identical.
+
+Kills: ``HPCASYNC_INJECT_KILL_AT=RANK:PHASE:N`` (that rank SIGKILLs itself the N-th time it
+reaches PHASE: startup, step, epoch_end, checkpoint, final). Every job runs under a timeout; ULFM
+is Open-MPI-only (these tests skip under MPICH, where a dead rank ends the job at once).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hpcasync.checkpoint import load_checkpoint
+from hpcasync.data import EpochShards, shard_indices
+from hpcasync.metrics import read_metrics
+from hpcasync.launch import OPEN_MPI
+from tests.mpi_util import REPO, VENDOR, clean_env, last_summary, mpiexec, need_ulfm
+
+TRAIN = 6000                             # the whole mini training set
+DATA = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", str(TRAIN), "--epochs", "2",
+        "--progress", "off"]                 # (and its whole test set, 1000 images)
+JOB_TIMEOUT = 120
+ODSGD = ["--odsgd-warmup-iters", "10"]       # a kill at step 30 falls in the one-step-delay phase
+
+
+def _run(tmp_path, algorithm: str, kill: str = "", *, extra=(), n: int = 4, ft: bool = True):
+    """One job of ``n`` ranks on the data slice, ``kill`` as HPCASYNC_INJECT_KILL_AT."""
+    metrics = tmp_path / f"{algorithm}-{kill.replace(':', '_').replace(',', '+') or 'none'}.jsonl"
+    cmd = [*mpiexec(n, ft=ft), sys.executable, "-m", "hpcasync.cli", *DATA, "--algorithm",
+           algorithm, "--metrics", str(metrics), *extra]
+    env = {"HPCASYNC_INJECT_KILL_AT": kill, "HPCASYNC_INJECT_KILL_LOG": str(tmp_path / "kills")}
+    t0 = time.time()
+    out = subprocess.run(cmd, env=clean_env(**env), cwd=REPO, capture_output=True, text=True,
+                         timeout=JOB_TIMEOUT)
+    return out, metrics, time.time() - t0
+
+
+def _survived(out, metrics, dead: list[int]) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    assert s["fault_tolerance"] == "ulfm"
+    assert s["failed_ranks"] == sorted(dead)
+    assert s["world_size"] == 4 - len(dead)
+    digests = s["replica_sha256"]
+    assert len(digests) == 4 - len(dead) and len(set(digests)) == 1, digests   # bitwise equal
+    assert digests[0] == s["params_sha256"]
+    records = read_metrics(metrics)
+    failed = [r for r in records if r["event"] == "rank_failed"]
+    assert sorted(r for f in failed for r in f["dead_ranks"]) == sorted(dead)
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
+    for f in s["rank_failures"]:
+        assert 0 <= f["recovery_s"] < 2.0
+        assert f["next_step_s"] is None or f["next_step_s"] >= f["recovery_s"]
+    return s
+
+
+# -- the re-sharding plan (no MPI) ----------------------------------------------------------------
+
+def test_epoch_shards_match_shard_indices_and_reshard_the_rest_exactly():
+    plan = EpochShards(1000, num_shards=4, seed=3, epoch=2)
+    for s in range(4):                  # without a failure: the batches every run trains on
+        assert torch.equal(plan.shards[s], shard_indices(1000, shard_index=s, num_shards=4,
+                                                         seed=3, epoch=2))
+    after = plan.reshard(5, num_shards=3, batch_size=16)      # 5 batches of 16 done per shard
+    seen = torch.cat([s[:80] for s in plan.shards])
+    rest = torch.cat(after.shards)
+    assert len(set(seen.tolist()) & set(rest.tolist())) == 0          # nothing trained twice
+    assert all(len(s) == (4 * 250 - 4 * 80) // 3 for s in after.shards)   # equal shards
+    pool = torch.cat([s[80:] for s in plan.shards])
+    assert torch.equal(rest, pool[:len(rest)])                        # in shard order
+    assert len(pool) - len(rest) < 3
+
+
+# -- SSGD -----------------------------------------------------------------------------------------
+
+@pytest.mark.rank0
+def test_ssgd_survives_a_rank_sigkilled_mid_epoch(tmp_path):
+    """The done-bar on a data slice: rank 2 of 4 dies after step 30 of epoch 1; exit 0, the rest
+    of epoch 1 is re-sharded over 3 ranks (steps counted exactly), replicas bitwise equal, test
+    accuracy within 3 points of the undisturbed run (the full-size runs: experiments/)."""
+    need_ulfm()
+    base, mbase, _ = _run(tmp_path, "ssgd")
+    assert base.returncode == 0, base.stderr[-3000:]
+    out, metrics, _ = _run(tmp_path, "ssgd", "2:step:30")
+    s = _survived(out, metrics, [2])
+    rest = (TRAIN // 4 - 30 * 32) * 4 // 3 // 32          # the rest of epoch 1 over 3 ranks
+    assert s["steps"] == 30 + rest + (TRAIN // 3) // 32, s["steps"]
+    [f] = s["rank_failures"]
+    assert f["position"] == [1, 30, 1] and f["survivors"] == [0, 1, 3]
+    assert "rank(s) 2 died; going on with 3 ranks" in out.stderr
+    kill_time = float((tmp_path / "kills").read_text().split()[-1])
+    assert f["detected_unix"] - kill_time < 5.0
+    acc0 = last_summary(mbase)["test_accuracy"]
+    assert abs(s["test_accuracy"] - acc0) <= 0.03, (s["test_accuracy"], acc0)
+    assert s["test_accuracy"] >= 0.65
+
+
+@pytest.mark.rank0
+def test_ssgd_survives_rank_0_and_the_new_rank_0_finishes_the_metrics_stream(tmp_path):
+    need_ulfm()
+    out, metrics, _ = _run(tmp_path, "ssgd", "0:step:20")
+    s = _survived(out, metrics, [0])
+    assert s["rank_failures"][0]["survivors"] == [1, 2, 3]
+    assert "rank 1 takes over the metrics stream" in out.stderr
+    assert metrics.exists()                                 # completed, not .partial
+
+
+@pytest.mark.rank0
+def test_ssgd_survives_two_deaths_one_after_another(tmp_path):
+    need_ulfm()
+    out, metrics, _ = _run(tmp_path, "ssgd", "3:step:10,1:step:50")
+    s = _survived(out, metrics, [1, 3])
+    assert [f["survivors"] for f in s["rank_failures"]] == [[0, 1, 2], [0, 2]]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("phase", ["startup", "epoch_end", "checkpoint", "final"])
+def test_ssgd_survives_a_death_at_every_phase(tmp_path, phase):
+    """Start-up (before the first broadcast), an epoch end (before the evaluation), a checkpoint
+    write (rank 0, the writer, dies: the new rank 0 writes it) and the final gathers."""
+    need_ulfm()
+    rank = 0 if phase == "checkpoint" else 1
+    extra = ["--checkpoint-dir", str(tmp_path / "ck")] if phase == "checkpoint" else []
+    out, metrics, wall = _run(tmp_path, "ssgd", f"{rank}:{phase}:1", extra=extra)
+    _survived(out, metrics, [rank])
+    assert wall < 60
+    if phase == "checkpoint":          # the epoch-1 file, written by the new rank 0, and epoch 2
+        names = sorted(p.name for p in (tmp_path / "ck").glob("ckpt-e*.pt"))
+        assert [n[:10] for n in names] == ["ckpt-e0001", "ckpt-e0002"], names
+        state = load_checkpoint(tmp_path / "ck" / names[-1])
+        assert state["epoch"] == 3 and [f["dead_ranks"] for f in state["rank_failures"]] == [[0]]
+
+
+ADOPT_SCRIPT = r'''
+import json, sys
+from types import SimpleNamespace
+from hpcasync.metrics import MetricsWriter
+from hpcasync.runtime.recovery import SyncRecovery
+from hpcasync.topology import Topology
+
+topo = Topology.build()
+ctx = SimpleNamespace(topo=topo, metrics=MetricsWriter(None, enabled=False))
+rec = SyncRecovery(ctx, enabled=True)
+# ranks at different positions (as after a collective that failed on some ranks only): rank 2 is
+# one step ahead, rank 3 one epoch end ahead of rank 1; no one died, so the shrink keeps all
+pos = {0: (1, 7, 1), 1: (1, 8, 1), 2: (2, 0, 1), 3: (1, 8, 1)}[topo.rank]
+got = []
+adopted = rec.recover(position=pos, state=lambda: {"from": topo.rank, "pos": pos},
+                      load=got.append)
+out = ctx.topo.world.gather([list(adopted), got[0], ctx.topo.size], root=0)
+if topo.rank == 0:
+    print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.rank0
+def test_recovery_adopts_the_most_advanced_survivors_state(tmp_path):
+    """Positions that differ (a collective failed on some ranks only): every rank loads the state
+    of the rank furthest on, rank 2 at the start of epoch 2, and gets its position."""
+    need_ulfm()
+    script = tmp_path / "adopt.py"
+    script.write_text(ADOPT_SCRIPT)
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, str(script)], env=clean_env(),
+                         cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    rows = json.loads(line[7:])
+    assert rows == [[[2, 0, 1], {"from": 2, "pos": [2, 0, 1]}, 4]] * 4, rows
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])
+def test_without_ulfm_a_death_ends_the_job_within_30_s_naming_the_rank(tmp_path, algorithm):
+    """The launcher ends the job (Open MPI: SIGTERM then SIGKILL to every survivor; MPICH's
+    hydra: SIGKILL at once): non-zero exit in < 30 s; Open MPI's line names the dead rank."""
+    out, metrics, wall = _run(tmp_path, algorithm, "2:step:30", ft=False,
+                              extra=ODSGD if algorithm == "odsgd" else ())
+    assert out.returncode != 0 and wall < 30, (out.returncode, wall)
+    if VENDOR == OPEN_MPI:
+        assert re.search(r"process rank 2 with PID \d+ on node \S+ exited on\s+signal 9",
+                         out.stderr), out.stderr[-2000:]
+    assert not metrics.exists()                           # the stream stays .partial
+
+
+# -- OD-SGD ---------------------------------------------------------------------------------------
+
+
+
+@pytest.mark.rank0
+def test_odsgd_survives_a_rank_sigkilled_mid_epoch(tmp_path):
+    """The round in flight is lost (its gradients), the survivors adopt the global model of the
+    most advanced rank, restart their local weights from it and go on: exit 0, the global model
+    bitwise equal on every survivor, accuracy within 3 points of the undisturbed run."""
+    need_ulfm()
+    base, mbase, _ = _run(tmp_path, "odsgd", extra=ODSGD)
+    assert base.returncode == 0, base.stderr[-3000:]
+    out, metrics, _ = _run(tmp_path, "odsgd", "2:step:30", extra=ODSGD)
+    s = _survived(out, metrics, [2])
+    [f] = s["rank_failures"]
+    assert f["position"][:3] == [1, 30, 1] and f["survivors"] == [0, 1, 3]
+    rest = (TRAIN // 4 - 30 * 32) * 4 // 3 // 32
+    assert s["steps"] == 30 + rest + (TRAIN // 3) // 32, s["steps"]
+    acc0 = last_summary(mbase)["test_accuracy"]
+    assert abs(s["test_accuracy"] - acc0) <= 0.03, (s["test_accuracy"], acc0)
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("phase", ["startup", "epoch_end"])
+def test_odsgd_survives_a_death_at_start_up_and_at_an_epoch_end(tmp_path, phase):
+    need_ulfm()
+    out, metrics, wall = _run(tmp_path, "odsgd", f"3:{phase}:1", extra=ODSGD)
+    _survived(out, metrics, [3])
+    assert wall < 60
