@@ -160,24 +160,35 @@ class Topology:
                    virtual_nodes=ranks_per_node is not None,
                    device=pick_device(device, local_rank), ps_rank=ps_rank)
 
-    def shrunk(self, world) -> "Topology":
+    def shrunk(self, world, *, uniform: bool = False) -> "Topology":
         """The topology of ``world``, the survivors of this topology's world after a death
         (``MPI_Comm_shrink``; collective over it): every survivor stays on its (virtual) node,
         nodes that lost every rank are gone, nodes are renumbered in order. A node that lost some
-        ranks makes the topology non-uniform. The world rank of the parameter server is kept
+        ranks makes the topology non-uniform — unless ``uniform``: then every node is cut into
+        virtual nodes of g ranks, g the greatest common divisor of the surviving nodes' sizes
+        (2 + 1 survivors: three nodes of one). The world rank of the parameter server is kept
         where it survived (else 0)."""
-        rank, size = world.Get_rank(), world.Get_size()
-        local = world.Split(color=self.node, key=rank)
-        glob = world.Split(color=local.Get_rank(), key=rank)
-        nodes = sorted(set(world.allgather(self.node)))
-        sizes = world.allgather(local.Get_size())
+        import math
+
         from .runtime.ft import translate
 
+        rank, size = world.Get_rank(), world.Get_size()
+        node = world.Split(color=self.node, key=rank)
+        node_size = node.Get_size()
+        g = math.gcd(*world.allgather(node_size)) if uniform else node_size
+        local = node.Split(color=node.Get_rank() // g, key=rank)
+        node.Free()
+        leaders = sorted(r for r in world.allgather(rank if local.Get_rank() == 0 else -1)
+                         if r >= 0)
+        my_leader = local.bcast(rank, root=0)
+        glob = world.Split(color=local.Get_rank(), key=rank)
+        sizes = world.allgather(local.Get_size())
         ps = translate(self.ps_rank, self.world, world) if self.ps_rank < self.size else -1
         return Topology(world=world, local=local, glob=glob, rank=rank, size=size,
                         local_rank=local.Get_rank(), local_size=local.Get_size(),
-                        node=nodes.index(self.node), num_nodes=len(nodes),
-                        uniform=len(set(sizes)) == 1, virtual_nodes=self.virtual_nodes,
+                        node=leaders.index(my_leader), num_nodes=len(leaders),
+                        uniform=len(set(sizes)) == 1,
+                        virtual_nodes=self.virtual_nodes or g != node_size,
                         device=self.device, ps_rank=max(ps, 0))
 
     def require_uniform(self, what: str) -> None:

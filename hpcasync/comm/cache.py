@@ -80,3 +80,16 @@ def is_shared_memory(comm) -> bool:
         return bool(comm.allreduce(same, op=MPI.LAND))
 
     return cached(comm, "is_shared_memory", probe)
+
+
+def cached_comms(comm) -> list:
+    """The communicators cached on ``comm`` (private duplicates, the shm engine's), for a ULFM
+    recovery that must revoke every communicator a survivor may be blocked on. Local."""
+    from mpi4py import MPI
+
+    out = []
+    for obj in list(comm_cache(comm).values()):
+        for c in (obj, getattr(obj, "comm", None)):
+            if isinstance(c, MPI.Comm) and c != MPI.COMM_NULL:
+                out.append(c)
+    return out

@@ -121,6 +121,10 @@ class DASO(AlgorithmOptimizer):
         self.last_plan: BatchPlan | None = None
         self._synced_plan: BatchPlan | None = None  # set by synchronize(), used by step()
         self._skip = False
+        self._lost_before = -1          # receives of messages sent before this batch: dropped
+        self._comm_args = {"cast": cast, "chunk_elems": chunk_elems,
+                           "local_backend": local_backend,
+                           "link_delay_us_per_mb": link_delay_us_per_mb}
         self.global_phase = topo.num_nodes > 1      # one node: no global send / merge
         if not self.global_phase and topo.rank == 0:
             log.info("DASO: one node (%d ranks): no global phase (no sends, no merges); the "
@@ -192,6 +196,8 @@ class DASO(AlgorithmOptimizer):
 
     def _receive(self, plan: BatchPlan) -> None:
         group, state = plan.receive_group, self._scratch
+        if plan.batch - self.schedule.knobs.batches_to_wait < self._lost_before:
+            return           # its message was sent before a recovery, and dropped there
         if self.topo.local_rank == group:
             if not self.inflight or self.inflight[0].due_batch != plan.batch:
                 raise RuntimeError(f"DASO: no global message due at batch {plan.batch} "
@@ -203,6 +209,27 @@ class DASO(AlgorithmOptimizer):
                    num_nodes=self.topo.num_nodes)
         self.comm.node_broadcast(state, root=group)
         unpack_state(state, self.flat.params, self.flat.buffers)
+
+    def set_topology(self, topo, *, average: bool) -> None:
+        """Run on ``topo`` from now on: the survivors after dead ranks were shrunk out (ULFM,
+        :class:`~hpcasync.runtime.recovery.SyncRecovery`; uniform,
+        ``Topology.shrunk(uniform=True)``). The global messages in flight are dropped (their
+        receives in this epoch are skipped), the collectives are rebuilt on the new
+        communicators, the schedule cycles over the new node size; the epoch, its batch and the
+        knobs are kept. ``average``: average every replica's parameters, buffers and optimizer
+        state over the survivors (what a cycling epoch's end does), so that nodes that had
+        drifted apart go on from one state. Collective over ``topo.world``."""
+        topo.require_uniform("DASO")
+        self.topo = topo
+        self.inflight.clear()
+        self._lost_before = self.schedule.batch
+        self._synced_plan = None
+        self.comm = DasoComm(topo, **self._comm_args)
+        self.schedule.num_groups = topo.local_size
+        self.global_phase = topo.num_nodes > 1
+        if average:
+            with torch.no_grad():
+                self._average_everything()
 
     def _average_everything(self) -> None:
         """Blocking average over all ranks of parameters, buffers and the optimizer's state."""
@@ -226,6 +253,7 @@ class DASO(AlgorithmOptimizer):
                                f"at the end of an epoch")
         loss = self.topo.world.allreduce(float(train_loss)) / self.topo.size
         record = {"train_loss": loss, **self.schedule.end_epoch(loss)}
+        self._lost_before = -1
         for key, value in self.comm.counters().items():
             record[f"daso_{key}"] = round(value, 4) if isinstance(value, float) else value
         self.comm.reset_counters()

@@ -28,11 +28,13 @@ import logging
 
 from ..comm import DASO_CHUNK_ELEMS, FlatModel
 from . import DASO, DasoSchedule, LinkDelay
-from ..data import batches, shard_indices
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..ssgd.horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over
+from ..runtime.ft import ulfm_enabled
+from ..runtime.recovery import EpochCursor, SyncRecovery
+from .schedule import CYCLING
 from ..hetero import StepDelay
 
 log = logging.getLogger("hpcasync")
@@ -114,70 +116,122 @@ def run(ctx: RunContext) -> RunResult:
     optimizer = ctx.optimizer_for(model)
     opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
                local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
-    opt.broadcast_parameters(root=0)
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
         log.info("daso: heterogeneity: %s", delay.model.describe())
     start_epoch = 1
     state = ctx.resume_state()
+    # a dead rank (ULFM): the survivors regroup into equal nodes, adopt the most advanced
+    # position; in a blocking epoch they adopt its replica, in a cycling one they average theirs
+    rec = SyncRecovery(ctx, enabled=cfg.backend != "horovod" and ulfm_enabled(), uniform=True)
     if state is not None:
         model.load_state_dict(state["model"])        # copies into the FlatModel views
         opt.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
+        rec.failures = list(state.get("rank_failures", []))
 
     def snapshot(next_epoch: int) -> dict:
         """The whole job at an epoch end (replicas, optimizer state included, are identical)."""
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": next_epoch}
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": next_epoch,
+                "rank_failures": rec.failures}
+
+    def adopted_state() -> dict:
+        sch = opt.schedule
+        return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
+                "steps": opt.steps, "history": ctx.history, "done": cur.done,
+                "schedule": {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
+                             "plateau": sch.plateau.state_dict()}}
+
+    def load_adopted(blob: dict) -> None:
+        sch, src = opt.schedule, blob["schedule"]
+        # the batches done (the schedule counts one more when the death hit inside a step)
+        sch.epoch, sch.batch = src["epoch"], blob["done"]
+        sch.knobs = type(sch.knobs)(*src["knobs"])
+        sch.plateau.load_state_dict(src["plateau"])
+        sch.nbatches = opt.batches_per_epoch if sch.batch else None
+        opt.steps = blob["steps"]
+        cycling = sch.phase == CYCLING
+        if not cycling:                  # replicas are identical in a blocking epoch: exact
+            model.load_state_dict(blob["model"])
+            opt.optimizer.load_state_dict(blob["optimizer"])
+        opt.set_topology(ctx.topo, average=cycling)
+        ctx.history.extend(blob["history"][len(ctx.history):])
 
     device = topo.device
     schedule, totals = [], {"daso_global_wait_s": 0.0, "daso_blocking_global_s": 0.0,
                             "daso_global_bytes": 0}
-    for epoch in range(start_epoch, cfg.epochs + 1):
-        indices = shard_indices(len(ctx.train), shard_index=topo.rank, num_shards=topo.size,
-                                seed=cfg.seed, epoch=epoch)
-        if len(indices) // cfg.batch_size != nbatches:
-            raise ConfigError(f"DASO: shard of {len(indices)} images does not give {nbatches} "
-                              f"batches in epoch {epoch}")
-        ctx.progress.start(nbatches, f"epoch {epoch}/{cfg.epochs}")
-        loss_sum, slept = 0.0, delay.slept
-        model.train()
-        for i, (x, y) in enumerate(batches(ctx.train, indices, cfg.batch_size)):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad()
-            delay.begin()
-            loss = ctx.loss_fn(model(x), y)
-            loss.backward()
-            delay.end(opt.steps)         # a straggler sleeps here; the local average waits for it
-            opt.step()
-            loss_sum += ctx.step_done(epoch, i + 1, loss.item())
-        record = opt.epoch_end(loss_sum / nbatches)
-        wait_max = max_over(topo.world, record["daso_global_wait_s"])
-        record["daso_global_wait_max_s"] = round(wait_max, 4)
-        record["sleep_time_max_s"] = round(max_over(topo.world, delay.slept - slept), 4)
-        for key in totals:
-            totals[key] += record[key]
-        schedule.append([epoch, record["daso_phase"], record["daso_global_skip"],
-                         record["daso_local_skip"], record["daso_batches_to_wait"]])
-        if topo.rank == 0:
-            log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global messages",
-                     epoch, record["daso_phase"], record["daso_global_skip"],
-                     record["daso_local_skip"], record["daso_batches_to_wait"],
-                     record["daso_global_wait_s"])
-        ctx.epoch_end(epoch, model, **record)
-        # the step passed is rounded down to a multiple of check_every, so that the preemption
-        # agreement (made only on such steps) takes place at every epoch end
-        ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
-                             step=opt.steps - opt.steps % max(1, ctx.check_every),
-                             writer=topo.rank == 0, force=True)
+    cur = EpochCursor(ctx, epoch=start_epoch)
+    summary = None
+    while summary is None:
+        topo = ctx.topo
+        try:
+            if not cur.started:
+                ctx.kill_point("startup")
+                opt.broadcast_parameters(root=0)
+                cur.started = 1
+            if cur.finished:
+                ctx.kill_point("final")
+                summary = _final(opt, topo, cfg, schedule, totals, delay)
+                continue
+            if cur.begin_epoch():
+                opt.batches_per_epoch = cur.nbatches     # (the survivors' after a death)
+                slept = delay.slept
+            epoch = cur.epoch
+            if cur.in_epoch:
+                model.train()
+                x, y = cur.batch(device)
+                opt.zero_grad()
+                delay.begin()
+                loss = ctx.loss_fn(model(x), y)
+                loss.backward()
+                delay.end(opt.steps)     # a straggler sleeps here; the local average waits for it
+                opt.step()
+                cur.step_done(loss.item())
+                rec.step_completed()
+                continue
+            record = opt.epoch_end(cur.loss_sum / max(1, cur.loss_n))
+            wait_max = max_over(topo.world, record["daso_global_wait_s"])
+            record["daso_global_wait_max_s"] = round(wait_max, 4)
+            record["sleep_time_max_s"] = round(max_over(topo.world, delay.slept - slept), 4)
+            for key in totals:
+                totals[key] += record[key]
+            schedule.append([epoch, record["daso_phase"], record["daso_global_skip"],
+                             record["daso_local_skip"], record["daso_batches_to_wait"]])
+            if topo.rank == 0:
+                log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global "
+                         "messages", epoch, record["daso_phase"], record["daso_global_skip"],
+                         record["daso_local_skip"], record["daso_batches_to_wait"],
+                         record["daso_global_wait_s"])
+            ctx.epoch_end(epoch, model, world_size=topo.size, **record)
+            # the step passed is rounded down to a multiple of check_every, so that the
+            # preemption agreement (made only on such steps) takes place at every epoch end
+            ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
+                                 step=opt.steps - opt.steps % max(1, ctx.check_every),
+                                 writer=topo.rank == 0, force=True)
+            cur.next_epoch()
+        except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
+            if not rec.handles(exc):
+                raise
+            known = len(ctx.history)
+            revoke = tuple(c for c in (topo.local, topo.glob) if c is not None)
+            cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
+                                  revoke=revoke), keep=rec.last_kept)
+            for record in ctx.history[known:]:   # epoch ends the metrics writer had missed
+                ctx.metrics.write("epoch", **record)
+    return RunResult(model=model, summary={**summary, **rec.summary()})
+
+
+def _final(opt, topo, cfg, schedule, totals, delay) -> dict:
+    """The summary's collective part (checksums: replicas must be bitwise identical)."""
     checksum = opt.checksum()
     checksums = topo.world.allgather(checksum)
     identical = len(set(checksums)) == 1
     if not identical:
         log.error("DASO: replicas differ at the end: %d distinct checksums", len(set(checksums)))
-    return RunResult(model=model, summary={
-        "backend": cfg.backend, "steps": opt.steps, "replicas_identical": identical,
-        "replica_checksum": checksum[:16], "daso_schedule": schedule,
-        "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
-        "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
-        "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"]),
-        **delay.record(), "sleep_time_s": topo.world.allgather(round(delay.slept, 4))})
+    return {"backend": cfg.backend, "steps": opt.steps, "replicas_identical": identical,
+            "replica_checksum": checksum[:16], "replica_sha256": checksums,
+            "daso_schedule": schedule,
+            "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
+            "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
+            "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"]),
+            **delay.record(), "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}

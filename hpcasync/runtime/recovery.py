@@ -72,21 +72,46 @@ class SyncRecovery:
         ctx: the run's :class:`~hpcasync.runtime.context.RunContext` (its ``topo`` is replaced
             after a recovery; ``metrics``, ``history`` and ``steps`` are kept consistent).
         enabled: ULFM is on (otherwise :meth:`handles` is always False and errors propagate).
+        uniform: the rebuilt topology must have equal nodes (DASO; see
+            :meth:`~hpcasync.topology.Topology.shrunk`).
 
     Attributes: ``failures`` (one dict per recovery, as in the ``rank_failed`` records),
     ``original`` (the original world rank of each rank of the current world).
     """
 
-    def __init__(self, ctx, *, enabled: bool):
-        self.ctx, self.enabled = ctx, bool(enabled)
+    def __init__(self, ctx, *, enabled: bool, uniform: bool = False):
+        self.ctx, self.enabled, self.uniform = ctx, bool(enabled), uniform
+        self.last_kept: list[int] = []      # the survivors' ranks in the world before a recovery
         self.original = list(range(ctx.topo.size))
         self.failures: list[dict[str, Any]] = []
         self._pending_next_step: dict | None = None
         self._t0 = time.time()
 
     def handles(self, exc: BaseException) -> bool:
-        """True when ``exc`` is a process failure this object recovers from."""
-        return self.enabled and proc_failure(exc)
+        """True when ``exc`` is a process failure this object recovers from: ULFM's error
+        classes, or ``MPI_ERR_IN_STATUS`` (a test/wait over several requests, e.g. the pieces of
+        a chunked nonblocking allreduce) while the world knows of a dead process."""
+        if not self.enabled:
+            return False
+        if proc_failure(exc):
+            return True
+        from mpi4py import MPI
+
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS:
+            topo = self.ctx.topo
+            group = topo.world.Get_failed()
+            try:
+                if group.Get_size() > 0:
+                    return True
+            finally:
+                group.Free()
+            from ..comm.cache import cached_comms
+
+            # a peer revoked a communicator of ours before this rank learnt of the death
+            comms = [c for base in (topo.world, topo.local, topo.glob) if base is not None
+                     for c in (base, *cached_comms(base))]
+            return any(c.Is_revoked() for c in comms)
+        return False
 
     def recover(self, *, position: tuple, state: Callable[[], Any],
                 load: Callable[[Any], None], revoke: tuple = ()) -> tuple:
@@ -100,22 +125,16 @@ class SyncRecovery:
         detected = time.time()
         t0 = time.perf_counter()
         topo = self.ctx.topo
-        world, lost_all = topo.world, []
-        for comm in revoke:
-            try:
-                comm.Revoke()
-            except Exception:          # noqa: BLE001 - already revoked, or freed
-                pass
+        world, lost_all, index = topo.world, [], list(range(topo.size))
+        _revoke(revoke)
         while True:
-            try:
-                world.Revoke()
-            except Exception:          # noqa: BLE001 - already revoked by another survivor
-                pass
+            _revoke((world,))
             new = world.Shrink()
             kept = _kept(world, new)
             lost = [self.original[r] for r in range(world.Get_size()) if r not in kept]
             self.original = [self.original[r] for r in kept]
             lost_all += lost
+            index = [index[r] for r in kept]
             try:
                 positions = new.allgather(tuple(position))
                 src = max(range(len(positions)), key=lambda r: (positions[r], -r))
@@ -126,8 +145,9 @@ class SyncRecovery:
                     raise
                 failed_ranks(new, exc)
                 world = new
+        self.last_kept = index
+        self.ctx.topo = topo.shrunk(new, uniform=self.uniform)
         load(blob)
-        self.ctx.topo = topo.shrunk(new)
         took = time.perf_counter() - t0
         record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
                   "survivors": list(self.original), "detected_at_s": round(detected - self._t0, 4),
@@ -249,16 +269,23 @@ class EpochCursor:
         self.epoch, self.done, self.loss_sum, self.loss_n, self.plan = \
             self.epoch + 1, 0, 0.0, 0, None
 
-    def adopt(self, adopted: tuple) -> None:
+    def adopt(self, adopted: tuple, *, keep: list[int] | None = None) -> None:
         """Go to the position a recovery adopted; the rest of a started epoch is re-sharded over
-        the (new) world, a later epoch starts afresh over it."""
+        the (new) world, a later epoch starts afresh over it. ``keep`` (the survivors' ranks in
+        the old world, :attr:`SyncRecovery.last_kept`): do not re-shard — each survivor finishes
+        the epoch on its own shard, the dead ranks' rest is skipped (DASO, whose schedule needs
+        the epoch's batch count fixed)."""
         self.started = 1
         if adopted[0] != self.epoch or self.plan is None:
             self.plan, self.loss_sum, self.loss_n = None, 0.0, 0
             self.epoch, self.done = adopted[0], adopted[1]
-            return
-        self.plan = self.plan.reshard(adopted[1], self.ctx.topo.size, self.ctx.cfg.batch_size)
-        self.done = 0
+        elif keep is not None:
+            self.plan.shards = [self.plan.shards[k] for k in keep]
+            self.done = adopted[1]
+        else:
+            self.plan = self.plan.reshard(adopted[1], self.ctx.topo.size,
+                                          self.ctx.cfg.batch_size)
+            self.done = 0
 
 
 def params_digest(model) -> str:
@@ -266,6 +293,20 @@ def params_digest(model) -> str:
     from ..train import params_digest as digest
 
     return digest(model)
+
+
+def _revoke(comms) -> None:
+    """Revoke ``comms`` and the communicators hpcasync cached on them (private duplicates of
+    the multi-stage collectives): a survivor blocked on any of them wakes with
+    ``MPI_ERR_REVOKED``. Revoking twice (another survivor did it) is harmless."""
+    from ..comm.cache import cached_comms
+
+    for comm in comms:
+        for c in (comm, *cached_comms(comm)):
+            try:
+                c.Revoke()
+            except Exception:          # noqa: BLE001 - already revoked, or freed
+                pass
 
 
 def _kept(old, new) -> list[int]:
