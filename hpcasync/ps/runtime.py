@@ -339,8 +339,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
                              on_checkpoint=save if ctx.checkpoints is not None else None,
                              checkpoint_every=ctx.checkpoint_every,
-                             on_failure=lambda record: ctx.metrics.write("worker_failed",
-                                                                         **record),
+                             on_failure=lambda record: ctx.metrics.write(
+                                 "worker_failed", **record, detected_unix=round(time.time(), 4)),
                              on_accept=lambda w, loss: ctx.divergence.check(
                                  loss, step=server.stats.accepted))
     resumed_at = 0

@@ -173,16 +173,23 @@ def translate(rank: int, src, dst) -> int:
 
 
 def inject_hook(var: str, rank: int, sig: int) -> Callable[[], None] | None:
-    """Testing hook: the environment variable ``var=RANK:N`` makes this rank send itself ``sig``
-    at the N-th call of the returned function (None when ``var`` does not name this rank)."""
-    r, _, n = os.environ.get(var, "").partition(":")
-    if not (r.isdigit() and n.isdigit() and int(r) == rank):
+    """Testing hook: the environment variable ``var=RANK:N`` (several, comma-separated: other
+    ranks) makes this rank send itself ``sig`` at the N-th call of the returned function (None
+    when ``var`` does not name this rank). A SIGKILL is first logged to
+    ``HPCASYNC_INJECT_KILL_LOG`` when set (``RANK push N UNIX_TIME``)."""
+    mine = [n for r, _, n in (item.partition(":") for item in os.environ.get(var, "").split(","))
+            if r.isdigit() and n.isdigit() and int(r) == rank]
+    if not mine:
         return None
-    calls = [0]
+    calls, at = [0], int(mine[0])
 
     def hook() -> None:
         calls[0] += 1
-        if calls[0] == int(n):
+        if calls[0] == at:
+            if sig == signal.SIGKILL and os.environ.get(KILL_LOG_ENV):
+                import time
+                with open(os.environ[KILL_LOG_ENV], "a", encoding="utf-8") as fh:
+                    fh.write(f"{rank} push {at} {time.time():.6f}\n")
             os.kill(os.getpid(), sig)
     return hook
 
