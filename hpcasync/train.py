@@ -172,8 +172,9 @@ def train(cfg: TrainConfig) -> dict:
     finally:
         ctx.preempt.restore()
     wall = time.time() - t0
-    if ctx.topo is not topo:      # a synchronous run survived dead ranks (runtime.recovery)
-        topo, report = ctx.topo, 0
+    if ctx.topo is not topo:      # the run survived dead ranks (runtime.recovery, ps.takeover)
+        topo = ctx.topo
+        report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
     last = ctx.history[-1] if ctx.history else {}
     summary = {"algorithm": cfg.algorithm, "world_size": topo.size, "model": cfg.model,
                "dataset": cfg.dataset, "epochs": cfg.epochs,

@@ -64,6 +64,7 @@ from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperpa
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 from .shards import align_resume, check_shards, shard_snapshot
+from .takeover import ServerLost, Takeover, take_over
 
 log = logging.getLogger("hpcasync")
 
@@ -163,6 +164,17 @@ def reporting_rank(topo) -> int:
 
 
 def run(ctx: RunContext) -> RunResult:
+    """The PS runtime; under ULFM a dead server is replaced by a worker and the run goes on
+    (:mod:`.takeover`)."""
+    takeover = None
+    while True:
+        try:
+            return _run(ctx, takeover)
+        except ServerLost as lost:
+            takeover = take_over(ctx, lost, takeover)
+
+
+def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     from mpi4py import MPI
 
     from .optimizer import ParameterServer
@@ -182,7 +194,7 @@ def run(ctx: RunContext) -> RunResult:
                           f"fewer than one batch of {cfg.batch_size}")
     delay = DelayModel.from_options(cfg.options, worker_ranks=worker_ranks, seed=cfg.seed)
     batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
-    state = ctx.resume_state()
+    state = ctx.resume_state() if takeover is None else None
     if state is not None and state.get("ps_ranks", 1) != K:
         raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
                               f"ranks (--ps-ranks), this run has {K}")       # every rank raises
@@ -192,6 +204,8 @@ def run(ctx: RunContext) -> RunResult:
                               "--train-limit or --batch-size?)")      # every rank raises
     stop_flag = (lambda: ctx.preempt.requested) if ctx.preempt is not None else None
     model = ctx.make_model()
+    if takeover is not None and takeover.theta is not None:     # the new server: freshest θ
+        torch.nn.utils.vector_to_parameters(takeover.theta.to(topo.device), model.parameters())
     # the front door's object: a worker's optimizer, the server's rule and loop
     opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
                           transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
@@ -209,10 +223,11 @@ def run(ctx: RunContext) -> RunResult:
         log.info("%s: PS rank%s %s, %d workers, transport %s, %s; %s", cfg.algorithm,
                  "s" if K > 1 else "", ", ".join(map(str, servers)), W, opt.transport.name,
                  delay.describe(), ft.describe(ulfm))
-        summary, stopping = _serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm)
+        summary, stopping = _serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm,
+                                   takeover)
     else:
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
-        start = 0
+        start = 0 if takeover is None else int(takeover.share * cfg.epochs * batches_per_worker)
         if state is not None:          # its position, and its buffers as of its last push
             start = int(state["ps"]["positions"][opt.worker])
             if state["seen"][opt.worker]:
@@ -239,8 +254,11 @@ def run(ctx: RunContext) -> RunResult:
             if stopping and opt.keeps_local and ctx.checkpoints is not None:
                 send_local(opt)                 # into the PS's stop checkpoint
         except MPI.Exception as exc:
-            if not ulfm or ft.failed_ranks(topo.world, exc) is None:
+            dead = ft.failed_ranks(topo.world, exc) if ulfm else None
+            if dead is None:
                 raise
+            if K == 1:                  # a worker takes over (ps.takeover)
+                raise ServerLost(opt, dead, cfg.epochs * batches_per_worker) from None
             if opt.worker:          # worker 0 says it once; its MPI_Abort ends this wait
                 time.sleep(10)
             raise _ps_failed(topo) from None
@@ -283,7 +301,8 @@ def _ps_failed(topo) -> ft.PSFailed:
 
 
 def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
-           state: dict | None, stop_flag, ulfm: bool) -> tuple[dict, bool]:
+           state: dict | None, stop_flag, ulfm: bool,
+           takeover: Takeover | None = None) -> tuple[dict, bool]:
     """The PS rank's part of :func:`run`: serve, record epochs, write checkpoints, leave θ in
     the model. Returns the summary and whether the run stops for a preemption."""
     from mpi4py import MPI
@@ -317,7 +336,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
         snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
-                    "batches_per_worker": batches_per_worker}
+                    "batches_per_worker": batches_per_worker,
+                    "divergence": ctx.divergence.state_dict()}
         if worker_locals is not None:
             snapshot["worker_locals"] = worker_locals
         path = shard_snapshot(opt, ctx.checkpoints, snapshot, epoch=epoch,
@@ -356,6 +376,8 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                         state.get("kind", "PS"))
         log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
                  server.positions)
+    if takeover is not None:        # a worker took over: the clock starts where they resume
+        server.start_at(int(takeover.share * cfg.epochs * batches_per_worker))
     done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
     ctx.progress.start(pushes_per_epoch - max(0, done_in_epoch),
                        f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
@@ -377,8 +399,9 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
             **({"resume_lost_pushes": state["resume_lost_pushes"]}
                if state is not None and "resume_lost_pushes" in state else {}),
-            "failed_workers": list(server.failed.values()),
-            "rule_workers": ft.rule_worker_state(rule)}, server.stopping
+            "failed_workers": server.failed_before + list(server.failed.values()),
+            "rule_workers": ft.rule_worker_state(rule),
+            "server_failures": takeover.records if takeover is not None else []}, server.stopping
 
 
 def _nan_hook(rank: int):

@@ -131,6 +131,7 @@ class PSServer:
         self.on_failure = on_failure
         self.on_accept = on_accept
         self.failed: dict[int, dict] = {}
+        self.failed_before: list[dict] = []        # from the checkpoint a resumed run began at
         self._done = [False] * W
 
     def serve(self) -> PushStats:
@@ -181,6 +182,18 @@ class PSServer:
         if self.on_served is not None:
             self.on_served()
         return self.stats
+
+    def start_at(self, position: int) -> None:
+        """Start the epoch clock where every worker resumes, at its ``position``-th push (a
+        worker took over from a dead server, :mod:`.takeover`): positions, accepted pushes and
+        the next epoch to cross as if the ``W × position`` pushes before had been served here."""
+        W = self.transport.num_workers
+        self.positions = [int(position)] * W
+        self.stats.accepted = W * int(position)
+        self.stats.per_worker = [int(position)] * W
+        if self.pushes_per_epoch:
+            self.next_epoch = self.stats.accepted // self.pushes_per_epoch + 1
+            self.stats._accepted = self.stats.accepted % self.pushes_per_epoch  # noqa: SLF001
 
     def _begin_stop(self, reason: str) -> None:
         if not self.stopping:
@@ -254,7 +267,9 @@ class PSServer:
         return {"rule": self.rule.state_dict(), "stats": self.stats.state_dict(),
                 "next_epoch": self.next_epoch, "positions": list(self.positions),
                 "finished": [int(f) for f in self.finished], "peeks": self.peeks,
-                "bytes": [t.bytes_in, t.bytes_out], "bytes_mark": list(self._bytes_mark)}
+                "bytes": [t.bytes_in, t.bytes_out], "bytes_mark": list(self._bytes_mark),
+                "failed_workers": self.failed_before + [dict(r, before_resume=True)
+                                                        for r in self.failed.values()]}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict` into this server (built with the same arguments)."""
@@ -272,6 +287,8 @@ class PSServer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"PS checkpoint state is incomplete ({exc})") from None
         self.positions, self.finished = positions, finished
+        # deaths before the checkpoint, kept for the summary (the resumed job has every worker)
+        self.failed_before = [dict(r, before_resume=True) for r in d.get("failed_workers", [])]
 
     def handle(self, push) -> None:
         """Validate and apply one push, answer its worker, cross an epoch if due."""

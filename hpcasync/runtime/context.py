@@ -221,6 +221,8 @@ class RunContext:
             path, _, state = found
         else:
             path, state = resume, load_checkpoint(resume, expect=expect)
+        if isinstance(state, dict) and isinstance(state.get("divergence"), dict):
+            self.divergence.load_state_dict(state["divergence"])    # the writer's reference
         if self.topo.rank == 0:
             log.info("resuming from %s", path)
         self.metrics.write("resume", path=str(path))
@@ -245,6 +247,7 @@ class RunContext:
                 state = make_state()
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
                                               "(checkpoint not written)")
+                state = {**state, "divergence": self.divergence.state_dict()}
                 path = self.checkpoints.save(state, epoch=epoch, step=step,
                                              **self.checkpoint_header())
                 self.metrics.write("checkpoint", path=str(path), epoch=epoch, step=step)

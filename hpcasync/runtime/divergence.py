@@ -125,6 +125,18 @@ class DivergenceGuard:
             self._fail(f"step {step}: mean loss of the last {len(self.recent)} steps "
                        f"{smoothed:.4g} > {self.factor:g} x best {self.best:.4g}")
 
+    def state_dict(self) -> dict:
+        """The reference a resumed run goes on from (the window, the best mean, the first loss),
+        so ``--resume`` does not forget how low the loss had been."""
+        return {"recent": list(self.recent), "best": self.best, "first": self.first,
+                "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = deque((float(x) for x in state["recent"]), maxlen=self.window)
+        self.best = float(state["best"])
+        self.first = None if state["first"] is None else float(state["first"])
+        self.seen = int(state["seen"])
+
     def check_weights(self, obj: Any, *, where: str) -> None:
         """Raise DivergedError if ``obj`` (a module or state) holds a non-finite floating value."""
         bad = first_nonfinite(obj)

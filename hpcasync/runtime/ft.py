@@ -36,9 +36,13 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
     TERMINATION"): no SIGTERM comes first, so no checkpoint is written at the death; the resume
     point is the last epoch or ``--checkpoint-every`` checkpoint (``--resume auto`` finds it).
 
-The PS's own death is not survivable: a worker waiting on it gets ``MPI_ERR_PROC_FAILED`` (ULFM)
-and raises :class:`PSFailed`, which ``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2);
-without ULFM the launcher ends the job.
+The PS's own death (ULFM, one server rank): the workers get ``MPI_ERR_PROC_FAILED``, agree on a
+new server among themselves (the freshest θ) and go on (:mod:`hpcasync.ps.takeover`). With
+``--ps-ranks K > 1``, or without ULFM, a dead server ends the job: :class:`PSFailed`, which
+``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2), or the launcher ends it.
+
+The synchronous runtimes (ssgd, odsgd, daso) survive dead ranks under ULFM too:
+:mod:`hpcasync.runtime.recovery`.
 
 Testing hook: ``HPCASYNC_INJECT_KILL=RANK:N`` (:func:`kill_hook`) makes that rank SIGKILL itself at
 its N-th push (a worker: after its gradient is written, before the header; the PS: after its N-th
@@ -105,7 +109,8 @@ def ulfm_enabled() -> bool:
 
 def describe(ulfm: bool) -> str:
     if ulfm:
-        return "fault tolerance: ULFM (a worker's death is survived; the PS's is not)"
+        return ("fault tolerance: ULFM (a dead worker is retired; a dead server is replaced by a "
+                "worker; a dead rank of a synchronous run is shrunk out)")
     if launch.mpi_vendor() != launch.OPEN_MPI:
         return ("fault tolerance: none (a dead rank ends the job; surviving a worker's death needs "
                 "Open MPI's ULFM)")

@@ -215,11 +215,15 @@ def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_resume_work
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("ft", [True, False], ids=["ulfm", "no-ft"])
+@pytest.mark.parametrize("ft", [True, False], ids=["ulfm-sharded", "no-ft"])
 def test_the_parameter_server_dying_ends_the_job_nonzero_fast(tmp_path, ft):
+    """Without ULFM the launcher ends the job; under ULFM with sharded θ (``--ps-ranks 2``) a
+    server's death ends it with one line (one server rank: a worker takes over,
+    ``test_server_takeover.py``)."""
     if ft:
         need_ulfm()
-    out, took = _launch([*MINI, "--algorithm", "asgd"], ft=ft,
+    extra = ["--ps-ranks", "2"] if ft else []
+    out, took = _launch([*MINI, "--algorithm", "asgd", *extra], ft=ft,
                         env={"HPCASYNC_INJECT_KILL": "0:50"}, timeout=120)
     assert out.returncode != 0 and took < 60, (out.returncode, took, out.stderr[-3000:])
     if ft:

@@ -1,0 +1,101 @@
+"""The parameter server dies; a worker takes over and training goes on (ULFM, one server rank).
+
+Under ``mpirun --with-ft ulfm`` a worker waiting on a dead server gets ``MPI_ERR_PROC_FAILED``
+and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then calls
+:func:`take_over`:
+
+1. revoke the world and the transport's communicators, shrink the world to the survivors;
+2. agree on the new server: the worker whose last reply is the freshest (highest θ version in its
+   header; the lowest rank among equals) — it holds the newest copy of θ, so nothing is moved;
+3. agree on where training resumes: each survivor's share of its budget done (pushes answered /
+   epochs × batches), averaged; every worker of the new run starts at that share of its new
+   budget (the shards are re-cut over the W − 1 workers), and the new server's epoch clock
+   starts there too (:meth:`hpcasync.ps.server.PSServer.start_at`);
+4. the new server builds a fresh rule from that θ: the rule's per-worker state (DC-ASGD's
+   backups, SHAT's counts, SMEGA2's and DANA's momentum estimates, LC-ASGD's predictor) starts
+   afresh, as after a ``--resume`` (the rules' documented resume behaviour); SMEGA2's, DANA's
+   and NAG's replies are look-ahead parameters, not θ, so there the new θ is the freshest
+   look-ahead point. Lost: the pushes in flight and every push the dead server had applied after
+   the freshest reply; the metrics stream moves to the new server (appended).
+
+``run`` then runs the parameter-server runtime again on the survivors. With ``--ps-ranks K > 1``
+(sharded θ) a server's death still ends the job (one line naming it): rebuilding one shard from
+the workers' slices is not done.
+
+Example (``ps.runtime.run``)::
+
+    takeover = None
+    while True:
+        try:
+            return _run(ctx, takeover)
+        except ServerLost as lost:
+            takeover = take_over(ctx, lost)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from ..runtime.recovery import _kept, _revoke
+
+log = logging.getLogger("hpcasync")
+
+
+class ServerLost(Exception):
+    """Raised on a worker whose server died (ULFM, one server): carries what the worker holds."""
+
+    def __init__(self, opt, dead: list[int], budget: int):
+        super().__init__(f"the parameter server died (ranks {dead})")
+        self.opt, self.dead, self.budget = opt, list(dead), budget
+
+
+@dataclasses.dataclass
+class Takeover:
+    """What a run on the survivors starts from (``ps.runtime``)."""
+    share: float                      # the share of every worker's budget already done
+    theta: torch.Tensor | None        # on the new server: the freshest θ; None elsewhere
+    records: list                     # every takeover so far (for the summary)
+
+
+def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeover:
+    """Collective over the surviving workers (see the module doc); replaces ``ctx.topo``."""
+    detected = time.time()
+    t0 = time.perf_counter()
+    opt, topo = lost.opt, ctx.topo
+    _revoke((topo.world, *[c for c in opt.layout.comms if c is not None]))
+    new = topo.world.Shrink()
+    kept = _kept(topo.world, new)
+    original = getattr(ctx, "original_ranks", list(range(topo.size)))
+    dead = [original[r] for r in range(topo.size) if r not in kept]
+    ctx.original_ranks = [original[r] for r in kept]
+    mine = (int(opt.version), min(1.0, opt.steps / max(1, lost.budget)))
+    every = new.allgather(mine)
+    server = max(range(len(every)), key=lambda r: (every[r][0], -r))
+    share = sum(s for _, s in every) / len(every)
+    ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
+    record = {"dead_ranks": dead, "new_server": ctx.original_ranks[server],
+              "theta_version": every[server][0], "share_done": round(share, 4),
+              "workers": new.Get_size() - 1, "detected_unix": round(detected, 4),
+              "recovery_s": round(time.perf_counter() - t0, 4)}
+    records = (previous.records if previous is not None else []) + [record]
+    if new.Get_rank() == server:
+        m = ctx.metrics
+        if not m.enabled and getattr(m, "path", None) is not None:
+            m.reopen_append()
+        from ..train import setup_logging
+
+        setup_logging(ctx.original_ranks[server], report_rank=ctx.original_ranks[server])
+        log.warning("the parameter server (rank(s) %s) died; rank %d takes over with θ of "
+                    "version %d, %d workers go on from %.1f %% of their budget",
+                    ", ".join(map(str, dead)), ctx.original_ranks[server], every[server][0],
+                    new.Get_size() - 1, 100 * share)
+        m.write("server_failed", **record)
+    os.environ.pop("HPCASYNC_INJECT_KILL", None)     # testing hooks named the old ranks
+    theta = None
+    if new.Get_rank() == server:          # its last reply (before any: the broadcast start)
+        theta = (opt._reply if opt.started else opt.flat.params).detach().cpu().clone()  # noqa
+    return Takeover(share=share, theta=theta, records=records)

@@ -1,0 +1,84 @@
+"""What a resumed run must not forget (issue 15, carry-overs): the workers that died before the
+checkpoint (``failed_workers``, marked ``before_resume``) and the divergence guard's reference
+(its window, best mean and first loss), which a fresh guard would rebuild from the resumed, lower
+losses only."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from hpcasync.checkpoint import load_checkpoint
+from hpcasync.runtime.divergence import DivergenceGuard
+from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, need_ulfm
+
+MINI = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-limit",
+        "500", "--progress", "off"]
+
+
+def test_divergence_guard_state_round_trips():
+    g = DivergenceGuard(factor=3.0, window=4)
+    for i, loss in enumerate([2.0, 1.0, 0.5, 0.4, 0.3]):
+        g.check(loss, step=i)
+    h = DivergenceGuard(factor=3.0, window=4)
+    h.load_state_dict(g.state_dict())
+    assert (list(h.recent), h.best, h.first, h.seen) == (list(g.recent), g.best, g.first, g.seen)
+    fresh = DivergenceGuard(factor=3.0, window=4)
+    fresh.load_state_dict(DivergenceGuard(factor=3.0, window=4).state_dict())
+    assert fresh.best == math.inf and fresh.first is None
+
+
+@pytest.mark.rank0
+def test_a_resumed_ssgd_run_keeps_the_divergence_reference(tmp_path):
+    """The checkpoint holds rank 0's guard; resuming with a loss far above the saved best but
+    below 3x a fresh guard's first value diverges at once (a fresh guard would not notice)."""
+    ck = tmp_path / "ck"
+    cmd = [*mpiexec(2), sys.executable, "-m", "hpcasync.cli", *MINI, "--algorithm", "ssgd",
+           "--epochs", "1", "--checkpoint-dir", str(ck)]
+    out = subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [path] = sorted(ck.glob("ckpt-e0001-*.pt"))
+    state = load_checkpoint(path)
+    d = state["divergence"]
+    assert d["seen"] == 2048 // 2 // 32 and math.isfinite(d["best"]) and d["best"] < d["first"]
+    from hpcasync.runtime.context import RunContext   # resume_state() loads it into ctx
+    from types import SimpleNamespace
+
+    from hpcasync.checkpoint import CheckpointManager
+    from hpcasync.metrics import MetricsWriter
+    from hpcasync.runtime.context import Progress
+    cfg = SimpleNamespace(resume=str(path), algorithm="ssgd", model="lenet",
+                          divergence_factor=3.0)
+    ctx = RunContext(cfg=cfg, topo=SimpleNamespace(rank=0, size=2), train=None, test=None,
+                     make_model=None, metrics=MetricsWriter(None, enabled=False),
+                     progress=Progress(False), checkpoints=CheckpointManager(ck))
+    ctx.resume_state()
+    assert (ctx.divergence.best, ctx.divergence.first, ctx.divergence.seen) == \
+        (d["best"], d["first"], d["seen"])
+
+
+@pytest.mark.rank0
+def test_failed_workers_are_kept_across_a_resume(tmp_path):
+    """asgd under ULFM: worker 2 (rank 3) dies at its push 10 of epoch 1; the epoch-1 checkpoint
+    holds the failure; a run resumed from it (every worker alive again) lists it, marked
+    ``before_resume``, in its summary."""
+    need_ulfm()
+    ck, m1, m2 = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    args = [sys.executable, "-m", "hpcasync.cli", *MINI, "--algorithm", "asgd", "--epochs", "2",
+            "--checkpoint-dir", str(ck)]
+    out = subprocess.run([*mpiexec(4, ft=True), *args, "--metrics", str(m1)],
+                         env=clean_env(HPCASYNC_INJECT_KILL="3:10"), cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [dead] = last_summary(m1)["failed_workers"]
+    [path] = sorted(ck.glob("ckpt-e0001-*.pt"))
+    assert [f["rank"] for f in load_checkpoint(path)["ps"]["failed_workers"]] == [3]
+    out = subprocess.run([*mpiexec(4, ft=True), *args, "--metrics", str(m2), "--resume",
+                          str(path)], env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [kept] = last_summary(m2)["failed_workers"]
+    assert kept == {**dead, "before_resume": True}

@@ -1,0 +1,58 @@
+"""The parameter server dies (a real SIGKILL, ``mpirun --with-ft ulfm``, one server rank): the
+workers agree on a new server — the one holding the freshest θ — which builds a fresh rule from
+it; every worker resumes at the share of its budget the run had done (:mod:`hpcasync.ps.takeover`).
+Exit 0, a ``server_failed`` record, the summary's ``server_failures``, the budget kept.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpcasync.metrics import read_metrics
+from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, need_ulfm
+
+TRAIN = 6000
+MINI = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", str(TRAIN), "--epochs", "2",
+        "--progress", "off"]
+
+
+def _run(tmp_path, algorithm: str, kill: str = ""):
+    metrics = tmp_path / f"{algorithm}-{kill.replace(':', '_') or 'none'}.jsonl"
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *MINI,
+                          "--algorithm", algorithm, "--metrics", str(metrics)],
+                         env=clean_env(HPCASYNC_INJECT_KILL=kill), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    return out, metrics
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2"])
+def test_a_worker_takes_over_from_the_dead_server_and_the_run_finishes(tmp_path, algorithm):
+    """The server (rank 0) dies after its 100th accepted push (of 3 x 124): the two other
+    workers go on under the new server from 100/372 of their budget, the budget is kept (every
+    push the dead server had applied counts), exit 0, accuracy within 6 points of the
+    undisturbed run (this slice's spread, 1000 test images)."""
+    need_ulfm()
+    base, mbase = _run(tmp_path, algorithm)
+    assert base.returncode == 0, base.stderr[-3000:]
+    out, metrics = _run(tmp_path, algorithm, "0:100")
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    [f] = s["server_failures"]
+    assert f["dead_ranks"] == [0] and f["workers"] == 2 and f["theta_version"] >= 99
+    records = read_metrics(metrics)
+    [event] = [r for r in records if r["event"] == "server_failed"]
+    assert event["new_server"] == f["new_server"] and event["new_server"] in (1, 2, 3)
+    assert f"rank {f['new_server']} takes over with θ of version" in out.stderr
+    budget = 2 * (TRAIN // 3 // 32)                      # pushes per worker, 3 workers
+    share = f["share_done"]
+    assert abs(share - 100 / (3 * budget)) < 0.02        # the workers' own counts, averaged
+    new_budget = 2 * (TRAIN // 2 // 32)
+    starts = [w["worker_start_step"] for w in s["workers"]]
+    assert starts[0] == starts[1] and abs(starts[0] - share * new_budget) <= 1, starts
+    assert s["pushes_per_worker"] == [new_budget] * 2 and s["pushes"] == 2 * new_budget
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
+    acc0 = last_summary(mbase)["test_accuracy"]
+    assert abs(s["test_accuracy"] - acc0) <= 0.06, (s["test_accuracy"], acc0)
