@@ -7,7 +7,9 @@ Real runs: 4 ranks, full Fashion-MNIST, LeNet, 2 epochs, batch 32, each algorith
 the synchronous runtimes, ``HPCASYNC_INJECT_KILL`` for a PS worker's push count):
 
 * 1 death: rank 2 after its step 200 (of 468 in epoch 1) / worker rank 3 at its push 300 (of 625);
-* 2 deaths: that one, then rank 1 after its step 700 (in epoch 2) / worker rank 1 at push 900.
+* 2 deaths: that one, then rank 1 after its step 700 (in epoch 2) / worker rank 1 at push 900;
+* server (PS algorithms): the server (rank 0) at its 1000th accepted push (of 3750); a worker
+  takes over (``hpcasync.ps.takeover``); "next step" is the new server's first push served.
 
 Every kill logs its wall time (``HPCASYNC_INJECT_KILL_LOG``); the runs' metrics give the detection
 time, the recovery time and the end of the next step. Writes ``OUT/runs/*.jsonl``, ``OUT/*.kills``
@@ -42,6 +44,7 @@ KILLS = {  # deaths -> (sync kills, PS kills)
     0: ("", ""),
     1: ("2:step:200", "3:300"),
     2: ("2:step:200,1:step:700", "3:300,1:900"),
+    "server": (None, "0:1000"),          # the PS at its 1000th accepted push (of 3750)
 }
 
 
@@ -79,6 +82,12 @@ def run_one(out: Path, algorithm: str, deaths: int, seed: int, timeout: int) -> 
         row["next_step_s"] = [round(f["detected_unix"] + f["next_step_s"] - k, 4)
                               for f, k in zip(fails, stamps) if f["next_step_s"] is not None]
         row["identical"] = len(set(summary.get("replica_sha256", ["-"]))) == 1
+    elif deaths == "server":
+        fails = summary.get("server_failures", [])
+        row["detect_s"] = [round(f["detected_unix"] - k, 4) for f, k in zip(fails, stamps)]
+        row["recovery_s"] = [f["recovery_s"] for f in fails]
+        row["next_step_s"] = [round(f["first_push_unix"] - k, 4) for f, k in zip(fails, stamps)
+                              if "first_push_unix" in f]
     else:
         fails = [r for r in records if r["event"] == "worker_failed"]
         row["detect_s"] = [round(f["detected_unix"] - k, 4) for f, k in zip(fails, stamps)]
@@ -97,7 +106,7 @@ def report(out: Path, rows: list[dict], header: str) -> str:
     for a in algos:
         base = [r["accuracy"] for r in rows if r["algorithm"] == a and r["deaths"] == 0
                 and "accuracy" in r]
-        for d in (0, 1, 2):
+        for d in (0, 1, 2, "server"):
             sel = [r for r in rows if r["algorithm"] == a and r["deaths"] == d]
             ok = [r for r in sel if "accuracy" in r]
             if not sel:
@@ -126,7 +135,9 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["ssgd", "odsgd", "daso", "asgd",
                                                          "smega2"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    ap.add_argument("--deaths", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--deaths", nargs="+", default=["0", "1", "2", "server"],
+                    help="0, 1, 2 (ranks killed one after another) or server (the PS; PS "
+                         "algorithms only)")
     ap.add_argument("--timeout", type=int, default=600)
     args = ap.parse_args()
     out = Path(args.out)
@@ -136,6 +147,9 @@ def main() -> None:
     for seed in args.seeds:
         for a in args.algorithms:
             for d in args.deaths:
+                d = d if d == "server" else int(d)
+                if d == "server" and a in SYNC:
+                    continue
                 rows.append(run_one(out, a, d, seed, args.timeout))
                 print(json.dumps(rows[-1]), flush=True)
     load1 = os.getloadavg()

@@ -64,7 +64,8 @@ from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperpa
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 from .shards import align_resume, check_shards, shard_snapshot
-from .takeover import ServerLost, Takeover, take_over
+from .takeover import (ServerLost, StartupLost, Takeover, known_dead, restart_without_the_dead,
+                       take_over)
 
 log = logging.getLogger("hpcasync")
 
@@ -172,6 +173,8 @@ def run(ctx: RunContext) -> RunResult:
             return _run(ctx, takeover)
         except ServerLost as lost:
             takeover = take_over(ctx, lost, takeover)
+        except StartupLost:
+            restart_without_the_dead(ctx)
 
 
 def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
@@ -207,11 +210,17 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     if takeover is not None and takeover.theta is not None:     # the new server: freshest θ
         torch.nn.utils.vector_to_parameters(takeover.theta.to(topo.device), model.parameters())
     # the front door's object: a worker's optimizer, the server's rule and loop
-    opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
-                          transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
-                          steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
-                          warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
-                          **rule_hyper(cfg))
+    try:
+        ctx.kill_point("startup")
+        opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
+                              transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
+                              steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
+                              warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
+                              **rule_hyper(cfg))
+    except MPI.Exception:               # a death while setting up (ULFM): start again without it
+        if not (ft.ulfm_enabled() and known_dead(topo.world)):
+            raise
+        raise StartupLost() from None
     flat = opt.flat
     if state is not None:          # K > 1: each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
@@ -257,7 +266,7 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             dead = ft.failed_ranks(topo.world, exc) if ulfm else None
             if dead is None:
                 raise
-            if K == 1:                  # a worker takes over (ps.takeover)
+            if K == 1:          # a worker talks only to the server: it died (ps.takeover)
                 raise ServerLost(opt, dead, cfg.epochs * batches_per_worker) from None
             if opt.worker:          # worker 0 says it once; its MPI_Abort ends this wait
                 time.sleep(10)
@@ -269,10 +278,13 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
                    "worker_wait_s": round(opt.transport.wait_time, 3),
                    "worker_start_step": wstats.start_step}
     # the survivors (all ranks without ULFM) go on together; a dead rank cannot free windows
+    ctx.kill_point("final")
     comm, lost = ft.survivors(topo.world, ulfm)
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
     opt.close(comm, root, collective=not lost, broadcast_model=False)
     if root < 0:             # the PS died after the end messages
+        if comm.Get_rank():  # the first survivor says it once; its MPI_Abort ends this wait
+            time.sleep(10)
         raise _ps_failed(topo)
     if stopping:             # the PS has written the checkpoint (if any) before closing
         comm.Barrier()
@@ -320,7 +332,13 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         if epoch < cfg.epochs:
             ctx.progress.start(pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
 
+    first = [takeover is not None]           # after a takeover: time the first push served
+
     def on_push(w: int, staleness: int, loss: float) -> None:
+        if first[0]:
+            first[0] = False
+            takeover.records[-1]["first_push_unix"] = round(time.time(), 4)
+            ctx.metrics.write("server_resumed", **takeover.records[-1])
         if inject is not None:
             inject()
         if kill is not None:
@@ -335,6 +353,7 @@ def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
+        ctx.kill_point("checkpoint")
         snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
                     "batches_per_worker": batches_per_worker,
                     "divergence": ctx.divergence.state_dict()}

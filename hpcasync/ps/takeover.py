@@ -53,6 +53,53 @@ class ServerLost(Exception):
         self.opt, self.dead, self.budget = opt, list(dead), budget
 
 
+class StartupLost(Exception):
+    """Raised on every survivor when a rank died while the parameter server was being set up."""
+
+
+def known_dead(comm) -> bool:
+    """After an MPI error while setting up (ULFM): whether a rank of ``comm`` died, found by a
+    barrier over ``comm`` (it fails with ``MPI_ERR_PROC_FAILED``, or ``MPI_ERR_REVOKED`` when
+    another survivor has begun :func:`restart_without_the_dead`). A collective over a duplicate
+    of ``comm`` (``MPI_Win_allocate``) reports a dead member with its own error class
+    (``MPI_ERR_WIN``), and ``comm`` may not know of the death yet."""
+    from mpi4py import MPI
+
+    from ..runtime.recovery import proc_failure
+
+    try:
+        comm.Barrier()
+    except MPI.Exception as exc:
+        return proc_failure(exc)
+    return False
+
+
+def restart_without_the_dead(ctx) -> None:
+    """A death during set-up (the first broadcast, the windows): shrink the world and start the
+    run again on the survivors (collective over them). The server keeps its role if it
+    survived; otherwise the lowest surviving rank serves (every copy of θ is the initial one)."""
+    topo = ctx.topo
+    _revoke((topo.world,))
+    new = topo.world.Shrink()
+    kept = _kept(topo.world, new)
+    original = getattr(ctx, "original_ranks", list(range(topo.size)))
+    dead = [original[r] for r in range(topo.size) if r not in kept]
+    ctx.original_ranks = [original[r] for r in kept]
+    shrunk = topo.shrunk(new)
+    server = kept.index(topo.ps_rank) if topo.ps_rank in kept else 0
+    ctx.topo = dataclasses.replace(shrunk, ps_rank=server)
+    if new.Get_rank() == server:
+        m = ctx.metrics
+        if not m.enabled and getattr(m, "path", None) is not None:
+            m.reopen_append()
+            from ..train import setup_logging
+
+            setup_logging(ctx.original_ranks[server], report_rank=ctx.original_ranks[server])
+        log.warning("rank(s) %s died while the parameter server was set up; starting again with "
+                    "%d ranks", ", ".join(map(str, dead)), new.Get_size())
+        m.write("rank_failed", dead_ranks=dead, phase="startup", world_size=new.Get_size())
+
+
 @dataclasses.dataclass
 class Takeover:
     """What a run on the survivors starts from (``ps.runtime``)."""

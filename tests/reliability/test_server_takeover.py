@@ -56,3 +56,31 @@ def test_a_worker_takes_over_from_the_dead_server_and_the_run_finishes(tmp_path,
     assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
     acc0 = last_summary(mbase)["test_accuracy"]
     assert abs(s["test_accuracy"] - acc0) <= 0.06, (s["test_accuracy"], acc0)
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("kill,survived", [
+    ("0:startup:1", True),        # the server, before the first broadcast: set up again
+    ("2:startup:1", True),        # a worker, before the first broadcast: set up again
+    ("0:epoch_end:1", True),      # the server, evaluating epoch 1: a worker takes over
+    ("0:checkpoint:1", True),     # the server, writing its first checkpoint
+    ("2:final:1", True),          # a worker, before the final gathers
+    ("0:final:1", False),         # the server after its end messages: one line, non-zero
+])
+def test_deaths_at_every_phase_are_survived_or_end_the_job_with_one_line(tmp_path, kill,
+                                                                         survived):
+    need_ulfm()
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *MINI,
+                          "--algorithm", "asgd", "--metrics", str(metrics),
+                          "--checkpoint-dir", str(tmp_path / "ck")],
+                         env=clean_env(HPCASYNC_INJECT_KILL_AT=kill), cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    rank = int(kill.split(":")[0])
+    if survived:
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert last_summary(metrics)["test_accuracy"] > 0.5
+    else:
+        assert out.returncode != 0
+        assert out.stderr.count(f"the parameter server (rank {rank}) died") == 1, \
+            out.stderr[-3000:]
