@@ -165,10 +165,7 @@ def run(ctx: RunContext) -> RunResult:
     while summary is None:
         topo = ctx.topo
         try:
-            if not cur.started:
-                ctx.kill_point("startup")
-                opt.broadcast_parameters(root=0)
-                cur.started = 1
+            cur.start(lambda: opt.broadcast_parameters(root=0))
             if cur.finished:
                 ctx.kill_point("final")
                 summary = _final(opt, topo, cfg, schedule, totals, delay)
@@ -178,13 +175,7 @@ def run(ctx: RunContext) -> RunResult:
                 slept = delay.slept
             epoch = cur.epoch
             if cur.in_epoch:
-                model.train()
-                x, y = cur.batch(device)
-                opt.zero_grad()
-                delay.begin()
-                loss = ctx.loss_fn(model(x), y)
-                loss.backward()
-                delay.end(opt.steps)     # a straggler sleeps here; the local average waits for it
+                loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
                 opt.step()
                 cur.step_done(loss.item())
                 rec.step_completed()

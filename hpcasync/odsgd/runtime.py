@@ -193,18 +193,18 @@ def run(ctx: RunContext) -> RunResult:
                                             "buffers": blob["buffers"]})
         ctx.history.extend(blob["history"][len(ctx.history):])
 
+    def setup(rank: int) -> None:
+        worker.broadcast_parameters(root=0)
+        if state is not None:                # (after the broadcast, which sets W from params)
+            load_state(worker, state["global"], state["locals"][rank])
+
     # positions (epoch, batches done, started), recovery and re-sharding as in hpcasync.ssgd
     cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
     summary = None
     while summary is None:
         topo = ctx.topo
         try:
-            if not cur.started:
-                ctx.kill_point("startup")
-                worker.broadcast_parameters(root=0)
-                if state is not None:        # (after the broadcast, which sets W from params)
-                    load_state(worker, state["global"], state["locals"][topo.rank])
-                cur.started = 1
+            cur.start(lambda: setup(topo.rank))
             if cur.finished:                               # the final gathers
                 ctx.kill_point("final")
                 summary = {"bytes_communicated": topo.world.allreduce(worker.bytes_sent),

@@ -46,6 +46,10 @@ Decisions (the papers assume a PS; these are ours):
   train on; its remaining batches are not trained; the end-of-run collectives run on the shrunk
   communicator; the summary lists ``failed_workers`` and the job exits 0. Without ULFM the
   launcher ends the job; the PS checkpoints on its SIGTERM and logs how to resume.
+* Server failure (``takeover``, ULFM, one server rank): the worker with the freshest θ becomes
+  the server, with a fresh rule; the others resume at the share of their budget the run had
+  done (``server_failures`` in the summary). A death while the server is set up starts the run
+  again on the survivors.
 * Divergence: the PS checks each accepted push's loss (``ctx.divergence``; DivergedError ends it).
 """
 from __future__ import annotations
@@ -63,7 +67,8 @@ from ..hetero import check_options as check_hetero
 from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
-from .shards import align_resume, check_shards, shard_snapshot
+from .serving import serve
+from .shards import align_resume, check_shards
 from .takeover import (ServerLost, StartupLost, Takeover, known_dead, restart_without_the_dead,
                        take_over)
 
@@ -232,7 +237,7 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
         log.info("%s: PS rank%s %s, %d workers, transport %s, %s; %s", cfg.algorithm,
                  "s" if K > 1 else "", ", ".join(map(str, servers)), W, opt.transport.name,
                  delay.describe(), ft.describe(ulfm))
-        summary, stopping = _serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm,
+        summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm,
                                    takeover)
     else:
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
@@ -310,117 +315,6 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
 def _ps_failed(topo) -> ft.PSFailed:
     return ft.PSFailed(f"the parameter server (rank {topo.ps_rank}) died; the run cannot go on: "
                        "resume from its last checkpoint with --resume auto")
-
-
-def _serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
-           state: dict | None, stop_flag, ulfm: bool,
-           takeover: Takeover | None = None) -> tuple[dict, bool]:
-    """The PS rank's part of :func:`run`: serve, record epochs, write checkpoints, leave θ in
-    the model. Returns the summary and whether the run stops for a preemption."""
-    from mpi4py import MPI
-
-    from .worker import collect_locals
-
-    cfg, rule, transport = ctx.cfg, opt.rule, opt.transport
-    inject, kill = ft.signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
-
-    def on_epoch(epoch: int, record: dict) -> None:
-        opt.load_theta()
-        train_loss = record.pop("train_loss")
-        ctx.epoch_end(epoch, model, train_loss=train_loss, eval_comm=MPI.COMM_SELF, **record,
-                      **transport.memory_record(rule.state_bytes()), lr=rule.lr)
-        if epoch < cfg.epochs:
-            ctx.progress.start(pushes_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}")
-
-    first = [takeover is not None]           # after a takeover: time the first push served
-
-    def on_push(w: int, staleness: int, loss: float) -> None:
-        if first[0]:
-            first[0] = False
-            takeover.records[-1]["first_push_unix"] = round(time.time(), 4)
-            ctx.metrics.write("server_resumed", **takeover.records[-1])
-        if inject is not None:
-            inject()
-        if kill is not None:
-            kill()
-        ctx.progress.update(1, loss=loss, tau=staleness)
-        n = server.stats.accepted
-        if cfg.log_every and n % cfg.log_every == 0:
-            ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
-                              staleness=staleness, loss=loss, lr=rule.lr)
-
-    def save(kind: str, worker_locals: list | None = None) -> None:
-        """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
-        progress, or the one just crossed."""
-        epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
-        ctx.kill_point("checkpoint")
-        snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
-                    "batches_per_worker": batches_per_worker,
-                    "divergence": ctx.divergence.state_dict()}
-        if worker_locals is not None:
-            snapshot["worker_locals"] = worker_locals
-        path = shard_snapshot(opt, ctx.checkpoints, snapshot, epoch=epoch,
-                              step=server.stats.accepted, header=ctx.checkpoint_header())
-        ctx.metrics.write("checkpoint", path=str(path), epoch=epoch, step=server.stats.accepted,
-                          kind=kind, positions=list(server.positions))
-        return path
-
-    # SIGTERM: checkpoint at once (between pushes: while waiting, or at the loop's top)
-    sigterm = ft.SigtermCheckpoint(ctx.preempt, save if ctx.checkpoints is not None else None,
-                                   world_size=ctx.topo.size, ulfm=ulfm)
-    transport.idle_hook = sigterm.poll
-
-    def stop_requested() -> bool:
-        sigterm.poll()
-        return stop_flag is not None and stop_flag()
-
-    pushes_per_epoch = W * batches_per_worker
-    server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
-                             on_checkpoint=save if ctx.checkpoints is not None else None,
-                             checkpoint_every=ctx.checkpoint_every,
-                             on_failure=lambda record: ctx.metrics.write(
-                                 "worker_failed", **record, detected_unix=round(time.time(), 4)),
-                             on_accept=lambda w, loss: ctx.divergence.check(
-                                 loss, step=server.stats.accepted))
-    resumed_at = 0
-    if state is not None:           # this shard's state (align_resume)
-        server.load_state_dict(state["ps"])
-        budget = cfg.epochs * batches_per_worker          # --epochs may have changed
-        server.finished = [p >= budget for p in server.positions]
-        opt.load_buffer_state(state)
-        resumed_at = server.stats.accepted
-        if opt.keeps_local and not state.get("worker_locals"):
-            log.warning("%s: this %s checkpoint holds no worker-local models (only stop "
-                        "checkpoints do): every worker restarts from θ", cfg.algorithm,
-                        state.get("kind", "PS"))
-        log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
-                 server.positions)
-    if takeover is not None:        # a worker took over: the clock starts where they resume
-        server.start_at(int(takeover.share * cfg.epochs * batches_per_worker))
-    done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
-    ctx.progress.start(pushes_per_epoch - max(0, done_in_epoch),
-                       f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
-    stats = server.serve()
-    ctx.progress.close()
-    server.finish()
-    if server.stopping:
-        if ctx.checkpoints is not None:
-            save("stop", collect_locals(opt, server.failed)
-                 if opt.keeps_local and opt.shard <= 0 else None)
-        else:
-            log.warning("preempted without --checkpoint-dir: this run's progress is lost")
-    opt.load_theta()
-    return {**stats.summary(), "transport": transport.name, "ps_rank": ctx.topo.ps_rank,
-            "num_workers": W, "bytes_moved": transport.bytes_in + transport.bytes_out,
-            **transport.memory_record(rule.state_bytes()),
-            "ps_apply_s": round(server.apply_time, 3),
-            "ps_idle_s": round(transport.wait_time, 3), "ps_peeks": server.peeks,
-            "resumed_at_push": resumed_at, "fault_tolerance": "ulfm" if ulfm else "none",
-            **({"resume_lost_pushes": state["resume_lost_pushes"]}
-               if state is not None and "resume_lost_pushes" in state else {}),
-            "failed_workers": server.failed_before + list(server.failed.values()),
-            "rule_workers": ft.rule_worker_state(rule),
-            "server_failures": takeover.records if takeover is not None else []}, server.stopping
 
 
 def _nan_hook(rank: int):

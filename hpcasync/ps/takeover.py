@@ -74,30 +74,42 @@ def known_dead(comm) -> bool:
     return False
 
 
+def _shrink(ctx, comms) -> tuple:
+    """Revoke ``comms`` (the world first), shrink the world: ``(new world, ranks kept (old
+    numbering), dead ranks (original numbering))``; ``ctx.original_ranks`` follows."""
+    topo = ctx.topo
+    _revoke(comms)
+    new = topo.world.Shrink()
+    kept = _kept(topo.world, new)
+    original = getattr(ctx, "original_ranks", list(range(topo.size)))
+    ctx.original_ranks = [original[r] for r in kept]
+    return new, kept, [original[r] for r in range(topo.size) if r not in kept]
+
+
+def _become_reporter(ctx, rank: int) -> None:
+    """The new server (rank ``rank`` of the original world) writes the metrics and the log."""
+    m = ctx.metrics
+    if not m.enabled and getattr(m, "path", None) is not None:
+        m.reopen_append()
+    from ..train import setup_logging
+
+    setup_logging(rank, report_rank=rank)
+
+
 def restart_without_the_dead(ctx) -> None:
     """A death during set-up (the first broadcast, the windows): shrink the world and start the
     run again on the survivors (collective over them). The server keeps its role if it
     survived; otherwise the lowest surviving rank serves (every copy of θ is the initial one)."""
     topo = ctx.topo
-    _revoke((topo.world,))
-    new = topo.world.Shrink()
-    kept = _kept(topo.world, new)
-    original = getattr(ctx, "original_ranks", list(range(topo.size)))
-    dead = [original[r] for r in range(topo.size) if r not in kept]
-    ctx.original_ranks = [original[r] for r in kept]
-    shrunk = topo.shrunk(new)
+    new, kept, dead = _shrink(ctx, (topo.world,))
     server = kept.index(topo.ps_rank) if topo.ps_rank in kept else 0
-    ctx.topo = dataclasses.replace(shrunk, ps_rank=server)
+    ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
     if new.Get_rank() == server:
-        m = ctx.metrics
-        if not m.enabled and getattr(m, "path", None) is not None:
-            m.reopen_append()
-            from ..train import setup_logging
-
-            setup_logging(ctx.original_ranks[server], report_rank=ctx.original_ranks[server])
+        _become_reporter(ctx, ctx.original_ranks[server])
         log.warning("rank(s) %s died while the parameter server was set up; starting again with "
                     "%d ranks", ", ".join(map(str, dead)), new.Get_size())
-        m.write("rank_failed", dead_ranks=dead, phase="startup", world_size=new.Get_size())
+        ctx.metrics.write("rank_failed", dead_ranks=dead, phase="startup",
+                          world_size=new.Get_size())
 
 
 @dataclasses.dataclass
@@ -113,12 +125,7 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
     detected = time.time()
     t0 = time.perf_counter()
     opt, topo = lost.opt, ctx.topo
-    _revoke((topo.world, *[c for c in opt.layout.comms if c is not None]))
-    new = topo.world.Shrink()
-    kept = _kept(topo.world, new)
-    original = getattr(ctx, "original_ranks", list(range(topo.size)))
-    dead = [original[r] for r in range(topo.size) if r not in kept]
-    ctx.original_ranks = [original[r] for r in kept]
+    new, _, dead = _shrink(ctx, (topo.world, *[c for c in opt.layout.comms if c is not None]))
     mine = (int(opt.version), min(1.0, opt.steps / max(1, lost.budget)))
     every = new.allgather(mine)
     server = max(range(len(every)), key=lambda r: (every[r][0], -r))
@@ -130,17 +137,12 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
               "recovery_s": round(time.perf_counter() - t0, 4)}
     records = (previous.records if previous is not None else []) + [record]
     if new.Get_rank() == server:
-        m = ctx.metrics
-        if not m.enabled and getattr(m, "path", None) is not None:
-            m.reopen_append()
-        from ..train import setup_logging
-
-        setup_logging(ctx.original_ranks[server], report_rank=ctx.original_ranks[server])
+        _become_reporter(ctx, ctx.original_ranks[server])
         log.warning("the parameter server (rank(s) %s) died; rank %d takes over with θ of "
                     "version %d, %d workers go on from %.1f %% of their budget",
                     ", ".join(map(str, dead)), ctx.original_ranks[server], every[server][0],
                     new.Get_size() - 1, 100 * share)
-        m.write("server_failed", **record)
+        ctx.metrics.write("server_failed", **record)
     os.environ.pop("HPCASYNC_INJECT_KILL", None)     # testing hooks named the old ranks
     theta = None
     if new.Get_rank() == server:          # its last reply (before any: the broadcast start)

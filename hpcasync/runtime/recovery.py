@@ -227,6 +227,14 @@ class EpochCursor:
     def finished(self) -> bool:
         return self.epoch > self.ctx.cfg.epochs
 
+    def start(self, setup) -> None:
+        """Run ``setup()`` (the start-up broadcast) once, at the first position; a death there
+        is a failure like any other (``startup`` kill point)."""
+        if not self.started:
+            self.ctx.kill_point("startup")
+            setup()
+            self.started = 1
+
     def begin_epoch(self) -> bool:
         """Make this epoch's plan if there is none yet (over the current world); True if made."""
         if self.plan is not None:
@@ -253,6 +261,19 @@ class EpochCursor:
         idx = self.plan.shards[self.ctx.topo.rank][self.done * b:(self.done + 1) * b]
         return (data.images.index_select(0, idx).to(device, non_blocking=True),
                 data.labels.index_select(0, idx).to(device, non_blocking=True))
+
+    def backward(self, model, opt, delay, device):
+        """This rank's next batch through ``model`` and backward, between ``opt.zero_grad()``
+        and the heterogeneity delay (``delay``: a straggler sleeps after its compute, so the
+        collective that follows waits for it); returns the loss. The caller steps."""
+        model.train()
+        x, y = self.batch(device)
+        opt.zero_grad()
+        delay.begin()
+        loss = self.ctx.loss_fn(model(x), y)
+        loss.backward()
+        delay.end(opt.steps)
+        return loss
 
     def step_done(self, loss: float) -> None:
         self.done += 1

@@ -136,10 +136,7 @@ def run(ctx: RunContext) -> RunResult:
     while summary is None:
         topo = ctx.topo
         try:
-            if not cur.started:
-                ctx.kill_point("startup")
-                opt.broadcast_parameters(root=0)     # (a resumed run: the same state everywhere)
-                cur.started = 1
+            cur.start(lambda: opt.broadcast_parameters(root=0))  # (resumed: the same anyway)
             if cur.finished:                         # the final gathers
                 ctx.kill_point("final")
                 summary = {"backend": cfg.backend, "steps": opt.steps,
@@ -153,13 +150,7 @@ def run(ctx: RunContext) -> RunResult:
                 slept = delay.slept
             epoch = cur.epoch
             if cur.in_epoch:
-                model.train()
-                x, y = cur.batch(device)
-                opt.zero_grad()
-                delay.begin()
-                loss = ctx.loss_fn(model(x), y)
-                loss.backward()
-                delay.end(opt.steps)     # a straggler sleeps here; the allreduce waits for it
+                loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
                 opt.step()
                 link.block(wire_bytes)
                 cur.step_done(loss.item())
