@@ -9,7 +9,9 @@ the synchronous runtimes, ``HPCASYNC_INJECT_KILL`` for a PS worker's push count)
 * 1 death: rank 2 after its step 200 (of 468 in epoch 1) / worker rank 3 at its push 300 (of 625);
 * 2 deaths: that one, then rank 1 after its step 700 (in epoch 2) / worker rank 1 at push 900;
 * server (PS algorithms): the server (rank 0) at its 1000th accepted push (of 3750); a worker
-  takes over (``hpcasync.ps.takeover``); "next step" is the new server's first push served.
+  takes over (``hpcasync.ps.takeover``); "next step" is the new server's first push served;
+* ``--mtbf-steps M``: the 1 or 2 kills at exponentially distributed gaps of mean M steps instead
+  (seeded by the run's seed).
 
 Every kill logs its wall time (``HPCASYNC_INJECT_KILL_LOG``); the runs' metrics give the detection
 time, the recovery time and the end of the next step. Writes ``OUT/runs/*.jsonl``, ``OUT/*.kills``
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shlex
 import statistics
 import subprocess
@@ -48,11 +51,27 @@ KILLS = {  # deaths -> (sync kills, PS kills)
 }
 
 
-def run_one(out: Path, algorithm: str, deaths: int, seed: int, timeout: int) -> dict:
-    rid = f"{algorithm}__deaths={deaths}__seed={seed}"
+def mtbf_kills(deaths: int, seed: int, mean: float) -> tuple[str, str]:
+    """``deaths`` ranks killed one after another, the gaps between kills (in steps / pushes of
+    the killed rank) drawn from an exponential distribution of mean ``mean`` (seeded by
+    ``seed``): ranks 2, 1 for the synchronous runtimes, workers 3, 1 for the PS."""
+    rng = random.Random(seed)
+    at, sync, ps = 0.0, [], []
+    for rank_sync, rank_ps in [(2, 3), (1, 1)][:deaths]:
+        at += rng.expovariate(1.0 / mean)
+        n = max(1, int(at))
+        sync.append(f"{rank_sync}:step:{n}")
+        ps.append(f"{rank_ps}:{max(1, n * 4 // 3)}")   # a PS worker pushes 625 per epoch, not 468
+    return ",".join(sync), ",".join(ps)
+
+
+def run_one(out: Path, algorithm: str, deaths, seed: int, timeout: int,
+            mtbf: float | None = None) -> dict:
+    rid = f"{algorithm}__deaths={deaths}__seed={seed}" + (f"__mtbf={mtbf:g}" if mtbf else "")
     metrics, kills = out / "runs" / f"{rid}.jsonl", out / "runs" / f"{rid}.kills"
     kills.unlink(missing_ok=True)
-    sync_kill, ps_kill = KILLS[deaths]
+    sync_kill, ps_kill = (mtbf_kills(deaths, seed, mtbf) if mtbf and deaths in (1, 2)
+                          else KILLS[deaths])
     env = child_env()
     env.update(PYTHONPATH=str(REPO), HPCASYNC_INJECT_KILL_LOG=str(kills))
     if algorithm in SYNC:
@@ -139,6 +158,9 @@ def main() -> None:
                     help="0, 1, 2 (ranks killed one after another) or server (the PS; PS "
                          "algorithms only)")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--mtbf-steps", type=float, default=None,
+                    help="kill at exponentially distributed times of this mean (in steps) "
+                         "instead of the fixed points")
     args = ap.parse_args()
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -150,7 +172,7 @@ def main() -> None:
                 d = d if d == "server" else int(d)
                 if d == "server" and a in SYNC:
                     continue
-                rows.append(run_one(out, a, d, seed, args.timeout))
+                rows.append(run_one(out, a, d, seed, args.timeout, args.mtbf_steps))
                 print(json.dumps(rows[-1]), flush=True)
     load1 = os.getloadavg()
     header = (f"# Surviving dead ranks (issue 15)\n\nCommand: `python experiments/probes/"
