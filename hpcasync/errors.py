@@ -122,10 +122,9 @@ def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
     if not proc_failure(exc):
         return False
     try:
-        from .runtime.ft import _ranks_in
+        from .runtime.ft import dead_ranks
 
-        world.Ack_failed()
-        dead = _ranks_in(world.Get_failed(), world)
+        dead = dead_ranks(world)
     except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
         dead = []
     who = f"rank(s) {', '.join(map(str, dead))} died" if dead else "a rank died"

@@ -138,7 +138,7 @@ def run(ctx: RunContext) -> RunResult:
     def adopted_state() -> dict:
         sch = opt.schedule
         return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
-                "steps": opt.steps, "history": ctx.history, "done": cur.done,
+                "steps": opt.steps, "done": cur.done,
                 "schedule": {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
                              "plateau": sch.plateau.state_dict()}}
 
@@ -155,7 +155,6 @@ def run(ctx: RunContext) -> RunResult:
             model.load_state_dict(blob["model"])
             opt.optimizer.load_state_dict(blob["optimizer"])
         opt.set_topology(ctx.topo, average=cycling)
-        ctx.history.extend(blob["history"][len(ctx.history):])
 
     device = topo.device
     schedule, totals = [], {"daso_global_wait_s": 0.0, "daso_blocking_global_s": 0.0,
@@ -203,12 +202,9 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            known = len(ctx.history)
             revoke = tuple(c for c in (topo.local, topo.glob) if c is not None)
             cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
                                   revoke=revoke), keep=rec.last_kept)
-            for record in ctx.history[known:]:   # epoch ends the metrics writer had missed
-                ctx.metrics.write("epoch", **record)
     return RunResult(model=model, summary={**summary, **rec.summary()})
 
 

@@ -185,13 +185,11 @@ def run(ctx: RunContext) -> RunResult:
 
     def adopted_state() -> dict:
         """The global model (identical on every rank) for survivors to adopt after a death."""
-        return {"global": global_state(worker), "buffers": worker.flat.buffers.detach().cpu(),
-                "history": ctx.history}
+        return {"global": global_state(worker), "buffers": worker.flat.buffers.detach().cpu()}
 
     def load_adopted(blob: dict) -> None:
         load_state(worker, blob["global"], {"local": blob["global"]["W"], "ms": worker.ws.ms,
                                             "buffers": blob["buffers"]})
-        ctx.history.extend(blob["history"][len(ctx.history):])
 
     def setup(rank: int) -> None:
         worker.broadcast_parameters(root=0)
@@ -256,12 +254,9 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            known = len(ctx.history)
             cur.adopt(rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
                                   load=load_adopted, revoke=(worker.round_comm,)))
             opt.set_comm(ctx.topo.world)
-            for record in ctx.history[known:]:   # epoch ends the metrics writer had missed
-                ctx.metrics.write("epoch", **record)
     opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
     return RunResult(model=model, summary={
         "steps": worker.steps, "rounds": worker.rounds,

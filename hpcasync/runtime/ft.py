@@ -127,6 +127,12 @@ def failed_ranks(comm, exc: BaseException) -> list[int] | None:
                                              "ERR_REVOKED")} - {None}
     if not isinstance(exc, MPI.Exception) or exc.Get_error_class() not in codes:
         return None
+    return dead_ranks(comm)
+
+
+def dead_ranks(comm) -> list[int]:
+    """Acknowledge the failures known here on ``comm`` (ULFM) and return the dead ranks of
+    ``comm``, sorted (empty: none known yet)."""
     comm.Ack_failed()
     return _ranks_in(comm.Get_failed(), comm)
 
@@ -191,10 +197,8 @@ def inject_hook(var: str, rank: int, sig: int) -> Callable[[], None] | None:
     def hook() -> None:
         calls[0] += 1
         if calls[0] == at:
-            if sig == signal.SIGKILL and os.environ.get(KILL_LOG_ENV):
-                import time
-                with open(os.environ[KILL_LOG_ENV], "a", encoding="utf-8") as fh:
-                    fh.write(f"{rank} push {at} {time.time():.6f}\n")
+            if sig == signal.SIGKILL:
+                _log_kill(f"{rank} push {at}")
             os.kill(os.getpid(), sig)
     return hook
 
@@ -232,13 +236,18 @@ def kill_points(rank: int) -> Callable[[str], None]:
             return
         counts[phase] += 1
         if counts[phase] == plan[phase]:
-            stamp = os.environ.get(KILL_LOG_ENV)
-            if stamp:
-                import time
-                with open(stamp, "a", encoding="utf-8") as fh:
-                    fh.write(f"{rank} {phase} {plan[phase]} {time.time():.6f}\n")
+            _log_kill(f"{rank} {phase} {plan[phase]}")
             os.kill(os.getpid(), signal.SIGKILL)
     return point
+
+
+def _log_kill(what: str) -> None:
+    """Append ``WHAT UNIX_TIME`` to ``HPCASYNC_INJECT_KILL_LOG`` (when set), just before a kill."""
+    path = os.environ.get(KILL_LOG_ENV)
+    if path:
+        import time
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{what} {time.time():.6f}\n")
 
 
 def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) -> None:

@@ -42,7 +42,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from .ft import failed_ranks
+from .ft import _ranks_in, dead_ranks, failed_ranks
 
 log = logging.getLogger("hpcasync")
 
@@ -99,12 +99,8 @@ class SyncRecovery:
 
         if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS:
             topo = self.ctx.topo
-            group = topo.world.Get_failed()
-            try:
-                if group.Get_size() > 0:
-                    return True
-            finally:
-                group.Free()
+            if dead_ranks(topo.world):
+                return True
             from ..comm.cache import cached_comms
 
             # a peer revoked a communicator of ours before this rank learnt of the death
@@ -118,7 +114,9 @@ class SyncRecovery:
         """Revoke, shrink, adopt the most advanced survivor's state, rebuild the topology.
 
         ``position`` is this rank's progress (comparable tuples; larger = further); ``state()``
-        returns what ``load(obj)`` restores (pickled and broadcast from the most advanced rank).
+        returns what ``load(obj)`` restores (pickled and broadcast from the most advanced rank,
+        with its epoch history: epoch ends it finished are taken into ``ctx.history`` and
+        written to the metrics stream if its writer has not recorded them).
         ``revoke``: more communicators the runtime uses (revoked first, so that a survivor
         blocked on one of them wakes up). Returns the adopted position. Collective over the
         survivors."""
@@ -138,7 +136,8 @@ class SyncRecovery:
             try:
                 positions = new.allgather(tuple(position))
                 src = max(range(len(positions)), key=lambda r: (positions[r], -r))
-                blob = new.bcast(state() if new.Get_rank() == src else None, root=src)
+                blob, history = new.bcast((state(), self.ctx.history)
+                                          if new.Get_rank() == src else None, root=src)
                 break
             except Exception as exc:    # noqa: BLE001 - another death during the recovery
                 if not proc_failure(exc):
@@ -148,6 +147,7 @@ class SyncRecovery:
         self.last_kept = index
         self.ctx.topo = topo.shrunk(new, uniform=self.uniform)
         load(blob)
+        self.ctx.history.extend(history[len(self.ctx.history):])   # epoch ends it had finished
         took = time.perf_counter() - t0
         record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
                   "survivors": list(self.original), "detected_at_s": round(detected - self._t0, 4),
@@ -158,7 +158,11 @@ class SyncRecovery:
         self.failures.append(record)
         self._pending_next_step = record
         self._hand_over_metrics()
-        self.ctx.metrics.write("rank_failed", **record)
+        m = self.ctx.metrics
+        for r in self.ctx.history:          # epoch ends the stream's writer had not recorded
+            if r["epoch"] not in m.epochs:
+                m.write("epoch", **r)
+        m.write("rank_failed", **record)
         if self.ctx.topo.rank == 0:
             log.warning("rank(s) %s died; going on with %d ranks (recovered in %.3f s, from the "
                         "state of rank %d at %s)", ", ".join(map(str, sorted(lost_all))),
@@ -309,13 +313,6 @@ class EpochCursor:
             self.done = 0
 
 
-def params_digest(model) -> str:
-    """SHA-256 of a model's parameters and buffers (equal digests: bitwise equal replicas)."""
-    from ..train import params_digest as digest
-
-    return digest(model)
-
-
 def _revoke(comms) -> None:
     """Revoke ``comms`` and the communicators hpcasync cached on them (private duplicates of
     the multi-stage collectives): a survivor blocked on any of them wakes with
@@ -331,15 +328,8 @@ def _revoke(comms) -> None:
 
 
 def _kept(old, new) -> list[int]:
-    """Ranks of ``old`` that are in ``new``, in ``new``'s order."""
-    from mpi4py import MPI
-
-    a, b = new.Get_group(), old.Get_group()
-    try:
-        return [int(r) for r in MPI.Group.Translate_ranks(a, list(range(a.Get_size())), b)]
-    finally:
-        a.Free()
-        b.Free()
+    """Ranks of ``old`` that are in ``new`` (the shrink keeps their order)."""
+    return _ranks_in(new.Get_group(), old)
 
 
 def _behind(p: tuple, q: tuple) -> int:

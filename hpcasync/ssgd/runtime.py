@@ -39,7 +39,8 @@ from ..hetero import check_options as check_hetero
 from .horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over
 from ..runtime.ft import ulfm_enabled
-from ..runtime.recovery import EpochCursor, SyncRecovery, params_digest
+from ..runtime.recovery import EpochCursor, SyncRecovery
+from ..train import params_digest
 from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, PROGRESS
 from .optimizer import DistributedOptimizer
 
@@ -123,11 +124,7 @@ def run(ctx: RunContext) -> RunResult:
         """After a death: take the most advanced survivor's state (see SyncRecovery.recover)."""
         model.load_state_dict(blob["model"])
         opt.load_state_dict(blob["optimizer"])
-        missed = blob["history"][len(ctx.history):]     # epoch ends it finished and we did not
-        ctx.history.extend(missed)
-        late.extend(missed)
 
-    late: list[dict] = []
     # the loop walks positions (epoch, batches done, started): after a death (ULFM) the survivors
     # adopt the most advanced position and state, and re-shard the rest of the epoch over
     # themselves (hpcasync.runtime.recovery)
@@ -174,10 +171,6 @@ def run(ctx: RunContext) -> RunResult:
             if not rec.handles(exc):
                 raise
             cur.adopt(rec.recover(position=cur.position, load=load_adopted,
-                                  state=lambda: {**snapshot(cur.epoch, cur.done, 0.0),
-                                                 "history": ctx.history}))
+                                  state=lambda: snapshot(cur.epoch, cur.done, 0.0)))
             opt.set_comm(ctx.topo.world)
-            for record in late:                  # the metrics writer had not finished them
-                ctx.metrics.write("epoch", **record)
-            late.clear()
     return RunResult(model=model, summary={**summary, **rec.summary()})

@@ -148,7 +148,7 @@ from hpcasync.runtime.recovery import SyncRecovery
 from hpcasync.topology import Topology
 
 topo = Topology.build()
-ctx = SimpleNamespace(topo=topo, metrics=MetricsWriter(None, enabled=False))
+ctx = SimpleNamespace(topo=topo, metrics=MetricsWriter(None, enabled=False), history=[])
 rec = SyncRecovery(ctx, enabled=True)
 # ranks at different positions (as after a collective that failed on some ranks only): rank 2 is
 # one step ahead, rank 3 one epoch end ahead of rank 1; no one died, so the shrink keeps all
