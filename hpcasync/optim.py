@@ -60,6 +60,15 @@ def as_flat(model: nn.Module | FlatModel) -> FlatModel:
     return flat
 
 
+def group_index(flat: FlatModel, param_groups) -> list[int]:
+    """For each parameter of ``flat`` (flat order), the index of the param group that holds it, or
+    -1 where torch's optimizer would never touch it: ``requires_grad=False``, or in no group.
+
+    Every family reads this to leave such parameters bitwise untouched, as plain torch does."""
+    where = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
+    return [where.get(id(p), -1) if p.requires_grad else -1 for p in flat.parameters]
+
+
 class AlgorithmOptimizer(torch.optim.Optimizer):
     """Base of the optimizer-shaped object of every algorithm (module doc).
 

@@ -138,6 +138,23 @@ class FlatModel:
                     zip(self.buffer_names, self._buffer_offsets, self._buffer_tensors())]
         raise ConfigError(f"views() takes params, grads or buffers, got {which!r}")
 
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The module's parameters in flat order (shared ones once): ``parameters[k]`` lives at
+        ``offsets[k]``."""
+        return list(self._params)
+
+    def per_element(self, values, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A flat tensor (``numel`` long, on ``device``) holding ``values[k]`` at every element of
+        parameter ``k``: e.g. a per-parameter learning rate or trainable flag as a per-element
+        vector over θ."""
+        values = list(values)
+        if len(values) != len(self._params):
+            raise ConfigError(f"per_element needs one value per parameter ({len(self._params)}), "
+                              f"got {len(values)}")
+        sizes = torch.tensor([p.numel() for p in self._params])
+        return torch.repeat_interleave(torch.as_tensor(values, dtype=dtype), sizes).to(self.device)
+
     def _buffer_tensors(self) -> list[torch.Tensor]:
         return [dict(self.module.named_buffers())[n] for n in self.buffer_names]
 
