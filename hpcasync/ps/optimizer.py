@@ -56,6 +56,7 @@ from ..optim import AlgorithmOptimizer, as_flat
 from ..rules import RULES, make_rule, ps_lr_factor
 from ..topology import default_topology
 from .lifecycle import at_exit, describe, peek, take_replies
+from .ordering import ordered
 from .server import PSServer
 from .shards import (ShardLayout, check_shards, epoch_exchange, finish_sends, wait_ends,
                      worker_pieces)
@@ -291,7 +292,8 @@ class ParameterServer(AlgorithmOptimizer):
         if self.layout.K > 1:
             hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
             callbacks.update(on_epoch=hook, on_served=hook.end, worker_ranks=self.layout.workers)
-        return PSServer(self.transport, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
+        self._ordered = ordered(self.transport, self.layout)      # K > 1: shard 0's order
+        return PSServer(self._ordered, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
                         on_buffers=on_buffers, **callbacks)
 

@@ -138,8 +138,12 @@ class P2PTransport(_Base):
         return self._grad.numel() * 4 + (self.pool.nbytes() if self.pool is not None else 0)
 
     def recv_push(self) -> Push:
+        return self.complete_push(*self._recv_header())
+
+    def complete_push(self, w: int, h) -> Push:
+        """The push whose header ``h`` came from worker ``w``: its data is received now (it
+        waits in MPI's queue until then; :mod:`.ordering` delays it)."""
         MPI = self.MPI
-        w, h = self._recv_header()
         buf = self._grad
         if int(h[0]) == KIND_PUSH:
             n = min(int(h[4]), self.numel)

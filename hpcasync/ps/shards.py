@@ -250,6 +250,9 @@ def finish_sends(opt, *, collective: bool = True) -> None:
     from .wire import wait
 
     L, hook = opt.layout, getattr(opt, "_epoch_hook", None)
+    order = getattr(opt, "_ordered", None)
+    if order is not None and order is not opt.transport:
+        order.finish(collective=collective)          # :mod:`.ordering`'s messages
     if hook is None or L.K == 1:
         return
     if collective:

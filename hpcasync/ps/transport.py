@@ -111,7 +111,11 @@ class RMATransport(_Base):
 
     # PS side
     def recv_push(self) -> Push:
-        w, h = self._recv_header()
+        return self.complete_push(*self._recv_header())
+
+    def complete_push(self, w: int, h) -> Push:
+        """The push whose header ``h`` came from worker ``w`` (:meth:`recv_push`'s second half;
+        the sharded server's ordered receive calls it later, :mod:`.ordering`)."""
         self.win_in.Sync()
         base = w * self.slot
         grad = self._in[base: base + self.numel]

@@ -155,6 +155,21 @@ class _Base:
         src = status.Get_source()
         return self.workers.index(src), self._head_in
 
+    def poll_header(self) -> tuple[int, np.ndarray] | None:
+        """PS: ``(worker, header)`` if a push header has arrived, else None (never waits). The
+        header array is reused by the next receive: copy it to keep it."""
+        if self._head_req is None:
+            self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],
+                                             source=self.MPI.ANY_SOURCE, tag=_TAG_PUSH)
+        status = self.MPI.Status()
+        try:
+            if not self._head_req.Test(status):
+                return None
+        except self.MPI.Exception as exc:
+            raise self._failed(exc, keep_head=True) from None
+        self._head_req = None
+        return self.workers.index(status.Get_source()), self._head_in
+
     def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),

@@ -1,0 +1,158 @@
+"""One global order of pushes for a sharded parameter server (``ps_ranks`` K > 1).
+
+Each shard server runs the same rule on its slice of θ. The rules are elementwise except for a
+few scalars that depend on the ORDER of pushes: SHAT's α (updates by others since a worker's last
+push), LC-ASGD's loss prediction, SMEGA2's cycle counter, the warm-up factor's push clock, and the
+float rounding of θ itself (θ − η·g₁ − η·g₂ ≠ θ − η·g₂ − η·g₁ bitwise). Workers push to all K
+servers at once, so each server sees its own arrival order, and left alone the model would become
+a patchwork of slices updated in different orders (the same push getting α = 0 on one slice and
+α = 1 on another).
+
+So shard 0's server is the sequencer: for every push header it receives it tells servers
+1..K-1 which worker's push comes next (one 8-byte message each, sent before it applies the push),
+and they apply pushes in exactly that order. A server s > 0 receives headers as they arrive and
+keeps the push headers that are not yet due (a worker has at most one push in flight per shard:
+it waits for every reply before its next push, and its data stays in its RMA slot or in MPI's
+queue until :meth:`complete_push` takes it); other messages (peek, finish, stop) are handled as
+they come, as with one server. Every shard then computes the same scalars from the same history,
+and K shards give bitwise the single server's θ for that global order
+(``tests/mpi/test_ps_shard_order.py``)::
+
+    transport = ordered(opt.transport, opt.layout)    # what ParameterServer.make_server does
+    PSServer(transport, rule, ...)                    # the server loop is unchanged
+
+Cost: servers s > 0 apply a push only once shard 0's announcement has arrived (one small message
+on the same node or across the network, sent before shard 0 applies the push), so they lag shard 0
+by at most that latency; stragglers are not waited for (the order is arrival order at shard 0).
+Not ordered: the stop (preemption) decision, which each shard still takes when a stop request
+reaches it (a preempted sharded run resumes through :func:`~.shards.align_resume`).
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from .shards import ShardError
+from .wire import KIND_PUSH
+
+_TAG_ORDER = 4192          # server 0 -> server s > 0: the worker whose push comes next
+
+
+def ordered(transport, layout):
+    """``transport`` itself with one server; else the ordered view of it (module docstring)."""
+    if layout.K == 1 or layout.shard < 0:
+        return transport
+    cls = OrderLeader if layout.shard == 0 else OrderFollower
+    return cls(transport, layout)
+
+
+class _Ordered:
+    """Everything but ``recv_push`` is the wrapped transport's."""
+
+    def __init__(self, transport, layout):
+        from mpi4py import MPI
+
+        self.MPI, self.inner, self.layout = MPI, transport, layout
+        self.comm = layout.comm            # the job's communicator: server ranks talk on it
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name, value):
+        if name in ("MPI", "inner", "layout", "comm") or name.startswith("_o"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+
+class OrderLeader(_Ordered):
+    """Shard 0's server: receives as usual and announces each push's worker to the others."""
+
+    def __init__(self, transport, layout):
+        super().__init__(transport, layout)
+        object.__setattr__(self, "_osends", collections.deque())
+
+    def recv_push(self):
+        w, h = self.inner._recv_header()          # noqa: SLF001 (the transport's own receive)
+        if int(h[0]) == KIND_PUSH:
+            buf = np.array([w], np.int64)
+            for server in self.layout.servers[1:]:
+                self._osends.append((self.comm.Isend([buf, self.MPI.INT64_T], dest=server,
+                                                     tag=_TAG_ORDER), buf))
+            while self._osends and self._osends[0][0].Test():
+                self._osends.popleft()
+        return self.inner.complete_push(w, h)
+
+    def finish(self, collective: bool = True) -> None:
+        """At close: complete the announcements (each one is taken by its follower, which
+        applies every push shard 0 announced before it ends; 60 s without that is a bug)."""
+        if not collective:
+            return
+        t0 = time.monotonic()
+        while self._osends:
+            if self._osends[0][0].Test():
+                self._osends.popleft()
+            elif time.monotonic() - t0 > 60:
+                raise ShardError(f"shard servers {self.layout.servers[1:]} did not take "
+                                 f"{len(self._osends)} push announcements of shard 0 in 60 s: "
+                                 "the shards disagree on the pushes they took")
+            else:
+                time.sleep(1e-3)
+
+
+class OrderFollower(_Ordered):
+    """Server s > 0: applies pushes in shard 0's order (module docstring)."""
+
+    def __init__(self, transport, layout):
+        super().__init__(transport, layout)
+        object.__setattr__(self, "_obuf", np.zeros(1, np.int64))
+        object.__setattr__(self, "_oreq", None)
+        object.__setattr__(self, "_onext", None)       # the worker whose push is due
+        object.__setattr__(self, "_oheld", {})         # worker -> its push header, not yet due
+
+    def _announced(self) -> bool:
+        if self._onext is not None:
+            return True
+        if self._oreq is None:
+            self._oreq = self.comm.Irecv([self._obuf, self.MPI.INT64_T],
+                                         source=self.layout.servers[0], tag=_TAG_ORDER)
+        if not self._oreq.Test():
+            return False
+        self._oreq, self._onext = None, int(self._obuf[0])
+        return True
+
+    def recv_push(self):
+        t, pause = self.inner, 2e-5
+        t0 = time.perf_counter()
+        while True:
+            if self._announced() and self._onext in self._oheld:
+                w = self._onext
+                self._onext = None
+                t.wait_time += time.perf_counter() - t0
+                return t.complete_push(w, self._oheld.pop(w))
+            got = t.poll_header()
+            if got is not None:
+                w, h = got
+                if int(h[0]) != KIND_PUSH:
+                    t.wait_time += time.perf_counter() - t0
+                    return t.complete_push(w, h)
+                if w in self._oheld:
+                    raise RuntimeError(f"shard {self.layout.shard}: worker {w} pushed again before "
+                                       "its previous push was applied (a worker must wait for "
+                                       "every reply)")
+                self._oheld[w] = h.copy()
+                pause = 2e-5
+                continue
+            if t.idle_hook is not None:
+                t.idle_hook()
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+
+    def finish(self, collective: bool = True) -> None:
+        """At close: withdraw the receive posted for an announcement that will not come."""
+        if self._oreq is not None:
+            self._oreq.Cancel()
+            self._oreq.Wait()
+            self._oreq = None
