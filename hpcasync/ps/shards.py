@@ -8,7 +8,10 @@ as possible: shard s holds ``[lo_s, hi_s)`` with ``hi_s - lo_s = n // K + (s < n
 (server at rank 0 there, worker i at rank i + 1), its own transport (the float buffers travel with
 shard 0's pushes only) and its own rule instance built on its slice ``θ[lo_s:hi_s]``; the server
 loop (``ps.server``) runs unchanged on each shard. Every rule here is elementwise apart from a few
-scalars, which become per shard (each rule's docstring says which: "Sharding: ...").
+scalars that depend on the order of pushes (SHAT's α, LC-ASGD's prediction, SMEGA2's cycle, the
+warm-up clock): shard 0's server sequences the pushes and every shard applies them in that one
+order (:mod:`.ordering`), so each shard computes the same scalars and K servers give bitwise the
+single server's θ for that order.
 
 A worker pushes slice s of its gradient to server s (all K pushes leave before it waits for any
 reply, so the servers work in parallel) and then takes each reply slice into ``params[lo_s:hi_s]``
@@ -38,12 +41,11 @@ the bounds, server s > 0 in ``--checkpoint-dir/shard-<s>/`` under the same file 
 shard 0's (every rank, as with one server) and each server s > 0 its own file beside it; a
 checkpoint written with another K is a one-line CheckpointError on every rank.
 
-Resume from a cut the shards took apart (:func:`align_resume`): a stop (preemption) checkpoint is
-one consistent cut -- every worker's last push reached every shard -- but with several workers an
-epoch or periodic checkpoint is not: each shard writes it at its own N-th accepted push (a SIGTERM
-checkpoint even at its own N, paired by epoch: :func:`load_shard_state`), and the
-shards take the workers' pushes in different orders, so shard 0 may hold worker 0's 31st push
-and not worker 1's 30th while shard 1 holds the opposite (the same N = 61 on both). Refusing such
+Resume from a cut the shards took apart (:func:`align_resume`): since the shards apply one push
+order (:mod:`.ordering`), checkpoints written at the same N-th accepted push are one consistent cut,
+but a SIGTERM checkpoint is written by each shard at its own N (paired by epoch:
+:func:`load_shard_state`), and a shard may lag shard 0 by a few pushes, so shard 0 may hold worker
+0's 31st push that shard 1 has not yet applied. Refusing such
 a checkpoint would leave a crashed K > 1 run nothing to resume from; instead every worker resumes
 after the *latest* push any shard holds from it (elementwise max of the shards' positions), and
 a shard that had not yet applied some of those pushes never will: they are lost on that slice,
@@ -59,7 +61,7 @@ Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, 
 Differences from the reference design (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, which shards key ranges over server nodes with consistent hashing and
 replicates them): contiguous ranges, no replication, and no server-to-server traffic beyond the
-epoch records; a resume from shards cut apart loses a few pushes on some slices (above).
+push order and the epoch records; a resume from shards cut apart loses a few pushes on some slices (above).
 """
 from __future__ import annotations
 
