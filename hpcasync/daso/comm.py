@@ -82,6 +82,7 @@ class InFlight(NamedTuple):
     due_batch: int          # the batch that completes and merges it
     t_start: float          # time.perf_counter() at the send
     nbytes: int             # wire bytes of the message
+    keep: tuple = ()        # (start, end) ranges of θ held out of the merge (see merge_)
 
 
 def wire_itemsize(cast: str | None) -> int:
@@ -163,10 +164,11 @@ class DasoComm:
             self.global_bytes += nbytes // self.topo.local_size
         self.blocking_global_s += time.perf_counter() - t0
 
-    def start(self, snapshot: torch.Tensor, *, group: int, batch: int, due: int
+    def start(self, snapshot: torch.Tensor, *, group: int, batch: int, due: int, keep=()
               ) -> InFlight | None:
         """Group ``group`` starts summing ``snapshot`` (a tensor of its own, which receives S and
-        must not be touched until :meth:`complete`); returns None on ranks outside the group."""
+        must not be touched until :meth:`complete`); returns None on ranks outside the group.
+        ``keep``: ranges the merge of this message must leave as they are (recorded with it)."""
         if self.topo.local_rank != group:
             return None
         nbytes = snapshot.numel() * wire_itemsize(self.cast)
@@ -177,7 +179,7 @@ class DasoComm:
         if self.topo.num_nodes > 1:
             self.global_bytes += nbytes
         self.sends += 1
-        return InFlight(group, handle, batch, due, t_start, nbytes)
+        return InFlight(group, handle, batch, due, t_start, nbytes, tuple(keep))
 
     def progress(self, messages) -> None:
         """Let MPI move the messages in flight along (nonblocking ``test``)."""

@@ -16,6 +16,10 @@ Example::
 
     merge_(flat_state, received_sum, batches_to_wait=1, num_nodes=2)   # in place
 
+Parameters torch would leave untouched (``requires_grad=False``, in no param group, or in a group
+whose lr is 0 when the message was sent) are kept out of the merge (``keep``: their ranges of the
+flat vector): the bf16 wire and the weights would otherwise round values that never changed.
+
 Differences from Heat: the formula lives here once (Heat inlines it four times) and applies to the
 float buffers too (BatchNorm running statistics), not only to the parameters.
 """
@@ -48,10 +52,29 @@ def merge(local: torch.Tensor, received_sum: torch.Tensor, *, batches_to_wait: i
 
 
 def merge_(local: torch.Tensor, received_sum: torch.Tensor, *, batches_to_wait: int,
-           num_nodes: int) -> torch.Tensor:
-    """In-place :func:`merge` into ``local`` (one temporary-free pass; equal to rounding)."""
+           num_nodes: int, keep=()) -> torch.Tensor:
+    """In-place :func:`merge` into ``local`` (one temporary-free pass; equal to rounding).
+    ``keep``: ``(start, end)`` ranges of ``local`` left bitwise as they are."""
     if local.shape != received_sum.shape:
         raise ConfigError(f"DASO merge: local {tuple(local.shape)} and received "
                           f"{tuple(received_sum.shape)} differ in shape")
     w_local, w_sum = merge_weights(batches_to_wait=batches_to_wait, num_nodes=num_nodes)
-    return local.mul_(w_local).add_(received_sum.to(local.dtype), alpha=w_sum)
+    saved = [local[a:b].clone() for a, b in keep]
+    local.mul_(w_local).add_(received_sum.to(local.dtype), alpha=w_sum)
+    for (a, b), values in zip(keep, saved):
+        local[a:b].copy_(values)
+    return local
+
+
+def held_ranges(offsets, sizes, held) -> list[tuple[int, int]]:
+    """The ``(start, end)`` ranges of a flat vector covered by the parameters (at ``offsets``, of
+    ``sizes`` elements) whose ``held`` flag is set, adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, size, flag in zip(offsets, sizes, held):
+        if not flag or not size:
+            continue
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + size)
+        else:
+            out.append((start, start + size))
+    return out

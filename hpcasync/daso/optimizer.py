@@ -64,6 +64,11 @@ Differences from the paper / Heat (see also :mod:`.schedule` and :mod:`.merge`):
   left to identical seeds;
 * node-local averaging is on gradients (as Heat's DDP), but through our own allreduce or Horovod
   rather than ``torch.distributed``; the momentum and other optimizer state stay per rank;
+* parameters torch would leave untouched stay bitwise as they are: those with
+  ``requires_grad=False`` or in no param group see no gradient (``p.grad`` is None during the
+  user's step) and, with those of a param group whose lr is 0 at the send, are held out of the
+  global merge; the epoch-end average of such parameters is exact where every replica agrees
+  (rank 0's value plus the average difference from it);
 * no AMP/LR-scheduler plumbing: the wrapper forwards ``param_groups``/``state`` so torch LR
   schedulers work on it directly. ``backward_passes_per_step`` is not offered.
 """
@@ -78,10 +83,10 @@ import torch
 from ..comm import DASO_CHUNK_ELEMS, flatten, unflatten_into
 from ..comm.broadcast import broadcast
 from ..errors import ConfigError
-from ..optim import AlgorithmOptimizer, as_flat
+from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..topology import default_topology
 from .comm import DasoComm, InFlight, pack_state, unpack_state
-from .merge import merge_
+from .merge import held_ranges, merge_
 from .schedule import BatchPlan, DasoSchedule
 
 log = logging.getLogger(__name__)
@@ -173,7 +178,15 @@ class DASO(AlgorithmOptimizer):
             log.warning("DASO: step() after synchronize() without skip_synchronize(): "
                         "the batch is not synced twice")
         plan, self._synced_plan = self._synced_plan, None
-        result = self.optimizer.step()
+        groups = group_index(self.flat, self.param_groups)
+        frozen = [(p, p.grad) for p, g in zip(self.flat.parameters, groups) if g < 0]
+        for p, _ in frozen:              # as in torch: no gradient, no weight decay or momentum
+            p.grad = None
+        try:
+            result = self.optimizer.step()
+        finally:
+            for p, view in frozen:
+                p.grad = view
         with torch.no_grad():
             if self.global_phase and plan.receive_group is not None:
                 self._receive(plan)
@@ -190,7 +203,8 @@ class DASO(AlgorithmOptimizer):
     def _send(self, plan: BatchPlan) -> None:
         due = plan.batch + self.schedule.knobs.batches_to_wait
         snapshot = pack_state(self.flat.params, self.flat.buffers)      # a fresh tensor per send
-        msg = self.comm.start(snapshot, group=plan.send_group, batch=plan.batch, due=due)
+        msg = self.comm.start(snapshot, group=plan.send_group, batch=plan.batch, due=due,
+                              keep=self._held())
         if msg is not None:
             self.inflight.append(msg)
 
@@ -206,7 +220,7 @@ class DASO(AlgorithmOptimizer):
             total = self.comm.complete(msg)
             pack_state(self.flat.params, self.flat.buffers, out=state)
             merge_(state, total, batches_to_wait=msg.due_batch - msg.sent_batch,
-                   num_nodes=self.topo.num_nodes)
+                   num_nodes=self.topo.num_nodes, keep=msg.keep)
         self.comm.node_broadcast(state, root=group)
         unpack_state(state, self.flat.params, self.flat.buffers)
 
@@ -231,11 +245,31 @@ class DASO(AlgorithmOptimizer):
             with torch.no_grad():
                 self._average_everything()
 
+    def _held(self) -> list[tuple[int, int]]:
+        """Ranges of θ that torch's step leaves untouched now: parameters with
+        ``requires_grad=False`` or in no param group, and those of a group whose lr is 0."""
+        zero_lr = [float(g["lr"]) == 0.0 for g in self.param_groups]
+        held = [g < 0 or zero_lr[g] for g in group_index(self.flat, self.param_groups)]
+        sizes = [p.numel() for p in self.flat.parameters]
+        return held_ranges(self.flat.offsets, sizes, held)
+
     def _average_everything(self) -> None:
-        """Blocking average over all ranks of parameters, buffers and the optimizer's state."""
+        """Blocking average over all ranks of parameters, buffers and the optimizer's state.
+
+        Held parameters (:meth:`_held`) average as ref + mean(x − ref) with ref = rank 0's value:
+        bitwise unchanged where every replica agrees (a plain float sum of P equal values divided
+        by P is not always exact), the same on every rank where they differ."""
         extra = optimizer_state_tensors(self.optimizer)
         state = flatten([self.flat.params, self.flat.buffers, *extra])
+        keep = self._held()
+        ref = flatten([state[a:b] for a, b in keep])
+        if keep:
+            broadcast(self.topo.world, ref, root=0)
+            _each_range(keep, ref, lambda dst, r: dst.sub_(r), state)
         self.comm.global_average(state)
+        if keep:
+            _each_range(keep, ref, lambda dst, r: dst.copy_(torch.where(dst == 0, r, dst + r)),
+                        state)
         unflatten_into(state, [self.flat.params, self.flat.buffers, *extra])
 
     # -- epochs -------------------------------------------------------------------------------
@@ -272,6 +306,14 @@ class DASO(AlgorithmOptimizer):
     def _load_extra(self, extra: dict) -> None:
         self.schedule.load_state_dict(extra["schedule"])
         self.steps = int(extra["steps"])
+
+
+def _each_range(ranges, packed: torch.Tensor, fn, state: torch.Tensor) -> None:
+    """``fn(state[a:b], piece)`` for each range and its consecutive piece of ``packed``."""
+    at = 0
+    for a, b in ranges:
+        fn(state[a:b], packed[at: at + b - a])
+        at += b - a
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
