@@ -27,24 +27,34 @@ class HpcasyncError(Exception):
     """Bad input or environment; reported as a single line."""
 
 
-class ConfigError(HpcasyncError):
-    """An invalid option or config file value."""
+class ConfigError(HpcasyncError, ValueError):
+    """An invalid option or config file value, or a misuse of the API (``except ValueError``
+    catches it, as it would torch's own argument checks)."""
 
 
-class DataError(HpcasyncError):
+class DataError(HpcasyncError, ValueError):
     """A missing, truncated or malformed data set."""
 
 
-class TopologyError(HpcasyncError):
+class TopologyError(HpcasyncError, RuntimeError):
     """The MPI world does not fit the requested layout."""
 
 
-class CheckpointError(HpcasyncError):
+class CheckpointError(HpcasyncError, RuntimeError):
     """A missing, corrupt or incompatible checkpoint."""
 
 
-class DivergedError(HpcasyncError):
+class DivergedError(HpcasyncError, RuntimeError):
     """Training diverged (non-finite or exploding loss, non-finite weights): the run stops."""
+
+
+class ProcessFailedError(HpcasyncError, RuntimeError):
+    """Ranks died (ULFM reported it) and nothing here survives it; ``dead_ranks`` names them
+    (the role of Horovod's ``HorovodInternalError``)."""
+
+    def __init__(self, message: str, dead_ranks=()):
+        super().__init__(message)
+        self.dead_ranks = list(dead_ranks)
 
 
 PRE_MPI_FOLLOWER_WAIT_S = 15.0
@@ -79,7 +89,7 @@ def _mpi_world():
 def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
     """Report ``exc`` and end the job: ``MPI_Abort`` when MPI runs with >1 rank, else ``exit``."""
     world = _mpi_world()
-    user_error = isinstance(exc, HpcasyncError)
+    user_error = isinstance(exc, HpcasyncError) and not isinstance(exc, ProcessFailedError)
     if code is None:
         code = 2 if user_error else 1
     rank = world.Get_rank() if world is not None else launcher_rank()
@@ -114,19 +124,58 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
     os._exit(code) if world is not None else sys.exit(code)
 
 
-def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
-    """For a process failure reported by ULFM (``MPI_ERR_PROC_FAILED``/``REVOKED``) where no
-    recovery applies: print one line naming the dead world ranks and return True."""
-    from .runtime.recovery import proc_failure
+def proc_failure(exc: BaseException | None) -> bool:
+    """``exc`` (or an exception it was raised from) reports dead processes or a revoked
+    communicator (ULFM's ``MPI_ERR_PROC_FAILED``, ``..._PENDING``, ``MPI_ERR_REVOKED``)."""
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    if mpi_mod is None:                 # MPI never imported: no MPI error to look at
+        return False
+    codes = {getattr(mpi_mod, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                 "ERR_REVOKED")} - {None}
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ProcessFailedError):
+            return True
+        if isinstance(exc, mpi_mod.Exception) and exc.Get_error_class() in codes:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
+
+def dead_ranks(comm) -> list[int]:
+    """Acknowledge the failures known here on ``comm`` (ULFM) and return the dead ranks of
+    ``comm``, sorted (empty: none known yet)."""
+    comm.Ack_failed()
+    return ranks_in(comm.Get_failed(), comm)
+
+
+def ranks_in(group, comm) -> list[int]:
+    """The ranks in ``comm`` of the members of ``group`` that belong to it, sorted; frees
+    ``group``."""
+    from mpi4py import MPI
+
+    mine = comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), mine)
+    finally:
+        group.Free()
+        mine.Free()
+    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
+
+
+def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
+    """For a process failure reported by ULFM (``MPI_ERR_PROC_FAILED``/``REVOKED``, or a
+    :class:`ProcessFailedError`) where no recovery applies: print one line naming the dead world
+    ranks and return True."""
     if not proc_failure(exc):
         return False
-    try:
-        from .runtime.ft import dead_ranks
-
-        dead = dead_ranks(world)
-    except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
-        dead = []
+    dead = getattr(exc, "dead_ranks", None)
+    if not dead:
+        try:
+            dead = dead_ranks(world)
+        except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
+            dead = []
     who = f"rank(s) {', '.join(map(str, dead))} died" if dead else "a rank died"
     print(f"hpcasync: error (rank {rank}): {who}; this run cannot survive it here ({exc}); "
           "ending the job", file=sys.stderr, flush=True)

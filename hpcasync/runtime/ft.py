@@ -63,7 +63,7 @@ import sys
 from typing import Callable
 
 from .. import launch
-from ..errors import HpcasyncError
+from ..errors import HpcasyncError, dead_ranks, ranks_in as _ranks_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("hpcasync")
 
@@ -130,25 +130,6 @@ def failed_ranks(comm, exc: BaseException) -> list[int] | None:
     return dead_ranks(comm)
 
 
-def dead_ranks(comm) -> list[int]:
-    """Acknowledge the failures known here on ``comm`` (ULFM) and return the dead ranks of
-    ``comm``, sorted (empty: none known yet)."""
-    comm.Ack_failed()
-    return _ranks_in(comm.Get_failed(), comm)
-
-
-def _ranks_in(group, comm) -> list[int]:
-    """The ranks in ``comm`` of the members of ``group`` that belong to it, sorted; frees
-    ``group``."""
-    from mpi4py import MPI
-
-    mine = comm.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), mine)
-    finally:
-        group.Free()
-        mine.Free()
-    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
 
 
 def is_pending(exc: BaseException) -> bool:

@@ -42,27 +42,10 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..errors import proc_failure  # noqa: F401 (re-exported)
 from .ft import _ranks_in, dead_ranks, failed_ranks
 
 log = logging.getLogger("hpcasync")
-
-
-def proc_failure(exc: BaseException | None) -> bool:
-    """``exc`` (or an exception it was raised from) reports dead processes or a revoked
-    communicator (ULFM's ``MPI_ERR_PROC_FAILED``, ``..._PENDING``, ``MPI_ERR_REVOKED``)."""
-    try:
-        from mpi4py import MPI
-    except ImportError:                     # pragma: no cover - mpi4py is a dependency
-        return False
-    codes = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
-                                             "ERR_REVOKED")} - {None}
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in codes:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class SyncRecovery:
