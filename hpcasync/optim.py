@@ -22,7 +22,8 @@ plain torch optimizer takes ours (torch ignores the extra key).
 Gradients: every algorithm reads the flat gradient buffer of :class:`~hpcasync.comm.FlatModel`;
 before it does, :meth:`AlgorithmOptimizer._collect` re-binds gradients that a ``zero_grad(
 set_to_none=True)`` on the model or on any optimizer detached (one pointer check per tensor when
-nothing was detached), so communication never silently stops.
+nothing was detached), so communication never silently stops; and stops with one line when
+``model.to(...)``/``.half()``/channels_last after the optimizer moved a parameter off the buffer.
 """
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def group_index(flat: FlatModel, param_groups) -> list[int]:
     Every family reads this to leave such parameters bitwise untouched, as plain torch does."""
     where = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
     return [where.get(id(p), -1) if p.requires_grad else -1 for p in flat.parameters]
+
+
+def unbound_message(algorithm: str, name: str) -> str:
+    """The one line for a parameter (or buffer) that ``model.to(...)`` moved off the flat buffer."""
+    return (f"{algorithm}: {name} is no longer a view of the flat buffer (.to()/.cuda()/.half()/"
+            ".double()/channels_last after hpcasync.optimizer(...)?): build the optimizer after "
+            "moving/converting the model")
 
 
 class AlgorithmOptimizer(torch.optim.Optimizer):
@@ -137,8 +145,17 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         (the buffer is what the algorithm communicates)."""
         self.flat.zero_grad()
 
+    def _check_bound(self) -> None:
+        """Stop (every rank meets it at the same step) when a parameter or buffer is no longer
+        its view of the flat buffer: the algorithm would silently stop training it."""
+        name = self.flat.unbound()
+        if name is not None:
+            raise ConfigError(unbound_message(self.algorithm, name))
+
     def _collect(self) -> None:
-        """Before reading ``flat.grads``: take back gradients a ``set_to_none`` detached."""
+        """Before reading ``flat.grads``: check the parameters are still views of the flat buffer
+        (:meth:`_check_bound`), then take back gradients a ``set_to_none`` detached."""
+        self._check_bound()
         if self.flat.collect_grads() and not getattr(self, "_told_set_to_none", False):
             self._told_set_to_none = True
             log.debug("%s: gradients detached by zero_grad(set_to_none=True) were re-bound to "

@@ -18,9 +18,11 @@ Rules that keep the views alive:
   ``.grad`` tensors); every algorithm calls :meth:`collect_grads` before it reads ``grads``, which
   copies such gradients back and re-binds the views. :meth:`check` lists what is detached.
 * ``grads`` is the head of ``grads_and_buffers``, whose tail ``buffer_wire`` carries a copy of
-  ``buffers`` when a step averages both in one message.
+  ``buffers`` when a step averages both in one message; in front of ``grads`` lies ``presence``
+  (one float per parameter: did it get a gradient this step), ``presence_and_grads`` the two.
 * build the FlatModel after moving the module to its device and before creating the optimizer; never
-  ``module.to(...)`` afterwards.
+  ``module.to(...)`` afterwards (:meth:`unbound` names the parameter it detached; every
+  algorithm's step stops with that name).
 
 Example::
 
@@ -108,13 +110,24 @@ class FlatModel:
         # synchronous step averages both in one message (``grads_and_buffers``) copying only the
         # buffers. (The module's buffers cannot live in that storage: autograd saves BatchNorm's
         # running statistics and checks the version counter, which views of one storage share.)
-        self.grads_and_buffers = torch.zeros(self.numel + self.buffer_numel, dtype=torch.float32,
-                                             device=self.device)
+        # Its head, ``presence`` (one float per parameter), travels in front of the gradients:
+        # [presence | grads | buffer copy], so SSGD's last bucket tells every rank which
+        # parameters got a gradient on some rank, in the message it sends anyway.
+        n = len(self._params)
+        self._wire = torch.zeros(n + self.numel + self.buffer_numel, dtype=torch.float32,
+                                 device=self.device)
+        self.presence = self._wire[:n]
+        self.presence_and_grads = self._wire[:n + self.numel]
+        self.grads_and_buffers = self._wire[n:]
         self.grads = self.grads_and_buffers[:self.numel]
         self.buffer_wire = self.grads_and_buffers[self.numel:]
+        self._buffer_slots = []
         for (name, buf), off in zip(float_bufs, self._buffer_offsets):
             owner, attr = _owner(module, name)
             owner._buffers[attr] = self.buffers[off: off + buf.numel()].view(buf.shape)
+            self._buffer_slots.append((name, owner, attr, owner._buffers[attr].data_ptr()))
+        # where each parameter's data must stay (``unbound``: one pointer compare per tensor)
+        self._param_ptrs = [p.data_ptr() for p in self._params]
         self.rebind_grads()
 
     # -- layout ---------------------------------------------------------------------------------
@@ -199,6 +212,20 @@ class FlatModel:
             p.grad = view
             repaired += 1
         return repaired
+
+    def unbound(self) -> str | None:
+        """The name of the first parameter or floating buffer whose data is no longer its view of
+        the flat tensors (``module.to(...)``/``.cuda()``/``.half()``/``.double()``/channels_last
+        after the FlatModel was built re-binds ``p.data`` elsewhere), else None. One pointer
+        compare per tensor: cheap enough for every step."""
+        for name, p, ptr in zip(self.names, self._params, self._param_ptrs):
+            if p.data_ptr() != ptr and p.numel():
+                return name
+        for name, owner, attr, ptr in self._buffer_slots:
+            buf = owner._buffers.get(attr)
+            if buf is None or (buf.data_ptr() != ptr and buf.numel()):
+                return name
+        return None
 
     def check(self) -> list[str]:
         """Names of parameters, grads or buffers that are no longer views of the flat tensors."""

@@ -42,7 +42,8 @@ the flat buffer (no copy), of one size, fixed by the reverse parameter order. Ho
 and fuses them in a background thread on a timer (``HOROVOD_CYCLE_TIME``); here the fusion is the
 fixed bucket and the thread starts a bucket as soon as it is complete. Unused parameters are not
 searched for in the graph (DDP's ``find_unused_parameters``): their buckets simply start at
-``finish()``.
+``finish()``; which parameters got a gradient on some rank (DDP's "locally used" map, allreduced)
+travels with the last bucket (``presence``), so SSGD can leave globally unused ones as torch does.
 """
 from __future__ import annotations
 
@@ -108,6 +109,12 @@ class BucketReducer:
         last_pass: callable, True when the backward now running is the last of the step
             (``backward_passes_per_step``); hooks of earlier passes only accumulate.
         average: average (default) or, False, sum the gradients (Horovod's ``op=Sum``).
+        presence: optional callable returning, per parameter, 1.0 if it got a gradient on this
+            rank this step, else 0.0. Then the bucket reduced last (it starts at offset 0) carries
+            ``flat.presence`` in front of its gradients, filled just before it starts: after
+            :meth:`finish`, ``flat.presence[k] > 0`` iff parameter k got a gradient on some rank
+            (DDP's "globally unused" map, at no extra message). When the last bucket starts every
+            other bucket has started, so every parameter's presence is known by then.
 
     Attributes: ``buckets`` (``(lo, hi, param_indices)``), ``events`` (when recording: a list of
     ``("ready", param_index)`` / ``("start", bucket)`` / ``("done", bucket)`` tuples of the current
@@ -116,11 +123,13 @@ class BucketReducer:
 
     def __init__(self, flat, comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, compress: str | None = None,
-                 progress: str = DEFAULT_PROGRESS, last_pass=lambda: True, average: bool = True):
+                 progress: str = DEFAULT_PROGRESS, last_pass=lambda: True, average: bool = True,
+                 presence=None):
         if progress not in PROGRESS:
             raise ConfigError(f"progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         self.flat, self.comm, self.compress, self.progress = flat, comm, compress, progress
         self.average = average
+        self._presence = presence
         self._inflight = []             # progress="test": handles of started buckets
         numels = [int(torch.Size(s).numel()) for s in flat.shapes]
         self.buckets = bucket_ranges(flat.offsets, numels, int(bucket_bytes))
@@ -154,6 +163,7 @@ class BucketReducer:
         self._pending = [len(m) for _, _, m in self.buckets]
         self._seen = [False] * len(self.flat.shapes)
         self._next = 0                  # the next bucket to start (buckets start in index order)
+        self._marked = False            # flat.presence filled for this step
         self._started = 0
         if self.record:
             self.events = []
@@ -196,7 +206,23 @@ class BucketReducer:
             self._launch(self._next)
             self._next += 1
 
+    def _mark(self) -> None:
+        """Fill ``flat.presence`` for this step (once; before the last bucket starts and before
+        any gradient is re-bound to the flat buffer)."""
+        if self._presence is not None and not self._marked:
+            self._marked = True
+            self.flat.presence.copy_(torch.tensor(self._presence(), dtype=torch.float32))
+
+    def _span(self, b: int) -> torch.Tensor:
+        """What bucket b reduces: its range of ``grads``; the last one with ``presence`` ahead."""
+        lo, hi, _ = self.buckets[b]
+        if self._presence is not None and b == len(self.buckets) - 1:
+            return self.flat.presence_and_grads[:self.flat.presence.numel() + hi]
+        return self.flat.grads[lo:hi]
+
     def _launch(self, b: int) -> None:
+        if b == len(self.buckets) - 1:
+            self._mark()
         if self.record:
             self.events.append(("start", b))
         if self.progress == "test":
@@ -212,16 +238,14 @@ class BucketReducer:
         self._queue.put(b)
 
     def _start(self, b: int):
-        lo, hi, _ = self.buckets[b]
-        return iallreduce(self.comm, self.flat.grads[lo:hi], average=self.average,
+        return iallreduce(self.comm, self._span(b), average=self.average,
                           compress=self.compress, name="ssgd-bucket", step=b)
 
     def _reduce(self, b: int) -> None:
-        lo, hi, _ = self.buckets[b]
         if self.progress == "test":
             self._start(b).wait()
         else:
-            allreduce(self.comm, self.flat.grads[lo:hi], average=self.average,
+            allreduce(self.comm, self._span(b), average=self.average,
                       compress=self.compress)
         if self.record:
             self.events.append(("done", b))
@@ -242,6 +266,8 @@ class BucketReducer:
     def finish(self) -> None:
         """Reduce every bucket of this step; on return ``flat.grads`` is averaged."""
         try:
+            if self._next < len(self.buckets):
+                self._mark()            # before _zero_missing/collect_grads re-bind gradients
             if self.overlap:
                 if self._next < len(self.buckets):
                     self._zero_missing()

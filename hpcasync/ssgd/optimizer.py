@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat
 from ..topology import init_mpi
 from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
+from .passes import BackwardPasses
 
 log = logging.getLogger("hpcasync")
 
@@ -36,8 +37,12 @@ class DistributedOptimizer(AlgorithmOptimizer):
         optimizer: the user's optimizer over the model's parameters (any torch optimizer).
         model: the model (an ``nn.Module``, flattened here; or its :class:`FlatModel`).
         comm: the communicator to average over (default: every rank, ``MPI.COMM_WORLD``).
-        backward_passes_per_step: gradients of this many ``step()`` calls are accumulated locally
-            before one allreduce and one optimizer step (as Horovod's option of the same name).
+        backward_passes_per_step: Horovod's meaning: the loop calls ``backward()`` this many
+            times, then ``step()`` once; the gradients are summed locally, averaged over ranks in
+            one allreduce, then the optimizer steps. A parameter whose gradient is computed more
+            often before ``step()`` is a one-line error (as in Horovod); ``step()`` after fewer
+            passes reduces what there is (as Horovod). With ``overlap`` a bucket starts on its
+            parameters' last pass only.
         compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce.
         average_buffers: average floating buffers (BatchNorm running statistics) in one more
             allreduce after the gradients' buckets, every step (default True: replicas stay
@@ -79,8 +84,10 @@ class DistributedOptimizer(AlgorithmOptimizer):
                  backward_passes_per_step: int = 1, compress: str | None = None,
                  average_buffers: bool = True, overlap: bool | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: str = DEFAULT_PROGRESS):
-        if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if (not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool)
+                or backward_passes_per_step < 1):
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got "
+                              f"{backward_passes_per_step!r}")
         if compress not in (None, "bf16", "fp16"):
             raise ConfigError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 4:
@@ -90,10 +97,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
         if comm is None:
             comm = init_mpi().COMM_WORLD
         self.comm = comm
-        self.backward_passes_per_step = backward_passes_per_step
         self.compress = compress
         self.sync_buffers = bool(average_buffers) and self.flat.buffer_numel > 0
-        self.passes = 0            # backward passes accumulated since the last step
+        # backward passes counted per parameter (Horovod's meaning); their hooks are registered
+        # before the reducer's, which read ``last`` (hooks of one tensor run in that order)
+        grouped = {id(p) for g in self.param_groups for p in g["params"]}
+        counted = [id(p) in grouped for p in self.flat.parameters]
+        self._passes = BackwardPasses(self.flat, backward_passes_per_step, counted)
+        self._none_if_unused = True    # zero_grad(set_to_none=...): torch's default
         self.steps = 0             # optimizer steps taken
         self.bytes_sent = 0        # payload bytes handed to allreduce by this rank
         self.comm_time = 0.0       # seconds spent in allreduce
@@ -106,9 +117,27 @@ class DistributedOptimizer(AlgorithmOptimizer):
         overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
         self.reducer = BucketReducer(
             self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=compress,
-            progress=progress,
-            last_pass=lambda: self.passes == self.backward_passes_per_step - 1)
+            progress=progress, last_pass=lambda: self._passes.last,
+            presence=self._passes.presence)
         self.overlap = self.reducer.overlap
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes per ``step()`` (settable between steps, as Horovod's
+        ``set_backward_passes_per_step``)."""
+        return self._passes.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self._passes.passes = passes
+        self._passes.reset()
+
+    @property
+    def passes(self) -> int:
+        """Backward passes seen this step (the most of any parameter)."""
+        return self._passes.seen
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from ``root``'s parameters and buffers (not from seeds)."""
@@ -120,10 +149,18 @@ class DistributedOptimizer(AlgorithmOptimizer):
         """Average the flat gradient buffer (and the float buffers, with ``average_buffers``)
         across ranks, in place: waits for the buckets started during backward and reduces the
         others (with ``overlap=False``: all of them, in the same order). Called by ``step()``.
-        ``comm_time`` counts the time waited here (communication hidden behind backward is not)."""
+        ``comm_time`` counts the time waited here (communication hidden behind backward is not).
+
+        Parameters that got no gradient on any rank this step (``requires_grad=False``, unused
+        by every rank's forward) end with ``p.grad = None``, so torch's optimizer leaves them and
+        their state untouched, as it does in one process (after ``zero_grad(set_to_none=False)``
+        they keep a zero gradient instead, as torch's would). A parameter used on some ranks only
+        gets the average over all ranks, the others counting zero (as DDP)."""
         t0 = time.perf_counter()
+        self._check_bound()       # before any collective: every rank stops at the same step
         self.reducer.finish()
         self._collect()           # (a no-op pointer check: the reducer re-bound every gradient)
+        self._release_unused()
         wire = self.flat.numel
         if self.sync_buffers:     # the buffers' bucket, last: BatchNorm statistics of this step
             self.flat.buffer_wire.copy_(self.flat.buffers)
@@ -132,37 +169,50 @@ class DistributedOptimizer(AlgorithmOptimizer):
             wire += self.flat.buffer_numel
         self.comm_time += time.perf_counter() - t0
         self.bytes_sent += wire * (2 if self.compress else 4)
+        self._passes.reset()
         self._synchronized = True
+
+    def _release_unused(self) -> None:
+        """``p.grad = None`` where no rank got a gradient (``flat.presence`` after the last
+        bucket); the next ``zero_grad()``/``synchronize()`` binds them to the flat buffer again."""
+        if not self._none_if_unused:
+            return
+        for p, used in zip(self.flat.parameters, self.flat.presence.tolist()):
+            if not used:
+                p.grad = None
 
     def _check_skip(self) -> None:
         if not self._synchronized:
             log.warning("skip_synchronize() without synchronize(): gradients are not averaged")
 
     def step(self, closure=None):
+        """Average the gradients (unless inside ``skip_synchronize()``), then the wrapped
+        optimizer's step. Every call steps: accumulation is ``backward_passes_per_step``
+        backward passes before one ``step()`` (Horovod's meaning)."""
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
-        self.passes += 1
-        if self.passes < self.backward_passes_per_step:
-            return None          # keep accumulating into the flat gradient buffer
         try:
             if not self._skip:
                 self.synchronize()
             else:
+                self._check_bound()
                 self.reducer.discard()
         except BaseException:
-            self.passes = 0        # the step is dropped; the next zero_grad() starts afresh
+            self._passes.reset()    # the step is dropped; the next zero_grad() starts afresh
             raise
-        self.passes = 0
+        self._passes.reset()
         self._synchronized = False
         self.steps += 1
         return self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffer (the gradients stay its views whatever ``set_to_none``
-        says); mid-accumulation (``backward_passes_per_step``) it keeps the partial sum."""
-        if self.passes:
-            return
+        says) and forget the backward passes counted so far, as torch's ``zero_grad`` drops the
+        gradients. ``set_to_none`` decides what a parameter that then gets no gradient on any
+        rank holds at ``step()``: None (torch's default; the optimizer skips it) or zeros."""
         self.reducer.discard()    # a backward not followed by step(): wait for what it started
+        self._passes.reset()
+        self._none_if_unused = bool(set_to_none)
         self.flat.zero_grad()
 
     def close(self) -> None:
@@ -170,6 +220,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         optimizer that other code outlives (otherwise the hooks keep it alive and its idle daemon
         thread waits until the process exits)."""
         self.reducer.close()
+        self._passes.close()
 
     def set_comm(self, comm) -> None:
         """Average over ``comm`` from now on: after dead ranks were shrunk out of the world
@@ -177,7 +228,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         call ``zero_grad()`` and redo its backward."""
         self.comm = comm
         self.reducer.set_comm(comm)
-        self.passes = 0
+        self._passes.reset()
         self._synchronized = False
 
     def average_buffers(self) -> None:
