@@ -56,6 +56,15 @@ from pathlib import Path
 
 from .errors import ConfigError
 
+FT_ENV = "OMPI_MCA_mpi_ft_enable"
+
+
+def ft_requested(env=None) -> bool:
+    """``OMPI_MCA_mpi_ft_enable`` is on (``mpirun --with-ft ulfm`` sets it; a user may too)."""
+    env = os.environ if env is None else env
+    return env.get(FT_ENV, "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
 OPEN_MPI, MPICH, UNKNOWN = "openmpi", "mpich", "unknown"
 NAMES = {OPEN_MPI: "Open MPI", MPICH: "MPICH", UNKNOWN: "an unrecognised MPI"}
 

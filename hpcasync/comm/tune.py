@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..runtime.ft import ft_requested
+from ..launch import ft_requested
 from .cache import comm_cache
 from .ops import HALF_DTYPES
 

@@ -63,11 +63,11 @@ import sys
 from typing import Callable
 
 from .. import launch
+from ..launch import FT_ENV, ft_requested  # noqa: F401 (re-exported)
 from ..errors import HpcasyncError, dead_ranks, ranks_in as _ranks_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("hpcasync")
 
-FT_ENV = "OMPI_MCA_mpi_ft_enable"
 
 
 class PSFailed(HpcasyncError):
@@ -80,12 +80,6 @@ class WorkerFailed(Exception):
     def __init__(self, ranks: list[int]):
         super().__init__(f"ranks {ranks} died")
         self.ranks = list(ranks)
-
-
-def ft_requested(env=None) -> bool:
-    """``OMPI_MCA_mpi_ft_enable`` is on (``mpirun --with-ft ulfm`` sets it; a user may too)."""
-    env = os.environ if env is None else env
-    return env.get(FT_ENV, "").strip().lower() in ("1", "true", "yes", "on", "enabled")
 
 
 def check_ft_request(env=None, vendor: str | None = None) -> None:
