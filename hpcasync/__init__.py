@@ -19,7 +19,7 @@ _EXPORTS = {
     "init": "hpcasync.api", "optimizer": "hpcasync.api", "algorithms": "hpcasync.api",
     "Roles": "hpcasync.api", "save_checkpoint": "hpcasync.api",
     "load_checkpoint": "hpcasync.api", "open_metrics": "hpcasync.api",
-    "install_fail_fast": "hpcasync.api",
+    "install_fail_fast": "hpcasync.api", "average_metric": "hpcasync.api",
     "DistributedOptimizer": "hpcasync.ssgd.optimizer", "DASO": "hpcasync.daso.optimizer",
     "ODSGD": "hpcasync.odsgd.optimizer", "ParameterServer": "hpcasync.ps.optimizer",
     "AlgorithmOptimizer": "hpcasync.optim", "DivergenceGuard": "hpcasync.runtime.divergence",

@@ -38,6 +38,7 @@ ranks waiting in a collective.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -61,7 +62,6 @@ def algorithms() -> tuple[str, ...]:
     return SYNC_ALGORITHMS + PS_ALGORITHMS
 
 
-_DEFAULTS = {"ps_ranks": 1}          # init()'s --ps-ranks, the ParameterServer default
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,10 @@ class Roles:
     worker_index: int | None    # PS algorithms: 0..num_workers-1 on workers, None on the server
     num_workers: int            # ranks that train
     topology: Any               # hpcasync.topology.Topology (communicators)
+    #: an mpi4py communicator of the ranks that train (the world for the synchronous algorithms;
+    #: the workers of a PS algorithm, None on its servers): metrics averaged over the workers
+    #: while the server is inside ``serve()`` (a world allreduce would wait for it forever)
+    workers_comm: Any = None
 
     @property
     def is_worker(self) -> bool:
@@ -136,8 +140,9 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         from .ps.shards import check_shards
 
         check_shards(ps_ranks, topo.size)
-    _DEFAULTS["ps_ranks"] = ps_ranks if ps else 1
-    servers = [(ps_rank + s) % topo.size for s in range(ps_ranks)] if ps else []
+    topo = dataclasses.replace(topo, ps_ranks=ps_ranks if ps else 1)   # ParameterServer's default
+    set_default_topology(topo)
+    servers = topo.servers if ps else []
     report = ps_rank if ps else 0
     logging.basicConfig(level=(logging.DEBUG if verbose else logging.INFO) if topo.rank == report
                         else logging.WARNING, stream=sys.stderr,
@@ -155,7 +160,36 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
                  local_size=topo.local_size, node=topo.node, num_nodes=topo.num_nodes,
                  device=topo.device, algorithm=algorithm, ps_rank=topo.ps_rank,
                  is_server=serves, worker_index=None if serves else workers.index(topo.rank),
-                 num_workers=len(workers), topology=topo)
+                 num_workers=len(workers), topology=topo,
+                 workers_comm=_workers_comm(topo.world, serves) if ps else topo.world)
+
+
+def _workers_comm(world, serves: bool):
+    """Collective over ``world``: a communicator of the training ranks (None on a server)."""
+    from mpi4py import MPI
+
+    comm = world.Split(MPI.UNDEFINED if serves else 0, world.Get_rank())
+    return None if comm == MPI.COMM_NULL else comm
+
+
+def average_metric(value, roles: Roles):
+    """The mean of ``value`` (a number or tensor) over the ranks that train: an allreduce on
+    ``roles.workers_comm``, so a PS job's workers average their metrics (e.g. each one's share of
+    the test set) while the server serves. Collective over the workers; the server has no
+    metric of its own to give (ConfigError there)."""
+    comm = roles.workers_comm
+    if comm is None:
+        raise ConfigError(f"rank {roles.rank} is a parameter server: it does not train, so it "
+                          "takes no part in average_metric (call it on the workers: "
+                          "ctx.is_worker), or average over ctx.topology.world after finish()")
+    n = comm.Get_size()
+    if torch.is_tensor(value):
+        flat = value.detach().to("cpu", torch.float64).clone()
+        from mpi4py import MPI
+
+        comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        return (flat / n).to(value.dtype).to(value.device)
+    return comm.allreduce(float(value)) / n
 
 
 def install_fail_fast() -> None:
@@ -280,17 +314,18 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer, *,
                     epoch: int, step: int = 0, keep: int = 3, **extra: Any) -> Path | None:
     """Write an atomic, checksummed checkpoint of ``model`` and ``optimizer`` (plus ``extra``) to
-    ``directory`` (the CLI's format; the newest ``keep`` are kept).
+    ``directory`` (the CLI's format; the newest ``keep`` are kept). Call it on every rank.
 
-    Synchronous algorithms (replicas identical): call on every rank; rank 0 writes, then every rank
-    waits for the file. A parameter-server algorithm: call on the server (e.g. in
-    ``serve(on_epoch=...)``): its state is θ and the rule's. A worker's model is the server's reply
-    in every rule but shat, shat-root and ensemble, whose workers keep a model of their own: call
-    it on those workers too, with the same ``epoch``/``step`` labels (e.g. at the end of their
-    epoch): each writes its model to ``directory/worker-<i>/``, which :func:`load_checkpoint`
-    pairs with the server's file of the same labels. Elsewhere a worker's call writes nothing.
-    Returns the path on a rank that wrote. A sharded server (``ps_ranks`` > 1) is a ConfigError:
-    only the CLI checkpoints its shards (:mod:`hpcasync.ps.shards`).
+    Synchronous algorithms (replicas identical): rank 0 writes, then every rank waits for the
+    file. A parameter-server algorithm (:mod:`hpcasync.ps.loop_checkpoint`): a worker's call (at
+    the end of its epoch, as a synchronous loop would) asks the server for the checkpoint
+    ``(epoch, step)`` and trains on at once; the server, inside ``serve()``, writes one file when
+    every worker has asked for that label or finished: θ, the rule's state, the server's clock
+    (push counts and epoch: the warm-up continues), the workers' buffers and every worker's
+    position and own state (shat, shat-root, ensemble: its model). The server's own call
+    (``serve(on_epoch=...)`` or after ``serve()``) writes its state alone, unless that label is
+    already complete. Returns the path on a rank that wrote (None on a PS worker). A sharded
+    server (``ps_ranks`` > 1) is a ConfigError: only the CLI checkpoints its shards.
     """
     from .checkpoint import CheckpointManager
 
@@ -298,45 +333,59 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
     comm = topo.world if topo is not None else getattr(optimizer, "comm", None)
     ps = algorithm in PS_ALGORITHMS
-    if ps and getattr(getattr(optimizer, "layout", None), "K", 1) > 1:
-        raise ConfigError(f"hpcasync.save_checkpoint of a sharded parameter server (ps_ranks="
-                          f"{optimizer.layout.K}) is not supported: each server holds one slice "
-                          "of θ and of the rule's state, and on_epoch runs on the first server "
-                          "only. Use ps_ranks=1 in your loop, or the CLI (hpcasync train "
-                          "--ps-ranks K --checkpoint-dir DIR), which checkpoints every shard")
+    if ps:
+        _check_unsharded(optimizer, "save_checkpoint")
     header = {"algorithm": algorithm, "model": type(model).__name__}
-    if ps and not optimizer.is_server:                  # a PS worker: its own model, if any
-        if not optimizer.keeps_local:
-            return None
-        state = {"local": optimizer.local_model(), "worker": optimizer.worker,
-                 "epoch": epoch, "step": step}
-        return CheckpointManager(_worker_dir(directory, optimizer.worker), keep=keep).save(
-            state, epoch=epoch, step=step, **header)
-    writer = ps or comm is None or comm.Get_rank() == 0
+    if ps:
+        from .ps import loop_checkpoint
+
+        if optimizer.is_server:
+            return loop_checkpoint.server_save(optimizer, directory, epoch=epoch, step=step,
+                                               keep=keep, extra=extra, header=header)
+        if not optimizer._closed:                       # after finish(): the server's call writes
+            loop_checkpoint.request(optimizer, directory, epoch=epoch, step=step, keep=keep,
+                                    extra=extra, header=header)
+        return None
+    writer = comm is None or comm.Get_rank() == 0
     path = None
     if writer:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "epoch": epoch, "step": step, "extra": extra}
         path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
                                                             **header)
-    if not ps and comm is not None:
+    if comm is not None:
         comm.Barrier()
     return path
+
+
+def _check_unsharded(optimizer, what: str) -> None:
+    K = getattr(getattr(optimizer, "layout", None), "K", 1)
+    if K > 1:
+        raise ConfigError(f"hpcasync.{what} of a sharded parameter server (ps_ranks={K}) is not "
+                          "supported: each server holds one slice of θ and of the rule's state. "
+                          "Use ps_ranks=1 in your loop, or the CLI (hpcasync train --ps-ranks K "
+                          "--checkpoint-dir DIR), which checkpoints every shard")
 
 
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer=None
                     ) -> dict | None:
     """Restore the newest intact checkpoint of ``directory`` (or the file ``directory``) into
-    ``model`` and ``optimizer``; returns ``{"epoch", "step", **extra}``, or None when there is none.
-    A torn or foreign file is skipped with a warning; one of another algorithm or model is an
-    error. Not collective (every rank reads the file).
+    ``model`` and ``optimizer``; returns the position to continue from, ``{"epoch", "step",
+    **extra}``, or None when there is none (said in the log of the root rank, naming the
+    directory). A torn or foreign file is skipped with a warning; one of another algorithm or
+    model is an error. Not collective (every rank reads the file).
 
-    On a worker of shat, shat-root or ensemble the worker's own model of the same labels
-    (``worker-<i>/``, see :func:`save_checkpoint`) is handed to the optimizer, which trains from it
-    after the server's first reply; without one the worker restarts from θ (with a warning)."""
-    from .checkpoint import CheckpointManager, checkpoint_name, load_checkpoint as load_file
+    A parameter-server algorithm (call it on every rank before ``serve()`` and the loop): the
+    server takes θ, the rule's state and (when it serves) its clock; each worker its own position
+    (returned: the labels it asked the checkpoint for; ``finished: True`` if it had finished),
+    its BatchNorm buffers, its optimizer's param groups and (shat, shat-root, ensemble) its own
+    model, which it trains from after the server's first reply."""
+    from .checkpoint import CheckpointManager, load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
+    ps = algorithm in PS_ALGORITHMS
+    if ps:
+        _check_unsharded(optimizer, "load_checkpoint")
     expect = {"model": type(model).__name__, **({"algorithm": algorithm} if algorithm else {})}
     p = Path(directory)
     if p.is_file():
@@ -344,25 +393,29 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     else:
         found = CheckpointManager(p).load_latest(expect=expect) if p.is_dir() else None
         if found is None:
+            if _is_root(optimizer, ps):
+                log.warning("hpcasync.load_checkpoint: no checkpoint in %s%s: starting from "
+                            "the beginning", p, "" if p.is_dir() else " (no such directory)")
             return None
         state = found[2]
     model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        if getattr(optimizer, "keeps_local", False) and not optimizer.is_server:
-            mine = _worker_dir(p.parent if p.is_file() else p, optimizer.worker) / \
-                checkpoint_name(state["epoch"], state["step"])
-            if mine.is_file():
-                optimizer.resume_local(load_file(mine, expect=expect)["local"])
-            else:
-                log.warning("%s worker %d: no model of its own saved as %s: it restarts from the "
-                            "server's θ", algorithm, optimizer.worker, mine)
+    if optimizer is None:
+        return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+    if ps:
+        from .ps.loop_checkpoint import restore
+
+        return restore(optimizer, state)
+    optimizer.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
 
 
-def _worker_dir(directory, worker: int) -> Path:
-    """Where a parameter-server worker keeps its own model's checkpoints (shat, ensemble, ...)."""
-    return Path(directory) / f"worker-{worker}"
+def _is_root(optimizer, ps: bool) -> bool:
+    """The rank that reports: the (first) server of a PS optimizer, else rank 0 of the job."""
+    if ps:
+        return bool(optimizer.is_server) and optimizer.layout.shard <= 0
+    from mpi4py import MPI
+
+    return not MPI.Is_initialized() or MPI.COMM_WORLD.Get_rank() == 0
 
 
 def open_metrics(path: str | os.PathLike | None, *, roles: Roles | None = None):

@@ -56,6 +56,7 @@ from ..optim import AlgorithmOptimizer, as_flat
 from ..rules import RULES, make_rule, ps_lr_factor
 from ..topology import default_topology
 from .lifecycle import at_exit, describe, peek, take_replies
+from .loop_checkpoint import attach as attach_checkpoints, flush as flush_checkpoint_requests
 from .ordering import ordered
 from .server import PSServer
 from .shards import (ShardLayout, check_shards, epoch_exchange, finish_sends, wait_ends,
@@ -118,8 +119,7 @@ class ParameterServer(AlgorithmOptimizer):
         if comm is None or ps_rank is None:
             topo = default_topology()
             if comm is None and ps_ranks is None:
-                from ..api import _DEFAULTS
-                ps_ranks = _DEFAULTS["ps_ranks"]
+                ps_ranks = topo.ps_ranks             # hpcasync.init(ps_ranks=...)
             comm = topo.world if comm is None else comm
             ps_rank = topo.ps_rank if ps_rank is None else ps_rank
         if comm.Get_size() < 2:
@@ -265,6 +265,9 @@ class ParameterServer(AlgorithmOptimizer):
         self._worker_only("finish")
         if self._closed:
             return self.flat.module
+        if not self.started and not self.finished and self._hook is not None:
+            self.start()        # a user's worker that never stepped (e.g. resumed at its end)
+        flush_checkpoint_requests(self)          # the server has them before it sees FINISH
         if self.started and not self.finished:
             for t, v in zip(self.transports, self.versions):
                 t.push(torch.zeros(0), kind=KIND_FINISH, version=v)
@@ -312,7 +315,9 @@ class ParameterServer(AlgorithmOptimizer):
                 on_epoch(epoch, self.flat.module)
         server = self.make_server(on_epoch=crossed, **callbacks)
         self.server = server
+        collector = attach_checkpoints(self, server)    # a loaded clock; the workers' requests
         server.serve()
+        collector.close()
         server.finish()
         self.load_theta()
         if collective:

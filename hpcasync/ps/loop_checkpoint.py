@@ -1,0 +1,227 @@
+"""A parameter-server checkpoint from a user's loop: :func:`hpcasync.save_checkpoint` on every rank.
+
+The server is inside ``serve()`` while the workers loop, and the workers are not in lockstep, so
+nothing here waits for anybody. A worker's call *asks*: it sends the server (a synchronous send on a
+tag of its own, completed at the latest in ``finish()``) the label, the directory and its part —
+its position (the label, its push count), its BatchNorm buffers, its optimizer's param groups
+(lr of its scheduler) and, for shat/shat-root/ensemble, its own model — and trains on. The server
+polls between pushes and while idle; when every worker has asked for a label or has finished, it
+writes ONE file (the CLI's atomic format): θ and the mean buffers, the rule's state, its clock
+(push counts, epoch, so the warm-up and the epoch records continue), the workers' latest buffers
+and every worker's part. A worker that finishes early or steps unevenly cannot block a label: a
+finished worker counts as having asked. The server's θ is the one at the last request (pushes
+that faster workers made after their own request are in θ and are pushed again on resume).
+
+:func:`restore` (``hpcasync.load_checkpoint``) gives the server θ, the rule and (at ``serve()``)
+the clock; each worker its part. The server's own call (inside ``serve(on_epoch=...)``, or after
+``serve()``) writes a server-only file of the same format unless its label is already complete.
+
+Example (every rank)::
+
+    found = hpcasync.load_checkpoint("ckpt", model, opt)      # None: a fresh start, said in the log
+    start = found["epoch"] if found else 0
+    if ctx.is_server: opt.serve()
+    else:
+        for epoch in range(start + 1, E + 1): ...; hpcasync.save_checkpoint("ckpt", model, opt, epoch=epoch)
+        opt.finish()
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..checkpoint import CheckpointManager
+from ..errors import CheckpointError
+
+log = logging.getLogger("hpcasync")
+
+#: the MPI tag of a worker's checkpoint request (on the optimizer's communicator; the transports
+#: use 4101-4106, the sharded epoch exchange its own)
+TAG_REQUEST = 4121
+
+
+# -- worker side --------------------------------------------------------------------------------
+
+def worker_part(opt, epoch: int, step: int, extra: dict) -> dict:
+    """What a worker contributes to a checkpoint: its position and its own state."""
+    return {"worker": opt.worker, "epoch": int(epoch), "step": int(step), "extra": dict(extra),
+            "steps": int(opt.steps), "version": int(opt.version),
+            "buffers": opt.flat.buffers.detach().cpu().clone(),
+            "optimizer": opt.state_dict(),
+            "local": opt.local_model() if opt.keeps_local else None}
+
+
+def request(opt, directory, *, epoch: int, step: int, keep: int, extra: dict,
+            header: dict) -> None:
+    """Worker: ask the server to write a checkpoint of this label (module doc); returns at once."""
+    msg = {"directory": str(directory), "keep": int(keep), "label": (int(epoch), int(step)),
+           "header": dict(header), "part": worker_part(opt, epoch, step, extra)}
+    sends = opt.__dict__.setdefault("_checkpoint_sends", [])
+    sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
+
+
+def flush(opt) -> None:
+    """Worker, before its last message: wait until the server has taken every request (it polls
+    while serving, so this ends), so no request can arrive after the worker finished."""
+    from .wire import wait
+
+    for req in opt.__dict__.pop("_checkpoint_sends", []):
+        wait(req)
+
+
+# -- server side --------------------------------------------------------------------------------
+
+class Collector:
+    """Server: the workers' checkpoint requests, written when a label is complete (module doc)."""
+
+    def __init__(self, opt, server):
+        self.opt, self.server = opt, server
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.written: dict[tuple[int, int], Path] = {}
+        self.last: dict[int, dict] = {}          # each worker's latest part
+        from mpi4py import MPI
+
+        self._MPI, self._status = MPI, MPI.Status()
+
+    def poll(self) -> None:
+        """Take every request that has arrived; write the labels that are complete."""
+        comm, MPI = self.opt.comm, self._MPI
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=self._status):
+            msg = comm.recv(source=self._status.Get_source(), tag=TAG_REQUEST)
+            label, part = tuple(msg["label"]), msg["part"]
+            entry = self.pending.setdefault(label, {**msg, "parts": {}})
+            entry["parts"][part["worker"]] = part
+            self.last[part["worker"]] = part
+        if self.pending:
+            self.complete()
+
+    def _done(self, w: int) -> bool:
+        return bool(self.server.finished[w]) or w in self.server.failed
+
+    def complete(self) -> None:
+        """Write every pending label that every worker has asked for or finished before."""
+        W = self.opt.num_workers
+        for label in sorted(self.pending):
+            entry = self.pending[label]
+            if all(w in entry["parts"] or self._done(w) for w in range(W)):
+                del self.pending[label]
+                parts = {w: entry["parts"].get(w) or _finished_part(self.last.get(w), label,
+                                                                     self.server.positions[w])
+                         for w in range(W)}
+                self.written[label] = write(self.opt, entry["directory"], *label,
+                                            keep=entry["keep"], extra={}, parts=parts,
+                                            header=entry["header"])
+
+    def close(self) -> None:
+        """After ``serve()``: every worker has finished, so every pending label is complete."""
+        self.poll()
+        self.complete()
+
+
+def _finished_part(last: dict | None, label, position: int) -> dict:
+    """The part of a worker that finished before asking for ``label``: its latest, flagged."""
+    if last is None:
+        return {"epoch": label[0], "step": label[1], "extra": {}, "steps": int(position),
+                "finished": True}
+    return {**last, "finished": True}
+
+
+def attach(opt, server) -> Collector:
+    """Server, at ``serve()``: continue a loaded clock, and poll for requests between pushes and
+    while idle. Returns the collector (``close()`` it when ``serve`` returns)."""
+    clock = opt.__dict__.pop("_resume_clock", None)
+    if clock is not None:
+        server.load_state_dict({**clock["server"], "rule": opt.rule.state_dict()})
+        W = opt.num_workers
+        server.finished = [False] * W            # a user's loop: every worker finishes itself
+        server.positions = [int(p) for p in clock["positions"]]
+        log.info("PS %s: resuming the server's clock at %d accepted pushes (epoch %d)",
+                 opt.algorithm, server.stats.accepted, server.next_epoch)
+    collector = opt.collector = Collector(opt, server)
+    stop, idle = server.stop_requested, opt.transport.idle_hook
+
+    def stop_requested() -> bool:
+        collector.poll()
+        return stop is not None and stop()
+
+    def idle_hook() -> None:
+        collector.poll()
+        if idle is not None:
+            idle()
+    server.stop_requested, opt.transport.idle_hook = stop_requested, idle_hook
+    return collector
+
+
+def snapshot(opt, epoch: int, step: int, extra: dict, parts: dict | None) -> dict:
+    """The server's state (θ in the model, the rule, the clock) and the workers' parts."""
+    opt.load_theta()
+    server = getattr(opt, "server", None)
+    clock = None
+    if server is not None:
+        clock = {k: v for k, v in server.state_dict().items() if k != "rule"}
+    return {"model": opt.flat.module.state_dict(), "optimizer": opt.state_dict(),
+            "epoch": int(epoch), "step": int(step), "extra": dict(extra),
+            "ps": {"clock": clock, "workers": {str(w): p for w, p in (parts or {}).items()}}}
+
+
+def write(opt, directory, epoch: int, step: int, *, keep: int, extra: dict,
+          parts: dict | None, header: dict) -> Path:
+    """Server: write :func:`snapshot` atomically to ``directory``; returns the path."""
+    state = snapshot(opt, epoch, step, extra, parts)
+    path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step, **header)
+    log.info("PS %s: checkpoint %s (%s)", opt.algorithm, path,
+             f"every worker's part, version {opt.rule.version}" if parts else
+             f"the server's state only, version {opt.rule.version}")
+    return path
+
+
+def server_save(opt, directory, *, epoch: int, step: int, keep: int, extra: dict,
+                header: dict) -> Path:
+    """The server's own ``save_checkpoint`` (inside ``on_epoch`` or after ``serve()``): a
+    server-only file, unless the workers already completed this label (then that file)."""
+    collector = getattr(opt, "collector", None)
+    if collector is not None:
+        collector.poll()
+        done = collector.written.get((int(epoch), int(step)))
+        if done is not None:
+            return done
+    return write(opt, directory, epoch, step, keep=keep, extra=extra, parts=None, header=header)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def restore(opt, state: dict) -> dict:
+    """Load a PS checkpoint's state into ``opt`` (its model already holds ``state["model"]``);
+    returns the position the loop continues from (``{"epoch", "step", **extra}``; a worker that
+    had finished: ``finished: True``)."""
+    opt.load_state_dict(state["optimizer"])
+    ps = state.get("ps") or {}
+    parts = {int(w): p for w, p in (ps.get("workers") or {}).items()}
+    position = {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+    if opt.is_server:
+        if ps.get("clock") is not None:
+            positions = [int(parts[w]["steps"]) if w in parts else 0
+                         for w in range(opt.num_workers)]
+            opt._resume_clock = {"server": ps["clock"], "positions": positions}
+        return position
+    part = parts.get(opt.worker)
+    if part is None:
+        if opt.keeps_local:
+            log.warning("%s worker %d: the checkpoint holds no model of its own (the server "
+                        "wrote it alone): it restarts from the server's θ", opt.algorithm,
+                        opt.worker)
+        return position
+    if "optimizer" in part:
+        buffers = part["buffers"]
+        if buffers.numel() != opt.flat.buffers.numel():
+            raise CheckpointError(f"worker {opt.worker}'s saved buffers have {buffers.numel()} "
+                                  f"elements, the model {opt.flat.buffers.numel()}")
+        opt.flat.buffers.copy_(buffers.to(opt.flat.buffers))
+        opt.load_state_dict(part["optimizer"])
+        opt.steps = int(part["steps"])
+        if part.get("local") is not None:
+            opt.resume_local(part["local"])
+    out = {"epoch": part["epoch"], "step": part["step"], **part.get("extra", {})}
+    if part.get("finished"):
+        out["finished"] = True
+    return out
