@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch Horovod's own PyTorch examples (tag v0.28.1) for tests/test_horovod_examples.py, which runs
+# Fetch Horovod's own PyTorch examples (tag v0.28.1) for tests/mpi/test_horovod_examples.py, which runs
 # them unchanged but for their `import horovod...` lines, under real Horovod and under
 # hpcasync.horovod. They are not in Horovod's sdist and are not committed here (Horovod's files);
 # they go to .cache/horovod-examples/ (git-ignored). Needs access to github.com; without it the

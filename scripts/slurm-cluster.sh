@@ -21,7 +21,7 @@ set -euo pipefail
 say() { echo "slurm-cluster: $*" >&2; }
 die() { say "error: $*"; exit 1; }
 # Exit status 3: the environment cannot host a cluster (not root, packages not installable);
-# callers such as tests/test_slurm.py skip on it. Any other failure exits 1.
+# callers such as tests/mpi/test_slurm.py skip on it. Any other failure exits 1.
 unavailable() { say "unavailable: $*"; exit 3; }
 
 usage() { echo "usage: $0 start|stop|status STATE_DIR" >&2; exit 2; }

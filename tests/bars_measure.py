@@ -1,6 +1,6 @@
-"""Measure the accuracies behind the learning bars of ``tests/test_learning_bars.py``.
+"""Measure the accuracies behind the learning bars of ``tests/mpi/test_learning_bars.py``.
 
-Runs exactly the test's command (:func:`tests.test_learning_bars.command`) for each algorithm and
+Runs exactly the test's command (:func:`tests.mpi.test_learning_bars.command`) for each algorithm and
 seed, one 4-rank job at a time (the box is shared: never two at once), and prints one line a run
 plus, at the end, the per-algorithm minimum and the bar it implies (minimum − 4 points)::
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hpcasync.metrics import read_metrics  # noqa: E402
 from tests.mpi_util import last_summary, run_mpi  # noqa: E402
-from tests.test_learning_bars import ALGORITHMS, MARGIN, command  # noqa: E402
+from tests.mpi.test_learning_bars import ALGORITHMS, MARGIN, command  # noqa: E402
 
 
 def main() -> None:

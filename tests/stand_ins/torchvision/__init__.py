@@ -3,7 +3,7 @@ use: ``datasets.MNIST``, ``transforms`` (Compose, ToTensor, Normalize) and ``mod
 
 Why: PyPI's torchvision wheels link the CUDA build of torch and do not import beside the CPU wheel
 this project installs (torch 2.13.0+cpu), and Horovod's examples import torchvision at the top.
-``tests/test_horovod_examples.py`` puts this directory first on ``PYTHONPATH`` so that
+``tests/mpi/test_horovod_examples.py`` puts this directory first on ``PYTHONPATH`` so that
 ``from torchvision import datasets, transforms, models`` resolves here; nothing outside the tests
 uses it. It is written from the documented behaviour of those APIs, not from torchvision's code.
 

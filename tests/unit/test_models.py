@@ -90,7 +90,8 @@ def test_user_factory_spec():
     """A name holding ':' is user code (hpcasync.plugins): factory(input_shape, num_classes)."""
     from pathlib import Path
 
-    spec = f"{Path(__file__).resolve().parent.parent / 'examples/plugins/my_models.py'}:gru"
+    repo = Path(__file__).resolve().parents[2]
+    spec = f"{repo / 'examples/plugins/my_models.py'}:gru"
     torch.manual_seed(0)
     model = build_model(spec, (28, 28), 7)
     assert model(torch.zeros(3, 28, 28)).shape == (3, 7)

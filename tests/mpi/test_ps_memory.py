@@ -12,7 +12,7 @@ ranks, the run records carry it, and p2p's shared reply copies are bitwise θ.
 Planted bugs each fails (see the report of issue 13): sharing by version alone; identity without
 the in-place version counter; ``torch.equal`` instead of a bitwise test; reusing a copy whose send
 is still in flight; a ``state_bytes`` without the reply copies; rma's reply read at
-``worker · numel`` instead of ``worker · slot`` (tests/test_ps_replies.py with buffers).
+``worker · numel`` instead of ``worker · slot`` (tests/mpi/test_ps_replies.py with buffers).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 **K = 2 equals K = 1, bitwise, for every rule** (one worker: the push order is fixed, so both are
 deterministic). Rank 0 launches two MPI jobs that each run the command line's entry point
-(``hpcasync.cli.main``) once per rule, as tests/test_resume_all.py does: a 3-rank job with
+(``hpcasync.cli.main``) once per rule, as tests/mpi/test_resume_all.py does: a 3-rank job with
 ``--ps-ranks 2`` (servers 0 and 1, worker 2) and a 2-rank job with one server. Each rule's final
 parameters (``params_sha256``) and test loss must be equal: every rule is elementwise in θ apart
 from scalars that sharding keeps per shard, so cutting θ in two must not change a bit. The 3-rank job
@@ -12,7 +12,7 @@ K = 2 run bitwise.
 
 **In-process** (the 4-rank pytest world: servers 0 and 1, workers 2 and 3, ``ParameterServer`` with
 ``ps_ranks=2``): every reply slice is its shard's θ at the version in its header (digests, as
-tests/test_ps_replies.py); a push with one NaN in one shard's slice is rejected by both shards
+tests/mpi/test_ps_replies.py); a push with one NaN in one shard's slice is rejected by both shards
 and the rest is applied exactly once.
 
 **Errors**: a checkpoint written with K = 2 resumed with K = 1 is a one-line CheckpointError;
@@ -88,7 +88,7 @@ def _jobs_out(tmp_path_factory) -> Path:
     if "out" not in _jobs:
         out = tmp_path_factory.mktemp("shards")
         for n, k in ((3, 2), (2, 1)):
-            r = run_mpi(n, ["--", sys.executable, "-m", "tests.test_ps_shards", str(out), str(k),
+            r = run_mpi(n, ["--", sys.executable, "-m", "tests.mpi.test_ps_shards", str(out), str(k),
                             *ALGORITHMS], timeout=560)
             _jobs[k] = r
         _jobs["out"] = out

@@ -5,7 +5,7 @@ a writer's leftover temp file. SSGD: the resumed run ends bitwise equal to an un
 PS (asgd): the resumed run does exactly the remaining work. A checkpoint writer killed before its
 rename leaves only a temp file, which is never picked.
 
-(Signals that allow a clean stop are tests/test_preemption*.py; a damaged checkpoint named with
+(Signals that allow a clean stop are tests/mpi/test_preemption*.py; a damaged checkpoint named with
 ``--resume PATH`` is refused with one line in test_bad_input.py.)
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ the summaries) after an epoch, for every rule. Rank 0 launches both (a 2-rank MP
 
 What this cannot see: learning-rate schedules. Every warm-up starts at lr/N, which is lr at N = 1,
 so the factor is 1 throughout (a planted off-by-one in the simulator's warm-up clock passed here);
-the server's warm-up is checked in tests/test_api.py. A planted change of the simulator's data
+the server's warm-up is checked in tests/mpi/test_api.py. A planted change of the simulator's data
 order fails it."""
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_fault_tolerance_is_open_mpi_only():
 @pytest.mark.rank0
 def test_fault_tolerance_asked_for_under_mpich_ends_the_job_with_one_line():
     """Under MPICH a user's OMPI_MCA_mpi_ft_enable=1 stops every rank before MPI starts; under
-    Open MPI the same variable starts a ULFM run (tests/reliability/test_worker_failure.py)."""
+    Open MPI the same variable starts a ULFM run (tests/mpi/reliability/test_worker_failure.py)."""
     if VENDOR == launch.OPEN_MPI:
         pytest.skip("MPICH only: under Open MPI fault tolerance is available")
     r = run_mpi(2, ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist-mini",
@@ -117,7 +117,7 @@ def test_the_resume_command_uses_this_mpis_launcher():
 
 @pytest.mark.rank0
 def test_a_symlinked_launcher_still_starts_the_job(tmp_path):
-    """A launcher reached through a symlink (a wrapper folder, as tests/test_slurm.py's stub
+    """A launcher reached through a symlink (a wrapper folder, as tests/mpi/test_slurm.py's stub
     uses): MPICH's hydra would look for its proxy beside the link and wait forever."""
     link = tmp_path / "bin" / "mpiexec"
     link.parent.mkdir()

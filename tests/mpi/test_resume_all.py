@@ -1,7 +1,7 @@
 """Resume end to end for every one of the 14 algorithms (``hpcasync.api.algorithms()``).
 
 **One worker or replica pair, bitwise.** One MPI job of 2 ranks (``python -m
-tests.test_resume_all``, launched by rank 0 through ``run_mpi``) runs the command line's own entry
+tests.mpi.test_resume_all``, launched by rank 0 through ``run_mpi``) runs the command line's own entry
 point (``hpcasync.cli.main``: argument parsing, driver, runtimes, checkpoint files, ``--resume
 auto``) 40 times in a row, which spares 40 job start-ups; for each algorithm
 
@@ -20,10 +20,10 @@ saved point (its ``resume`` record names the stop checkpoint, its epochs start a
 the PS's accepted count and the worker's position continue from the checkpoint) and does exactly
 the remaining work. With one worker the staleness is 0, so DC-ASGD's backups and mean square,
 LC-ASGD's loss history and SHAT's counts do not change a step: their resume is the rules'
-round trip in tests/test_rules.py (several workers, bitwise) and the tests below.
+round trip in tests/unit/test_rules.py (several workers, bitwise) and the tests below.
 
 **Several workers** (in-process, the 4-rank pytest world: PS + 3 workers; not deterministic): the
-rules not covered by tests/test_preemption_async.py (asgd, dana, dcasgd-a and shat there) are
+rules not covered by tests/mpi/test_preemption_async.py (asgd, dana, dcasgd-a and shat there) are
 stopped and resumed; every worker trains on from the checkpoint's state (bitwise: the loaded
 rule's reply, or SHAT/SHAT-root/ENSEMBLE's own worker-local model as it was at the stop), the PS
 continues its counts and epochs, and the accuracy ends near an uninterrupted run's. ENSEMBLE
@@ -128,7 +128,7 @@ _job: dict = {}
 def _run_job(tmp_path_factory) -> Path:
     if "out" not in _job:
         out = tmp_path_factory.mktemp("resume_all")
-        r = run_mpi(2, ["--", sys.executable, "-m", "tests.test_resume_all", str(out),
+        r = run_mpi(2, ["--", sys.executable, "-m", "tests.mpi.test_resume_all", str(out),
                         *algorithms()], timeout=540)
         _job["out"], _job["result"] = out, r
     r = _job["result"]
@@ -199,7 +199,7 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
 # worker continues at its position from the checkpoint's state -- the reply of the loaded rule, or,
 # for the rules whose workers keep their own model (SHAT, SHAT-root, ENSEMBLE), bitwise the model
 # it had when it stopped -- and does exactly the remaining work, and the accuracy ends close to an
-# uninterrupted run's. (asgd, dana, dcasgd-a: tests/test_preemption_async.py.)
+# uninterrupted run's. (asgd, dana, dcasgd-a: tests/mpi/test_preemption_async.py.)
 
 import torch  # noqa: E402
 

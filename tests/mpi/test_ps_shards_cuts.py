@@ -112,7 +112,7 @@ def test_resume_from_a_cut_the_shards_took_apart(tmp_path):
     ("more", "shard 1's server (rank 1) crossed an epoch that shard 0 did not"),
 ])
 def test_shards_that_disagree_on_epochs_end_the_job_with_one_line(mode, says):
-    r = run_mpi(4, ["--", sys.executable, "-m", "tests.test_ps_shards_cuts", mode], timeout=90)
+    r = run_mpi(4, ["--", sys.executable, "-m", "tests.mpi.test_ps_shards_cuts", mode], timeout=90)
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if "hpcasync: error" in ln]
     assert lines and says in lines[0], r.stderr[-3000:]
