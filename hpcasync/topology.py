@@ -100,10 +100,17 @@ class Topology:
     virtual_nodes: bool
     device: str              # torch device string, "cpu" or "cuda:r"
     ps_rank: int
+    ps_ranks: int = 1        # parameter-server ranks (shard servers): ps_rank and those after it
 
     @property
     def is_ps(self) -> bool:
         return self.rank == self.ps_rank
+
+    @property
+    def servers(self) -> list[int]:
+        """World ranks of the parameter server(s): ``ps_rank`` and the ``ps_ranks - 1`` after it
+        (modulo the world size)."""
+        return server_ranks(self.ps_rank, self.ps_ranks, self.size)
 
     @property
     def workers(self) -> list[int]:
@@ -189,7 +196,7 @@ class Topology:
                         node=leaders.index(my_leader), num_nodes=len(leaders),
                         uniform=len(set(sizes)) == 1,
                         virtual_nodes=self.virtual_nodes or g != node_size,
-                        device=self.device, ps_rank=max(ps, 0))
+                        device=self.device, ps_rank=max(ps, 0), ps_ranks=self.ps_ranks)
 
     def require_uniform(self, what: str) -> None:
         """Raise unless every node has the same number of ranks (``what`` names the caller)."""
@@ -208,6 +215,11 @@ class Topology:
                 comm.Free()
             except Exception:  # pragma: no cover - already freed or MPI finalised
                 pass
+
+
+def server_ranks(ps_rank: int, ps_ranks: int, size: int) -> list[int]:
+    """The world ranks of ``ps_ranks`` parameter-server ranks starting at ``ps_rank``."""
+    return [(ps_rank + s) % size for s in range(ps_ranks)]
 
 
 _DEFAULT: Topology | None = None

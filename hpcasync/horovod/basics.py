@@ -104,9 +104,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
 
 
 def _servers(roles) -> list[int]:
-    from ..api import _DEFAULTS
-
-    return [(roles.ps_rank + s) % roles.size for s in range(_DEFAULTS["ps_ranks"])]
+    return roles.topology.servers
 
 
 def _no_optimizer_at_exit() -> None:

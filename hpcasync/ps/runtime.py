@@ -185,13 +185,14 @@ def run(ctx: RunContext) -> RunResult:
 def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     from mpi4py import MPI
 
+    from ..topology import server_ranks
     from .optimizer import ParameterServer
     from .worker import run_worker, send_local
 
     cfg, topo = ctx.cfg, ctx.topo
     K = check_shards(cfg.options.get("ps_ranks", 1), topo.size,      # every rank, before MPI work
                      algorithm=cfg.algorithm)
-    servers = [(topo.ps_rank + s) % topo.size for s in range(K)]
+    servers = server_ranks(topo.ps_rank, K, topo.size)
     worker_ranks = [r for r in range(topo.size) if r not in servers]
     W = len(worker_ranks)
     if W < 1:

@@ -71,6 +71,7 @@ import time
 import torch
 
 from ..errors import ConfigError, HpcasyncError
+from ..topology import server_ranks
 
 log = logging.getLogger("hpcasync")
 
@@ -119,7 +120,7 @@ class ShardLayout:
         size, rank = comm.Get_size(), comm.Get_rank()
         check_shards(shards, size, numel)
         self.comm, self.K = comm, shards
-        self.servers = [(ps_rank + s) % size for s in range(shards)]
+        self.servers = server_ranks(ps_rank, shards, size)
         self.workers = [r for r in range(size) if r not in self.servers]
         self.bounds = shard_bounds(numel, shards)
         self.shard = self.servers.index(rank) if rank in self.servers else -1
