@@ -26,23 +26,24 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import PushMeta, Rule, check_real, load_tensor
+from .base import PushMeta, Rule, check_real, sub_scaled_, with_decay
 
 
-def asgd_update(theta: Tensor, grad: Tensor, momentum_buf: Tensor | None = None, *, lr: float,
-                momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> None:
+def asgd_update(theta: Tensor, grad: Tensor, momentum_buf: Tensor | None = None, *,
+                lr: float | Tensor, momentum: float = 0.0, weight_decay: float | Tensor = 0.0,
+                nesterov: bool = False) -> None:
     """One SGD step in place on ``theta`` (and ``momentum_buf`` when momentum > 0).
 
     ``grad`` is not modified. ``momentum_buf`` must be given (zeros at the start) when
-    ``momentum > 0``.
+    ``momentum > 0``. ``lr`` and ``weight_decay``: floats, or per-element tensors (param groups).
     """
-    d = grad.add(theta, alpha=weight_decay) if weight_decay != 0 else grad
+    d = with_decay(grad, theta, weight_decay)
     if momentum != 0:
         if momentum_buf is None:
             raise ValueError("asgd_update: momentum > 0 needs a momentum buffer")
         momentum_buf.mul_(momentum).add_(d)
         d = d.add(momentum_buf, alpha=momentum) if nesterov else momentum_buf
-    theta.add_(d, alpha=-lr)
+    sub_scaled_(theta, d, lr)
 
 
 class ASGD(Rule):
@@ -64,8 +65,8 @@ class ASGD(Rule):
         self._buf = self._theta.new_zeros(self._theta.shape) if self.momentum else None
 
     def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
-        asgd_update(self._theta, grad, self._buf, lr=self.lr, momentum=self.momentum,
-                    weight_decay=self.weight_decay, nesterov=self.nesterov)
+        asgd_update(self._theta, grad, self._momentum_buffer(), lr=self.coef(),
+                    momentum=self.momentum, weight_decay=self.wd, nesterov=self.nesterov)
 
     def _state(self) -> dict:
         d = super()._state()
@@ -74,5 +75,4 @@ class ASGD(Rule):
         return d
 
     def _load(self, d: dict) -> None:
-        if self._buf is not None:
-            self._buf = load_tensor(d, "momentum_buf", self._theta)
+        self._load_buffer(d)

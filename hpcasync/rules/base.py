@@ -26,6 +26,13 @@ Contract shared by every rule:
 * ``state_dict()`` returns clones (tensors, ints, lists, dicts) loadable with
   ``torch.load(weights_only=True)``; loading it into a fresh rule built with the same arguments
   continues bitwise identically.
+
+Param groups (:meth:`Rule.set_groups`): a per-element group index over θ (-1 where torch's
+optimizer would never move the element: ``requires_grad=False`` or in no group). Then ``lr`` and
+``weight_decay`` take one value per group; each coefficient is computed per group in float64 exactly
+as the one-group code computes it and spread over θ, so each group's slice gets bitwise what the
+rule gives with that group's scalars. Elements of no group stay bitwise unchanged (their gradient is
+taken as 0, their lr and weight decay are 0). Without groups the scalar code runs, unchanged.
 """
 from __future__ import annotations
 
@@ -148,6 +155,23 @@ def load_worker_tensors(d: dict, key: str, like: Tensor, num_workers: int) -> di
 
 
 # ----------------------------------------------------------------------------------------------
+# scalar-or-per-element arithmetic (a float: the one-group code; a tensor: one value per element)
+
+def with_decay(grad: Tensor, theta: Tensor, wd: float | Tensor) -> Tensor:
+    """``g + wd·θ`` (a new tensor), or ``grad`` itself when ``wd`` is the float 0."""
+    if isinstance(wd, Tensor):
+        return torch.addcmul(grad, theta, wd)
+    return grad.add(theta, alpha=wd) if wd != 0 else grad
+
+
+def sub_scaled_(y: Tensor, x: Tensor, a: float | Tensor) -> Tensor:
+    """``y ← y − a·x`` in place (bitwise the same per element for a float or a tensor ``a``)."""
+    if isinstance(a, Tensor):
+        return y.addcmul_(x, a, value=-1)
+    return y.sub_(x, alpha=a)
+
+
+# ----------------------------------------------------------------------------------------------
 
 class Rule:
     """Base class: θ, version, lr, weight decay, alive workers, validation and state handling.
@@ -174,6 +198,8 @@ class Rule:
         self.num_workers = check_int("num_workers", num_workers, low=1)
         self._theta = theta0.detach().clone().contiguous()
         self._version = 0
+        self._index = self._frozen = None          # param groups (set_groups): none
+        self._spread_cache: dict[tuple, Tensor] = {}
         self.lr = check_real("lr", lr, low=0.0, low_open=True)
         self.weight_decay = check_real("weight_decay", weight_decay, low=0.0)
         self._alive = [True] * self.num_workers
@@ -194,12 +220,98 @@ class Rule:
         return self._theta.numel()
 
     @property
-    def lr(self) -> float:
+    def lr(self) -> float | tuple[float, ...]:
+        """η: a float, or with param groups (:meth:`set_groups`) one value per group."""
         return self._lr
 
     @lr.setter
-    def lr(self, value: float) -> None:
-        self._lr = check_real("lr", value, low=0.0)
+    def lr(self, value) -> None:
+        self._lr = self._per_group("lr", value)
+
+    @property
+    def weight_decay(self) -> float | tuple[float, ...]:
+        """The L2 factor: a float, or with param groups one value per group."""
+        return self._wd
+
+    @weight_decay.setter
+    def weight_decay(self, value) -> None:
+        self._wd = self._per_group("weight_decay", value)
+
+    @property
+    def groups(self) -> int:
+        """Number of param groups (1 without :meth:`set_groups`)."""
+        return 1 if self._index is None else len(self._lr)
+
+    def set_groups(self, index: Tensor | None, groups: int | None = None) -> None:
+        """Param groups over θ: ``index[j]`` is element j's group (0..G-1), or -1 where torch's
+        optimizer never moves it (module doc); ``groups`` is G (default: ``max(index) + 1``).
+        ``lr`` and ``weight_decay`` then hold one value per group (the current ones are given
+        to every group). ``None``: back to one group over every element."""
+        if index is None:
+            lr, wd = self._first(self._lr), self._first(self._wd)
+            self._index = self._frozen = None
+            self._lr, self._wd = lr, wd
+            return
+        index = torch.as_tensor(index).to(device=self._theta.device, dtype=torch.int64)
+        if index.shape != self._theta.shape:
+            raise ConfigError(f"group index has shape {tuple(index.shape)}, θ {tuple(self._theta.shape)}")
+        G = int(index.max()) + 1 if groups is None and index.numel() else int(groups or 1)
+        if index.numel() and (int(index.min()) < -1 or int(index.max()) >= G):
+            raise ConfigError(f"group index outside -1..{G - 1}")
+        lr, wd = self._first(self._lr), self._first(self._wd)
+        frozen = (index < 0).nonzero().flatten()
+        self._frozen = frozen if frozen.numel() else None
+        self._index = torch.where(index < 0, G, index)       # G: the extra entry 0 (frozen)
+        self._spread_cache.clear()
+        self._lr, self._wd = (lr,) * G, (wd,) * G
+
+    def spread(self, values: tuple[float, ...]) -> Tensor:
+        """Per-group values as a per-element vector over θ (θ's dtype; 0 on frozen elements).
+        The last few are cached (a schedule that holds still costs nothing)."""
+        out = self._spread_cache.get(values)
+        if out is None:
+            table = torch.tensor(list(values) + [0.0], dtype=torch.float64)
+            out = table.to(self._theta).index_select(0, self._index)
+            if len(self._spread_cache) >= 4:
+                self._spread_cache.pop(next(iter(self._spread_cache)))
+            self._spread_cache[values] = out
+        return out
+
+    def coef(self, fn=None) -> float | Tensor:
+        """``fn(lr)`` (default: lr) as the math uses it: a float without groups, else computed
+        per group in float64 and spread over θ (0 on frozen elements)."""
+        if self._index is None:
+            return self._lr if fn is None else fn(self._lr)
+        return self.spread(self._lr if fn is None else tuple(fn(x) for x in self._lr))
+
+    @property
+    def wd(self) -> float | Tensor:
+        """The weight decay as the math uses it: a float (0.0 when every group's is 0), else a
+        per-element vector."""
+        if self._index is None:
+            return self._wd
+        return self.spread(self._wd) if any(self._wd) else 0.0
+
+    def _per_group(self, name: str, value):
+        """``value`` checked: a float without groups; with groups a tuple of G floats (a float
+        is given to every group)."""
+        many = isinstance(value, (tuple, list)) or (isinstance(value, Tensor) and value.dim() == 1)
+        values = [float(v) for v in value] if many else [value]
+        values = [check_real(name, v, low=0.0) for v in values]
+        if self._index is None:
+            if len(values) != 1:
+                raise ConfigError(f"{name}: {len(values)} values for a rule without param groups")
+            return values[0]
+        G = len(self._lr)
+        if len(values) == 1:
+            values = values * G
+        if len(values) != G:
+            raise ConfigError(f"{name}: {len(values)} values for {G} param groups")
+        return tuple(values)
+
+    @staticmethod
+    def _first(value):
+        return value[0] if isinstance(value, tuple) else value
 
     @property
     def num_active(self) -> int:
@@ -224,7 +336,10 @@ class Rule:
         return self._make_reply(worker, pushed=False)
 
     def on_push(self, worker: int, grad: Tensor, meta: PushMeta) -> Reply:
-        """Apply worker ``worker``'s gradient (assumed valid: see :meth:`validate`), reply to it."""
+        """Apply worker ``worker``'s gradient (assumed valid: see :meth:`validate`), reply to it.
+        Elements of no param group (:meth:`set_groups`) take a zero gradient."""
+        if self._frozen is not None:
+            grad = grad.index_fill(0, self._frozen, 0.0)
         self._update(worker, grad, meta)
         self._version += 1
         return self._make_reply(worker, pushed=True)
@@ -287,7 +402,8 @@ class Rule:
                                   f"this run has {self.num_workers}")
         self._theta = load_tensor(d, "theta", self._theta)
         self._version = int(need(d, "version"))
-        self._lr = float(need(d, "lr").item())
+        lr = need(d, "lr")
+        self.lr = tuple(lr.tolist()) if lr.dim() else float(lr.item())
         alive = list(need(d, "alive"))
         if len(alive) != self.num_workers:
             raise CheckpointError("rule state 'alive' does not list every worker")
@@ -326,6 +442,18 @@ class Rule:
     def _load(self, d: dict) -> None:
         pass
 
+    _buf: Tensor | None = None              # the shared momentum buffer of the rules that have one
+
+    def _momentum_buffer(self) -> Tensor | None:
+        """The shared momentum buffer, made (zeros) the first time ``momentum`` > 0: a schedule
+        (OneCycleLR) may turn momentum on after the start, as with ``torch.optim.SGD``."""
+        if self._buf is None and getattr(self, "momentum", 0.0):
+            self._buf = self._theta.new_zeros(self._theta.shape)
+        return self._buf
+
+    def _load_buffer(self, d: dict) -> None:
+        self._buf = load_tensor(d, "momentum_buf", self._theta) if "momentum_buf" in d else None
+
     def _worker_index(self, worker: Any) -> int:
         w = operator.index(worker)
         if not 0 <= w < self.num_workers:
@@ -334,7 +462,7 @@ class Rule:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(numel={self.numel}, num_workers={self.num_workers}, "
-                f"lr={self._lr:g}, version={self._version})")
+                f"lr={self._lr}, version={self._version})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,22 +31,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import (PushMeta, Reply, Rule, check_real, load_tensor, load_worker_tensors)
+from .base import (PushMeta, Reply, Rule, check_real, load_tensor, load_worker_tensors,
+                   sub_scaled_, with_decay)
 
 
-def dana_zero_update(theta: Tensor, grad: Tensor, v_i: Tensor, v_sum: Tensor, *, lr: float,
-                     momentum: float, weight_decay: float = 0.0) -> None:
-    """One DANA-Zero push in place on θ, v_i and the running sum S (``grad`` not modified)."""
-    g = grad.add(theta, alpha=weight_decay) if weight_decay != 0 else grad
+def dana_zero_update(theta: Tensor, grad: Tensor, v_i: Tensor, v_sum: Tensor, *,
+                     lr: float | Tensor, momentum: float,
+                     weight_decay: float | Tensor = 0.0) -> None:
+    """One DANA-Zero push in place on θ, v_i and the running sum S (``grad`` not modified;
+    ``lr``/``weight_decay`` floats or per-element tensors)."""
+    g = with_decay(grad, theta, weight_decay)
     v_sum.sub_(v_i)
     v_i.mul_(momentum).add_(g)
     v_sum.add_(v_i)
-    theta.sub_(v_i, alpha=lr)
+    sub_scaled_(theta, v_i, lr)
 
 
-def dana_zero_estimate(theta: Tensor, v_sum: Tensor, *, lr: float, momentum: float) -> Tensor:
-    """θ̂ = θ − ηγ·Σ_j v_j (a new tensor)."""
-    return theta.sub(v_sum, alpha=lr * momentum)
+def dana_zero_estimate(theta: Tensor, v_sum: Tensor, *, lr: float, momentum: float,
+                       coef=None) -> Tensor:
+    """θ̂ = θ − ηγ·Σ_j v_j (a new tensor). ``coef``: a rule's :meth:`~.base.Rule.coef`
+    (param groups: ηγ per group, spread over θ); default ``lr * momentum``."""
+    k = lr * momentum if coef is None else coef(lambda x: x * momentum)
+    return sub_scaled_(theta.clone(), v_sum, k) if isinstance(k, Tensor) else theta.sub(v_sum, alpha=k)
 
 
 class DANAZero(Rule):
@@ -70,12 +76,12 @@ class DANAZero(Rule):
         v_i = self._v.get(worker)
         if v_i is None:
             v_i = self._v[worker] = torch.zeros_like(self._theta)
-        dana_zero_update(self._theta, grad, v_i, self._sum, lr=self.lr, momentum=self.momentum,
-                         weight_decay=self.weight_decay)
+        dana_zero_update(self._theta, grad, v_i, self._sum, lr=self.coef(), momentum=self.momentum,
+                         weight_decay=self.wd)
 
     def _make_reply(self, worker: int, *, pushed: bool) -> Reply:
         return Reply(dana_zero_estimate(self._theta, self._sum, lr=self.lr,
-                                        momentum=self.momentum), self._version)
+                                        momentum=self.momentum, coef=self.coef), self._version)
 
     def _leave(self, worker: int) -> None:
         v = self._v.pop(worker, None)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .asgd import asgd_update
-from .base import PushMeta, Rule, check_choice, check_real, load_tensor, load_worker_tensors
+from .base import PushMeta, Rule, check_choice, check_real, load_worker_tensors
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ def dc_compensated(theta: Tensor, grad: Tensor, backup: Tensor, lam: float | Ten
     return comp.add_(grad)
 
 
-def dcasgd_update(theta: Tensor, grad: Tensor, backup: Tensor, *, lr: float, lam: float | Tensor,
-                  weight_decay: float = 0.0, momentum_buf: Tensor | None = None,
+def dcasgd_update(theta: Tensor, grad: Tensor, backup: Tensor, *, lr: float | Tensor,
+                  lam: float | Tensor, weight_decay: float | Tensor = 0.0,
+                  momentum_buf: Tensor | None = None,
                   momentum: float = 0.0) -> None:
     """One DC-ASGD step in place on ``theta`` (and ``momentum_buf``); then ``backup ← θ``."""
     g_tilde = dc_compensated(theta, grad, backup, lam)
@@ -128,8 +129,8 @@ class DCASGD(Rule):
                                          eps=self.eps)
         else:
             lam = self.lam
-        dcasgd_update(self._theta, grad, backup, lr=self.lr, lam=lam,
-                      weight_decay=self.weight_decay, momentum_buf=self._buf,
+        dcasgd_update(self._theta, grad, backup, lr=self.coef(), lam=lam,
+                      weight_decay=self.wd, momentum_buf=self._momentum_buffer(),
                       momentum=self.momentum)
 
     def _state(self) -> dict:
@@ -143,5 +144,4 @@ class DCASGD(Rule):
     def _load(self, d: dict) -> None:
         self._backup = load_worker_tensors(d, "backup", self._theta, self.num_workers)
         self._ms = load_worker_tensors(d, "ms", self._theta, self.num_workers)
-        if self._buf is not None:
-            self._buf = load_tensor(d, "momentum_buf", self._theta)
+        self._load_buffer(d)

@@ -52,7 +52,7 @@ import math
 from torch import Tensor
 
 from .asgd import asgd_update
-from .base import PushMeta, Rule, check_choice, check_int, check_real, load_tensor, need
+from .base import PushMeta, Rule, check_choice, check_int, check_real, need
 from .predictors import PREDICTORS, make_predictor
 
 
@@ -63,8 +63,8 @@ def lc_factor(loss_pred: float, loss: float, *, lam: float = 1.0,
 
 
 def lcasgd_update(theta: Tensor, grad: Tensor, momentum_buf: Tensor | None = None, *,
-                  factor: float, lr: float, momentum: float = 0.0,
-                  weight_decay: float = 0.0) -> None:
+                  factor: float, lr: float | Tensor, momentum: float = 0.0,
+                  weight_decay: float | Tensor = 0.0) -> None:
     """ASGD step on ``factor · grad`` in place on ``theta`` (``grad`` is not modified)."""
     g = grad if factor == 1.0 else grad.mul(factor)
     asgd_update(theta, g, momentum_buf, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -132,8 +132,8 @@ class LCASGD(Rule):
     def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
         loss_hat = self.predict_loss(worker, meta)
         factor = lc_factor(loss_hat, float(meta.loss), lam=self.lam, max_factor=self.max_factor)
-        lcasgd_update(self._theta, grad, self._buf, factor=factor, lr=self.lr,
-                      momentum=self.momentum, weight_decay=self.weight_decay)
+        lcasgd_update(self._theta, grad, self._momentum_buffer(), factor=factor, lr=self.coef(),
+                      momentum=self.momentum, weight_decay=self.wd)
         self.last_factor, self.last_prediction = factor, loss_hat
 
     def _leave(self, worker: int) -> None:
@@ -151,5 +151,4 @@ class LCASGD(Rule):
     def _load(self, d: dict) -> None:
         if self.predictor is not None:
             self.predictor.load_state_dict(need(d, "predictor"))
-        if self._buf is not None:
-            self._buf = load_tensor(d, "momentum_buf", self._theta)
+        self._load_buffer(d)

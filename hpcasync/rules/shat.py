@@ -17,7 +17,8 @@ A worker that falls far behind (large c_i) takes the global model; a fast one ke
 ``"ensemble"`` (α = 0: workers never read θ after the start) and ``"asp"`` (α = 1: exactly ASGD).
 
 Reply scalars (``reply_scalars = 3``): ``(c_i, n, η)`` — the counter, the number of active workers
-and the learning rate of the update, so the worker side needs nothing but the reply.
+and the learning rate of the update, so the worker side needs nothing but the reply (with G param
+groups ``(c_i, n, η_0, .., η_{G-1})``; elements of no group are left out of the mix).
 
 Example::
 
@@ -52,7 +53,7 @@ from torch import Tensor
 
 from ..errors import CheckpointError
 from .asgd import asgd_update
-from .base import PushMeta, Reply, Rule, check_choice, check_real, load_tensor, need
+from .base import PushMeta, Reply, Rule, check_choice, check_real, need, sub_scaled_
 
 ALPHA_MODES = ("log", "root", "ensemble", "asp")
 
@@ -75,19 +76,24 @@ def shat_alpha(n: int, c: int, mode: str = "log") -> float:
     return min(1.0, max(0.0, 1.0 - (n / c) / scale))
 
 
-def shat_worker_step(local: Tensor, grad: Tensor | None, theta: Tensor, *, lr: float,
-                     alpha: float) -> None:
+def shat_worker_step(local: Tensor, grad: Tensor | None, theta: Tensor, *, lr: float | Tensor,
+                     alpha: float, keep: Tensor | None = None) -> None:
     """Worker side in place: ``w ← w − η·g`` then ``w ← (1−α)·w + α·θ``.
 
-    α = 1 copies θ (bitwise); α = 0 never reads θ; ``grad=None`` skips the local step.
+    α = 1 copies θ (bitwise); α = 0 never reads θ; ``grad=None`` skips the local step. ``lr`` a
+    float or a per-element tensor (param groups); ``keep``: indices of elements left bitwise
+    as they are (no param group: the mix would round them).
     """
     if alpha == 1.0:
         local.copy_(theta)
         return
+    kept = local.index_select(0, keep) if keep is not None and alpha != 0.0 else None
     if grad is not None:
-        local.add_(grad, alpha=-lr)
+        sub_scaled_(local, grad, lr)
     if alpha != 0.0:
         local.mul_(1.0 - alpha).add_(theta, alpha=alpha)
+    if kept is not None:
+        local.index_copy_(0, keep, kept)
 
 
 class SHAT(Rule):
@@ -128,13 +134,19 @@ class SHAT(Rule):
         for k in range(self.num_workers):
             if k != worker and alive[k]:
                 counts[k] += 1
-        asgd_update(self._theta, grad, self._buf, lr=self.lr, momentum=self.momentum,
-                    weight_decay=self.weight_decay)
+        asgd_update(self._theta, grad, self._momentum_buffer(), lr=self.coef(),
+                    momentum=self.momentum, weight_decay=self.wd)
         self._sent_count, counts[worker] = counts[worker], 0
 
     def _make_reply(self, worker: int, *, pushed: bool) -> Reply:
         c = self._sent_count if pushed else 0
-        return Reply(self._theta, self._version, (float(c), float(self.num_active), self.lr))
+        lrs = self.lr if isinstance(self.lr, tuple) else (self.lr,)
+        return Reply(self._theta, self._version, (float(c), float(self.num_active), *lrs))
+
+    def set_groups(self, index, groups=None) -> None:
+        """As :meth:`Rule.set_groups`; the reply then carries every group's η."""
+        super().set_groups(index, groups)
+        self.reply_scalars = 2 + self.groups
 
     def _join(self, worker: int) -> None:
         self._counts[worker] = 0
@@ -143,7 +155,7 @@ class SHAT(Rule):
         self._counts[worker] = 0
 
     def alpha(self, reply: Reply) -> float:
-        c, n, _ = reply.scalars
+        c, n = reply.scalars[:2]
         return shat_alpha(int(n), int(c), self.alpha_mode)
 
     def on_reply(self, local: Tensor, reply: Reply, grad: Tensor | None) -> None:
@@ -152,7 +164,10 @@ class SHAT(Rule):
         if grad is None:
             local.copy_(reply.params)
             return
-        shat_worker_step(local, grad, reply.params, lr=reply.scalars[2], alpha=self.alpha(reply))
+        lrs = tuple(reply.scalars[2:])
+        lr = lrs[0] if self._index is None else self.spread(lrs)
+        shat_worker_step(local, grad, reply.params, lr=lr, alpha=self.alpha(reply),
+                         keep=self._frozen)
 
     def _state(self) -> dict:
         d = super()._state()
@@ -166,5 +181,4 @@ class SHAT(Rule):
         if len(counts) != self.num_workers:
             raise CheckpointError("rule state 'counts' does not list every worker")
         self._counts = [int(c) for c in counts]
-        if self._buf is not None:
-            self._buf = load_tensor(d, "momentum_buf", self._theta)
+        self._load_buffer(d)

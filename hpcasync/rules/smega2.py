@@ -49,34 +49,51 @@ from torch import Tensor
 
 from ..errors import CheckpointError
 from .base import (PushMeta, Reply, Rule, check_choice, check_real, load_tensor, need,
-                   smega2_lr, step_decay_lr, warmup_lr)
+                   smega2_lr, step_decay_lr, sub_scaled_, warmup_lr, with_decay)
 
 __all__ = ["SMEGA2", "smega2_update", "smega2_estimate", "smega2_lr", "step_decay_lr",
            "warmup_lr"]
 
 
-def smega2_update(theta: Tensor, grad: Tensor, v: Tensor, a: Tensor, c: int, *, lr: float,
-                  momentum: float, n: int, weight_decay: float = 0.0) -> int:
-    """One SMEGA2 push in place on θ, v, a; returns the new counter c (``grad`` not modified)."""
-    g = grad.add(theta, alpha=weight_decay) if weight_decay != 0 else grad
+def smega2_update(theta: Tensor, grad: Tensor, v: Tensor, a: Tensor, c: int, *,
+                  lr: float | Tensor, momentum: float, n: int,
+                  weight_decay: float | Tensor = 0.0) -> int:
+    """One SMEGA2 push in place on θ, v, a; returns the new counter c (``grad`` not modified;
+    ``lr``/``weight_decay`` floats or per-element tensors)."""
+    g = with_decay(grad, theta, weight_decay)
     c = (c + 1) % n
     a.add_(g)
-    theta.sub_(g.add(v, alpha=momentum), alpha=lr)
+    sub_scaled_(theta, g.add(v, alpha=momentum), lr)
     if c == 0:
         v.mul_(momentum).add_(a, alpha=1.0 / n)
         a.zero_()
     return c
 
 
-def smega2_estimate(theta: Tensor, v: Tensor, a: Tensor, c: int, *, lr: float, momentum: float,
-                    n: int, mode: str = "advanced") -> Tensor:
-    """θ̂, the position N zero-gradient pushes ahead (``advanced``) or ``θ − ηγN·v`` (``naive``);
-    a new tensor."""
+def smega2_factors(lr: float, *, momentum: float, n: int, c: int,
+                   mode: str = "advanced") -> tuple[float, float]:
+    """The factors of v and a in θ̂ = θ − f_v·v − f_a·a (``naive``: f_a = 0)."""
     if mode == "naive":
-        return theta.sub(v, alpha=lr * momentum * n)
-    v_factor = lr * momentum * (n + c * (momentum - 1.0))
-    a_factor = lr * momentum * c / n
-    return theta.sub(v, alpha=v_factor).sub_(a, alpha=a_factor)
+        return lr * momentum * n, 0.0
+    return lr * momentum * (n + c * (momentum - 1.0)), lr * momentum * c / n
+
+
+def smega2_estimate(theta: Tensor, v: Tensor, a: Tensor, c: int, *, lr: float, momentum: float,
+                    n: int, mode: str = "advanced", coef=None) -> Tensor:
+    """θ̂, the position N zero-gradient pushes ahead (``advanced``) or ``θ − ηγN·v`` (``naive``);
+    a new tensor. ``coef``: a rule's :meth:`~.base.Rule.coef` (param groups: the factors per
+    group, spread over θ)."""
+    if coef is None:
+        v_factor, a_factor = smega2_factors(lr, momentum=momentum, n=n, c=c, mode=mode)
+    else:
+        v_factor = coef(lambda x: smega2_factors(x, momentum=momentum, n=n, c=c, mode=mode)[0])
+        a_factor = coef(lambda x: smega2_factors(x, momentum=momentum, n=n, c=c, mode=mode)[1])
+    if not isinstance(v_factor, Tensor):
+        if mode == "naive":
+            return theta.sub(v, alpha=v_factor)
+        return theta.sub(v, alpha=v_factor).sub_(a, alpha=a_factor)
+    out = sub_scaled_(theta.clone(), v, v_factor)
+    return out if mode == "naive" else sub_scaled_(out, a, a_factor)
 
 
 class SMEGA2(Rule):
@@ -108,12 +125,12 @@ class SMEGA2(Rule):
     def theta_hat(self) -> Tensor:
         """The current estimate θ̂ (a new tensor)."""
         return smega2_estimate(self._theta, self._v, self._a, self._c, lr=self.lr,
-                               momentum=self.momentum, n=self._n, mode=self.estimate)
+                               momentum=self.momentum, n=self._n, mode=self.estimate,
+                               coef=self.coef)
 
     def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
-        self._c = smega2_update(self._theta, grad, self._v, self._a, self._c, lr=self.lr,
-                                momentum=self.momentum, n=self._n,
-                                weight_decay=self.weight_decay)
+        self._c = smega2_update(self._theta, grad, self._v, self._a, self._c, lr=self.coef(),
+                                momentum=self.momentum, n=self._n, weight_decay=self.wd)
 
     def _make_reply(self, worker: int, *, pushed: bool) -> Reply:
         return Reply(self.theta_hat(), self._version)
