@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite under 4 MPI ranks:
-#   mpiexec -n 4 python -m mpi4py -m pytest
+# Set up (scripts/setup.sh) and run the test suite in two passes:
+#   1. tests/unit in one process:          python -m pytest tests/unit
+#   2. tests/mpi under 4 MPI ranks:        mpiexec -n 4 python -m mpi4py -m pytest tests/mpi
+# tests/unit needs no MPI job (rules, schedules, data, models, the simulator); tests/mpi holds every
+# test that needs several ranks or launches its own MPI job.
 # `python -m mpi4py` turns an exception on one rank into MPI_Abort instead of a deadlock.
 # tests/conftest.py: a test that fails on some ranks only is reported by rank 0 (with that rank's
 # traceback), or, if the other ranks are stuck in a collective, the failing rank prints its failure
 # and aborts the job after HPCASYNC_TEST_AGREE_TIMEOUT s (default 5); a test still running after
 # HPCASYNC_TEST_TIMEOUT_PER_TEST s (default pytest.ini's 600) dumps its stacks on every rank and
 # aborts the job.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`; a test path among them goes to
+# the pass it belongs to (`bash scripts/test.sh tests/mpi/test_ssgd.py` runs only the MPI pass).
+# HPCASYNC_TEST_PASSES="unit mpi" (the default) picks the passes; "mpi" runs the MPI pass alone.
+# HPCASYNC_TEST_TIMEOUT (s, default 3600) bounds both passes together.
+# Exit status: the first failing pass's; "no tests collected" (pytest's 5) is a failure, except for
+# a pass that a -k/-m filter or a path of the other pass left empty.
 # HPCASYNC_MPI=mpich runs the suite under MPICH instead (its own venv, .venv-mpich; see setup.sh):
 # the launcher is MPICH's (no --oversubscribe), Horovod is not there, the ULFM tests skip.
 set -uo pipefail
@@ -19,12 +27,64 @@ export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}  # one host: no UCX one-sided componen
 export PYTHONUNBUFFERED=1
 if [ "${HPCASYNC_MPI:-openmpi}" = mpich ]; then export HPCASYNC_HOROVOD=0; fi   # never built there
 cd "$repo"
-# the launcher of the venv's MPI (hpcasync.launch): line 1 names the MPI, then one argument a line
-mapfile -t launch < <("$venv/bin/python" -m hpcasync.launch -n 4)
-[ "${#launch[@]}" -gt 1 ] || { echo "test.sh: no MPI launcher for $venv"; exit 1; }
-echo "test.sh: ${launch[0]}: ${launch[*]:1}" >&2
-timeout "${HPCASYNC_TEST_TIMEOUT:-3600}" "${launch[@]:1}" \
-    "$venv/bin/python" -m mpi4py -m pytest "$@"
-rc=$?
-[ $rc = 5 ] && { echo "no tests collected"; exit 1; }
+
+# Split the arguments: test paths (tests/unit/..., tests/mpi/..., with or without ::node) go to
+# their pass; everything else (options) goes to both.
+opts=() unit_paths=() mpi_paths=() filtered=0
+for arg in "$@"; do
+    case $arg in
+        -k|-m|-k*|-m*|--deselect*|--lf|--last-failed) filtered=1 ;;
+    esac
+    file=${arg%%::*}
+    if [ "${arg#-}" = "$arg" ] && [ -e "$file" ]; then
+        case $(realpath -m --relative-to="$repo" "$file") in
+            tests/unit|tests/unit/*) unit_paths+=("$arg") ;;
+            tests|tests/) unit_paths+=(tests/unit); mpi_paths+=(tests/mpi) ;;
+            *) mpi_paths+=("$arg") ;;
+        esac
+    else
+        opts+=("$arg")
+    fi
+done
+passes=${HPCASYNC_TEST_PASSES:-unit mpi}
+if [ ${#unit_paths[@]} -gt 0 ] || [ ${#mpi_paths[@]} -gt 0 ]; then   # paths name the passes
+    filtered=1
+    wanted=""
+    [ ${#unit_paths[@]} -gt 0 ] && [[ " $passes " == *" unit "* ]] && wanted+=" unit"
+    [ ${#mpi_paths[@]} -gt 0 ] && [[ " $passes " == *" mpi "* ]] && wanted+=" mpi"
+    passes=$wanted
+else
+    unit_paths=(tests/unit) mpi_paths=(tests/mpi)
+fi
+[ -n "${passes// /}" ] || { echo "test.sh: nothing to run (HPCASYNC_TEST_PASSES='${HPCASYNC_TEST_PASSES:-}')"; exit 1; }
+
+deadline=$(( $(date +%s) + ${HPCASYNC_TEST_TIMEOUT:-3600} ))
+left() { local s=$(( deadline - $(date +%s) )); echo $(( s > 1 ? s : 1 )); }
+rc=0 ran=0 empty=()
+for pass in $passes; do
+    case $pass in
+        unit)
+            echo "test.sh: tests/unit in one process" >&2
+            timeout "$(left)" "$venv/bin/python" -m pytest "${opts[@]}" "${unit_paths[@]}"
+            r=$? ;;
+        mpi)
+            # the launcher of the venv's MPI (hpcasync.launch): line 1 names the MPI, then one
+            # argument a line
+            mapfile -t launch < <("$venv/bin/python" -m hpcasync.launch -n 4)
+            [ "${#launch[@]}" -gt 1 ] || { echo "test.sh: no MPI launcher for $venv"; exit 1; }
+            echo "test.sh: tests/mpi under ${launch[0]}: ${launch[*]:1}" >&2
+            timeout "$(left)" "${launch[@]:1}" \
+                "$venv/bin/python" -m mpi4py -m pytest "${opts[@]}" "${mpi_paths[@]}"
+            r=$? ;;
+        *) echo "test.sh: unknown pass '$pass' in HPCASYNC_TEST_PASSES (unit, mpi)"; exit 1 ;;
+    esac
+    echo "test.sh: $pass pass exit $r" >&2
+    if [ $r = 5 ]; then empty+=("$pass"); continue; fi
+    ran=1
+    [ $rc = 0 ] && rc=$r
+done
+if [ ${#empty[@]} -gt 0 ] && { [ $filtered = 0 ] || [ $ran = 0 ]; }; then
+    echo "no tests collected (${empty[*]} pass)"
+    exit 1
+fi
 exit $rc
