@@ -25,6 +25,11 @@ Example (the simulator's loop, N virtual workers)::
         simulate_round(glob, workers, grads, hp=hp, warmup=t < hp.warmup_iters)
     # glob.W is the model to evaluate
 
+Param groups: ``groups`` (:func:`group_ranges`) lists θ as ``(start, end, hp or None)`` ranges; each
+range steps with its group's lr / momentum / weight decay / lr_local (the one-group run passes
+None: one step over all of θ, as before), and a None range (``requires_grad=False``, outside every
+group, or lr 0) is left bitwise alone: W, W^l, v and the mean square.
+
 Differences from the paper: Δ = ``last-step`` by default, as in the authors' code; the ``dc-adaptive``
 mean square starts at zero and is updated only by local steps (not in warm-up rounds).
 """
@@ -41,7 +46,7 @@ from .steps import (DELTA_MODES, LOCAL_MODES, delta_gap, delta_last_step, global
                            local_step)
 
 __all__ = ["ODSGDHyper", "GlobalState", "WorkerState", "local_update", "global_update",
-           "simulate_round"]
+           "simulate_round", "group_ranges"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,26 +103,64 @@ class WorkerState:
         return cls(local, torch.zeros_like(local) if hp.local_opt == "dc-adaptive" else None)
 
 
+def group_ranges(offsets, sizes, index, hypers) -> list[tuple[int, int, ODSGDHyper | None]]:
+    """θ as ``(start, end, hp)`` ranges: parameter k (at ``offsets[k]``, ``sizes[k]`` elements) in
+    group ``index[k]`` steps with ``hypers[index[k]]``; index −1 or a None hyper (lr 0) is held
+    (hp None). Adjacent parameters of one group share a range."""
+    out: list[tuple[int, int, ODSGDHyper | None]] = []
+    last = None
+    for start, size, gi in zip(offsets, sizes, index):
+        if not size:
+            continue
+        key = -1 if gi < 0 or hypers[gi] is None else gi
+        if out and key == last and out[-1][1] == start:
+            out[-1] = (out[-1][0], start + size, out[-1][2])
+        else:
+            out.append((start, start + size, None if key < 0 else hypers[key]))
+        last = key
+    return out
+
+
 def local_update(glob: GlobalState, ws: WorkerState, g: Tensor, *, hp: ODSGDHyper,
-                 num_workers: int) -> Tensor:
+                 num_workers: int, groups=None) -> Tensor:
     """W^l_{t+1} = LocalOpt(W_t, g_t/N) at N = ``num_workers`` (the authors' rescale), written
     into ``ws.local`` (Δ from ``ws.local`` = W^l_t before the write, for ``gap``); updates
-    ``ws.ms``. Returns ``ws.local``."""
+    ``ws.ms``. ``groups``: :func:`group_ranges` (None: ``hp`` over all of θ). Returns
+    ``ws.local``."""
     check_int("num_workers", num_workers, low=1)
+    if groups is None:
+        return _local_range(glob.W, glob.W_prev, ws.local, ws.ms, g, hp, num_workers)
+    for a, b, h in groups:
+        if h is None:
+            ws.local[a:b].copy_(glob.W[a:b])
+        else:
+            _local_range(glob.W[a:b], glob.W_prev[a:b], ws.local[a:b],
+                         None if ws.ms is None else ws.ms[a:b], g[a:b], h, num_workers)
+    return ws.local
+
+
+def _local_range(W, W_prev, local, ms, g, hp: ODSGDHyper, num_workers: int) -> Tensor:
     delta = None
     if hp.local_opt != "sgd":
-        delta = (delta_last_step(glob.W, glob.W_prev) if hp.delta == "last-step"
-                 else delta_gap(glob.W, ws.local))
-    return local_step(glob.W, g, mode=hp.local_opt, lr_local=hp.lr_local,
+        delta = (delta_last_step(W, W_prev) if hp.delta == "last-step" else delta_gap(W, local))
+    return local_step(W, g, mode=hp.local_opt, lr_local=hp.lr_local,
                       grad_scale=1.0 / num_workers, wd=hp.weight_decay,
-                      lam=hp.lam, delta=delta, ms=ws.ms, ms_momentum=hp.ms_momentum, eps=hp.eps,
-                      out=ws.local)
+                      lam=hp.lam, delta=delta, ms=ms, ms_momentum=hp.ms_momentum, eps=hp.eps,
+                      out=local)
 
 
-def global_update(glob: GlobalState, g_mean: Tensor, *, hp: ODSGDHyper) -> None:
-    """Complete a round: W_{t−1} ← W_t, then the momentum-SGD step on the mean gradient."""
+def global_update(glob: GlobalState, g_mean: Tensor, *, hp: ODSGDHyper, groups=None) -> None:
+    """Complete a round: W_{t−1} ← W_t, then the momentum-SGD step on the mean gradient
+    (``groups``: per range, see :func:`group_ranges`)."""
     glob.W_prev.copy_(glob.W)
-    global_step(glob.W, g_mean, glob.buf, lr=hp.lr, momentum=hp.momentum, wd=hp.weight_decay)
+    if groups is None:
+        global_step(glob.W, g_mean, glob.buf, lr=hp.lr, momentum=hp.momentum,
+                    wd=hp.weight_decay)
+        return
+    for a, b, h in groups:
+        if h is not None:
+            global_step(glob.W[a:b], g_mean[a:b], glob.buf[a:b], lr=h.lr, momentum=h.momentum,
+                        wd=h.weight_decay)
 
 
 def simulate_round(glob: GlobalState, workers: list[WorkerState], grads: list[Tensor], *,

@@ -13,9 +13,13 @@ mean gradient, the local step is LocalOpt, see :mod:`.core`). After ``step()`` t
             evaluate(model)
     opt.finish()                                            # the model holds the global W
 
-An LR scheduler drives ``param_groups[0]["lr"]`` (the global lr); ``"lr_local"``, ``"momentum"``
-and ``"weight_decay"`` are read from the same group at every step. Forgetting :meth:`finish`
-does not hang: the round in flight is completed at interpreter exit (with a warning).
+Param groups as in torch (``params=`` a list of parameters or of group dicts; the front door
+passes a ``torch.optim.SGD``'s): each group's ``"lr"`` (the global lr, which an LR scheduler
+drives), ``"lr_local"``, ``"momentum"`` and ``"weight_decay"`` are read at every step and apply to
+its slice of θ. A parameter with ``requires_grad=False``, in no group, or in a group whose lr is 0
+is left bitwise untouched (global and local weights, momentum, mean square), as torch's SGD leaves
+it. Forgetting :meth:`finish` does not hang: the round in flight is completed at interpreter exit
+(with a warning).
 """
 from __future__ import annotations
 
@@ -28,10 +32,10 @@ import weakref
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..optim import AlgorithmOptimizer, as_flat
+from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..topology import default_topology
 from .checkpoint import global_state, load_state, local_state
-from .core import ODSGDHyper
+from .core import ODSGDHyper, group_ranges
 from .pipeline import ODSGDWorker
 
 log = logging.getLogger("hpcasync")
@@ -48,6 +52,11 @@ class ODSGD(AlgorithmOptimizer):
         local_opt: ``"sgd"``, ``"dc"`` or ``"dc-adaptive"`` (default); lr_local (η_l), lam (λ/λ₀),
             delta (``"last-step"``/``"gap"``), ms_momentum, eps: see :class:`ODSGDHyper`.
         warmup_iters: the first N steps are plain SSGD (200).
+        params: the parameters to optimize, or param-group dicts (keys ``params`` and any of
+            lr, momentum, weight_decay, lr_local; the keywords above are the defaults), as
+            ``torch.optim.SGD`` takes them (default: every parameter of the model, one group).
+        epochs, steps_per_epoch: the run's length, if known: a warning on rank 0 when the
+            warm-up covers all of it (OD-SGD would then be SSGD throughout).
         comm: the communicator (default: the job's world).
         progress: how the round in flight progresses: ``"thread"`` (default), ``"hooks"``,
             ``"none"`` (:mod:`hpcasync.odsgd.runtime` has the measurements).
@@ -59,7 +68,8 @@ class ODSGD(AlgorithmOptimizer):
     def __init__(self, model, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  local_opt: str = "dc-adaptive", lr_local: float = 0.5, lam: float | None = None,
                  delta: str = "last-step", ms_momentum: float = 0.0, eps: float = 1e-7,
-                 warmup_iters: int = 200, comm=None, progress: str = "thread",
+                 warmup_iters: int = 200, params=None, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, comm=None, progress: str = "thread",
                  broadcast: bool = True):
         hp = ODSGDHyper(lr=lr, momentum=momentum, weight_decay=weight_decay, local_opt=local_opt,
                         lr_local=lr_local, lam=lam, delta=delta, ms_momentum=ms_momentum, eps=eps,
@@ -67,9 +77,14 @@ class ODSGD(AlgorithmOptimizer):
         flat = as_flat(model)
         self._own(flat, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                          "lr_local": lr_local})
+        if params is not None:
+            self._set_groups(params)
         comm = default_topology().world if comm is None else comm
         self.comm = comm
         self.worker = ODSGDWorker(flat, comm, hp=hp, progress=progress)
+        self._layout = None
+        self._hyper_from_groups()
+        _warn_short_run(comm, warmup_iters, epochs, steps_per_epoch)
         if broadcast:
             self.worker.broadcast_parameters(root=0)
         self._finished = False
@@ -90,14 +105,46 @@ class ODSGD(AlgorithmOptimizer):
             raise ConfigError("ODSGD.step does not take a closure")
         if self._finished:
             raise ConfigError("ODSGD: step() after finish()")
-        if len(self.param_groups) != 1:
-            raise ConfigError("ODSGD has one param group (its lr applies to the whole model)")
         self._collect()
-        group = self.param_groups[0]
-        hp = self.worker.hp
-        if any(float(group[k]) != getattr(hp, k) for k in _GROUP_KEYS):
-            self.worker.hp = dataclasses.replace(hp, **{k: float(group[k]) for k in _GROUP_KEYS})
+        self._hyper_from_groups()
         self.worker.step()
+
+    def _set_groups(self, params) -> None:
+        """Replace the one default group by the user's groups (torch's rules and defaults)."""
+        groups = list(params)
+        if not groups:
+            raise ConfigError("ODSGD got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.param_groups = []
+        for group in groups:
+            self.add_param_group(dict(group))
+        mine = {id(p) for p in self.flat.parameters}
+        foreign = sum(id(p) not in mine for g in self.param_groups for p in g["params"])
+        if foreign:
+            raise ConfigError(f"ODSGD: {foreign} tensor(s) in the param groups are not "
+                              "parameters of the model")
+
+    def _hyper_from_groups(self) -> None:
+        """Give the worker this step's hyperparameters: one :class:`ODSGDHyper` when one group
+        holds every parameter (as before param groups), else per-range hyperparameters
+        (:func:`~.core.group_ranges`; held parameters: None). Rebuilt only when they change."""
+        groups = self.param_groups
+        values = tuple(tuple(float(g[k]) for k in _GROUP_KEYS) for g in groups)
+        index = group_index(self.flat, groups)
+        layout = (values, tuple(index))
+        if layout == self._layout:
+            return
+        hp = self.worker.hp
+        if len(groups) == 1 and values[0][0] != 0 and min(index) == 0:
+            self.worker.hp = dataclasses.replace(hp, **dict(zip(_GROUP_KEYS, values[0])))
+            self.worker.groups = None
+        else:
+            hypers = [None if v[0] == 0 else dataclasses.replace(hp, **dict(zip(_GROUP_KEYS, v)))
+                      for v in values]
+            sizes = [p.numel() for p in self.flat.parameters]
+            self.worker.groups = group_ranges(self.flat.offsets, sizes, index, hypers)
+        self._layout = layout
 
     def synchronize(self) -> None:
         """Complete and apply the round in flight (the global W then has every gradient)."""
@@ -150,19 +197,51 @@ class ODSGD(AlgorithmOptimizer):
         """A plain torch optimizer's state (e.g. ``torch.optim.SGD``): its lr, momentum and weight
         decay, and its momentum buffers as the global momentum buffer v."""
         state = base.get("state") or {}
-        bufs = [state.get(i, {}).get("momentum_buffer") for i in base["param_groups"][0]["params"]]
+        bufs = [state.get(i, {}).get("momentum_buffer")
+                for g in base["param_groups"] for i in g["params"]]
         super()._load_plain({**base, "state": {}} if ours or any(b is not None for b in bufs)
                             else base, ours=ours)
         if not ours and any(b is not None for b in bufs):
-            if len(bufs) != len(self.flat.shapes) or any(
-                    b is not None and tuple(b.shape) != s for b, s in zip(bufs, self.flat.shapes)):
+            mine = [p for g in self.param_groups for p in g["params"]]
+            if len(bufs) != len(mine) or any(
+                    b is not None and b.shape != p.shape for b, p in zip(bufs, mine)):
                 raise CheckpointError("ODSGD: the optimizer state's momentum buffers do not fit "
                                       "this model")
+            at = {id(p): o for p, o in zip(self.flat.parameters, self.flat.offsets)}
             with torch.no_grad():
-                for (offset, shape), b in zip(zip(self.flat.offsets, self.flat.shapes), bufs):
-                    n = int(torch.Size(shape).numel())
-                    view = self.worker.glob.buf[offset: offset + n]
-                    view.copy_(b.reshape(-1) if b is not None else torch.zeros(n))
+                for p, b in zip(mine, bufs):
+                    view = self.worker.glob.buf[at[id(p)]: at[id(p)] + p.numel()]
+                    view.copy_(b.reshape(-1) if b is not None else torch.zeros(p.numel()))
+
+
+def hyper_from_sgd(sgd: torch.optim.SGD) -> dict:
+    """ODSGD's keywords from a ``torch.optim.SGD``: its param groups and group 0's lr, momentum
+    and weight decay as the defaults (a group's own value where it differs; so a keyword passed
+    beside the SGD, e.g. ``lr=``, replaces group 0's value wherever a group has it). Its global step is heavy-ball momentum SGD:
+    Nesterov, dampening or maximize would be silently different, so they are errors."""
+    for key, plain in (("nesterov", False), ("dampening", 0), ("maximize", False)):
+        bad = [i for i, g in enumerate(sgd.param_groups) if g.get(key, plain) != plain]
+        if bad:
+            raise ConfigError(f"odsgd's global step is momentum SGD without {key}: the SGD's "
+                              f"param group(s) {bad} set {key}={sgd.param_groups[bad[0]][key]}; "
+                              f"use {key}={plain}")
+    keys = ("lr", "momentum", "weight_decay")
+    first = sgd.param_groups[0]
+    groups = [{"params": g["params"], **{k: g[k] for k in keys if g[k] != first[k]}}
+              for g in sgd.param_groups]      # group 0's values are the defaults (keywords win)
+    return {**{k: first[k] for k in keys}, "params": groups}
+
+
+def _warn_short_run(comm, warmup_iters: int, epochs, steps_per_epoch) -> None:
+    """Rank 0 warns when the run's length is known and the SSGD warm-up covers all of it."""
+    if epochs is None or steps_per_epoch is None:
+        return
+    total = int(epochs) * int(steps_per_epoch)
+    if warmup_iters >= total and comm.Get_rank() == 0:
+        log.warning("OD-SGD: %d epoch(s) x %d steps = %d steps, all inside the %d warm-up steps; "
+                    "OD-SGD degenerates to SSGD. Lower warmup_iters (--odsgd-warmup-iters) "
+                    "below %d to see OD-SGD", int(epochs), int(steps_per_epoch), total,
+                    warmup_iters, total)
 
 
 def _at_exit(ref) -> None:

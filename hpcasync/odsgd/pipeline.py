@@ -55,6 +55,8 @@ class ODSGDWorker:
         comm: the communicator of all workers. Rounds run on a private duplicate (freed by
             :meth:`finish`, collective), so the caller may use ``comm`` while a round is in flight.
         hp: :class:`ODSGDHyper`.
+        groups: None (``hp`` over all of θ) or the ranges of :func:`~.core.group_ranges` (param
+            groups; held parameters). Set by :class:`~hpcasync.odsgd.ODSGD` before each step.
         progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (module doc).
 
     Attributes: ``glob`` (:class:`GlobalState`), ``ws`` (:class:`WorkerState`), ``steps`` (step
@@ -65,6 +67,7 @@ class ODSGDWorker:
         from mpi4py import MPI
 
         self.flat, self.comm, self.hp = flat, comm, hp
+        self.groups = None
         self.progress = check_choice("progress", progress, PROGRESS_MODES)
         if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             log.warning("odsgd: MPI is not THREAD_MULTIPLE; progress by hooks instead of a thread")
@@ -107,7 +110,7 @@ class ODSGDWorker:
             t1 = time.perf_counter()
             self.times.wait += t1 - t0
             self.times.in_flight += t1 - t0
-            global_update(self.glob, g, hp=self.hp)
+            global_update(self.glob, g, hp=self.hp, groups=self.groups)
             self.flat.params.copy_(self.glob.W)
             self.rounds += 1
         else:
@@ -119,7 +122,8 @@ class ODSGDWorker:
             self.round = _Round(handle, self.rounds, time.perf_counter())
             if self._pool is not None:
                 self.round.future = self._pool.submit(_drive, handle)
-            local_update(self.glob, self.ws, g, hp=self.hp, num_workers=self.comm.Get_size())
+            local_update(self.glob, self.ws, g, hp=self.hp, num_workers=self.comm.Get_size(),
+                         groups=self.groups)
         self.bytes_sent += g.numel() * g.element_size()
         self.steps += 1
         self.times.update += time.perf_counter() - t1
@@ -139,7 +143,7 @@ class ODSGDWorker:
         self.times.wait += t1 - t0
         self.times.in_flight += max(end - r.started, t1 - t0)
         self.round = None
-        global_update(self.glob, r.handle.tensor, hp=self.hp)
+        global_update(self.glob, r.handle.tensor, hp=self.hp, groups=self.groups)
         self.rounds += 1
         self.times.update += time.perf_counter() - t1
 

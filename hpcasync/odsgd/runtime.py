@@ -167,7 +167,9 @@ def run(ctx: RunContext) -> RunResult:
     hp = hyper_from_config(cfg)
     model = ctx.make_model()
     opt = ODSGD(model, comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
-                broadcast=False, **dataclasses.asdict(hp))     # the front door's object
+                broadcast=False, epochs=cfg.epochs,        # the front door's object
+                steps_per_epoch=len(ctx.train) // topo.size // cfg.batch_size,
+                **dataclasses.asdict(hp))
     worker = opt.worker
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root:
