@@ -295,6 +295,10 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
     if type(opt) is not torch.optim.SGD:
         raise ConfigError(f"{algorithm} runs its own update: pass lr=... and its hyperparameters, "
                           f"or a torch.optim.SGD to take them from (got {type(opt).__name__})")
+    if algorithm == "odsgd":             # every param group's lr, momentum, weight decay
+        from .odsgd.optimizer import hyper_from_sgd
+
+        return hyper_from_sgd(opt)
     if len(opt.param_groups) != 1:
         raise ConfigError(f"{algorithm} takes one learning rate: the SGD has "
                           f"{len(opt.param_groups)} param groups")
