@@ -299,12 +299,15 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
         from .odsgd.optimizer import hyper_from_sgd
 
         return hyper_from_sgd(opt)
-    if len(opt.param_groups) != 1:
-        raise ConfigError(f"{algorithm} takes one learning rate: the SGD has "
-                          f"{len(opt.param_groups)} param groups")
-    group = opt.param_groups[0]
-    out = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
-    if algorithm == "odsgd" or algorithm in MOMENTUM_RULES:
+    group = opt.param_groups[0]          # PS: every group's lr and weight decay, its parameters
+    out = {"lr": group["lr"], "weight_decay": group["weight_decay"],
+           "param_groups": [{"params": g["params"], "lr": g["lr"],
+                             "weight_decay": g["weight_decay"]} for g in opt.param_groups]}
+    if algorithm in MOMENTUM_RULES:
+        moms = sorted({g["momentum"] for g in opt.param_groups})
+        if len(moms) > 1:
+            raise ConfigError(f"{algorithm} has one momentum for all param groups; the SGD's "
+                              f"groups have {moms}")
         out["momentum"] = group["momentum"]
     elif group["momentum"]:
         log.info("%s: the SGD's momentum %g is not used (the server's shared momentum of %s is "

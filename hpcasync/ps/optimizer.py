@@ -52,8 +52,9 @@ import torch
 
 from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError
-from ..optim import AlgorithmOptimizer, as_flat
+from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..rules import RULES, make_rule, ps_lr_factor
+from ..rules.base import check_real
 from ..topology import default_topology
 from .lifecycle import at_exit, describe, peek, take_replies
 from .loop_checkpoint import attach as attach_checkpoints, flush as flush_checkpoint_requests
@@ -99,17 +100,18 @@ class ParameterServer(AlgorithmOptimizer):
                  ps_rank: int | None = None, transport: str = "rma", ps_ranks: int | None = None,
                  steps_per_epoch: int | None = None, epochs: int | None = None,
                  warmup_epochs: float | None = None, average_buffers: bool = True,
-                 start: bool = True, **hyper: Any):
+                 start: bool = True, param_groups: list[dict] | None = None, **hyper: Any):
         if algorithm not in RULES:
             raise ConfigError(f"unknown parameter-server algorithm {algorithm!r} "
                               f"(choose from {', '.join(RULES)})")
         self.algorithm = algorithm
         self.hyper = {"lr": lr, **hyper}
-        make_rule(algorithm, torch.zeros(1), 1, **self.hyper)      # check before any collective
+        probe = make_rule(algorithm, torch.zeros(1), 1, **self.hyper)  # check before any collective
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
-        if ps_lr_factor(algorithm, 2, warmup_epochs) is not None and steps_per_epoch is None:
+        if (ps_lr_factor(algorithm, 2, warmup_epochs) is not None and warmup_epochs != 0
+                and steps_per_epoch is None):
             raise ConfigError(
                 f"{algorithm} warms its learning rate up over "
                 f"{5 if warmup_epochs is None else warmup_epochs:g} epochs (the paper's schedule): "
@@ -129,7 +131,7 @@ class ParameterServer(AlgorithmOptimizer):
             raise TopologyError(f"ps rank {ps_rank} does not exist in a world of "
                                 f"{comm.Get_size()} ranks")
         ps_ranks = check_shards(1 if ps_ranks is None else ps_ranks, comm.Get_size(), flat.numel)
-        self._own(flat, {"lr": lr})
+        self._own_groups(flat, param_groups, probe)
         self.comm, self.ps_rank = comm, ps_rank
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
         self.warmup_epochs = warmup_epochs
@@ -137,6 +139,12 @@ class ParameterServer(AlgorithmOptimizer):
         for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
             if tensor.numel():
                 broadcast(comm, tensor, root=ps_rank)
+        if len(set(comm.allgather(self._groups_key))) > 1:
+            raise ConfigError(f"{algorithm}: the ranks' optimizers have different param groups "
+                              "(each parameter must be in the same group on every rank, and "
+                              "outside them on every rank)")
+        if self._index is not None:
+            probe.set_groups(torch.zeros(1, dtype=torch.int64), len(self.param_groups))
         self.layout = L = ShardLayout.build(comm, ps_rank=ps_rank, shards=ps_ranks,
                                             numel=flat.numel)
         self.shard, self.worker_ranks = L.shard, L.workers
@@ -144,7 +152,7 @@ class ParameterServer(AlgorithmOptimizer):
         self.transports = [make_transport(
             transport, c, ps_rank if L.K == 1 else 0, L.slice(flat.params, s).numel(),
             extra=flat.buffer_numel if s == 0 else 0,
-            reply_scalars=RULES[algorithm].func.reply_scalars)
+            reply_scalars=probe.reply_scalars, groups=len(self.param_groups))
             for s, c in enumerate(L.comms) if c is not None]
         self.transport = self.transports[0]
         self.num_workers, self.worker = self.transport.num_workers, self.transport.worker
@@ -153,6 +161,10 @@ class ParameterServer(AlgorithmOptimizer):
         theta = flat.params.detach().cpu()
         self.rules = [make_rule(algorithm, L.slice(theta, s).clone(), W, **self.hyper)
                       for s in (range(L.K) if not self.is_server else [max(L.shard, 0)])]
+        if self._index is not None:               # param groups, or parameters never trained
+            for s, rule in zip(range(L.K) if not self.is_server else [max(L.shard, 0)], self.rules):
+                rule.set_groups(L.slice(self._index, s), len(self.param_groups))
+                rule.lr, _, rule.weight_decay = self._hyper_now()
         self.rule = self.rules[0]
         self.versions = [0] * len(self.rules)
         self.needs_loss = algorithm == "lcasgd"
@@ -177,6 +189,60 @@ class ParameterServer(AlgorithmOptimizer):
             ref = weakref.ref(self)
             self._hook = flat.module.register_forward_pre_hook(
                 lambda module, args: ref() is not None and ref().start())
+
+    # -- param groups ---------------------------------------------------------------------------
+    def _own_groups(self, flat, param_groups, probe) -> None:
+        """One param group per user group (default: one over the model), each with its ``lr``
+        and ``weight_decay``, and the rule's ``momentum`` (one for all groups; exposed so that
+        schedulers such as OneCycleLR cycle it). Parameters in no group, or with
+        ``requires_grad=False``, are never moved (``rules.base``, param groups)."""
+        momentum = getattr(probe, "momentum", 0.0)
+        wd = self.hyper.get("weight_decay", 0.0)
+        lr = self.hyper["lr"]
+        if param_groups is None:
+            groups = [{"params": list(flat.module.parameters())}]
+        else:
+            mine = {id(p) for p in flat.module.parameters()}
+            groups = []
+            for g in param_groups:
+                extra = sorted(set(g) - {"params", "lr", "weight_decay", "momentum"})
+                if extra:
+                    raise ConfigError(f"{self.algorithm}: param group keys {extra} are not used "
+                                      "by the parameter server (lr, weight_decay, momentum are)")
+                params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+                if any(id(p) not in mine for p in params):
+                    raise ConfigError(f"{self.algorithm}: a param group holds tensors that are "
+                                      "not parameters of the model")
+                groups.append({**g, "params": params})
+            moms = {float(g.get("momentum", momentum)) for g in groups}
+            if len(moms) > 1:
+                raise ConfigError(f"{self.algorithm}: the param groups disagree on momentum "
+                                  f"({sorted(moms)}); the server has one momentum for all groups")
+            momentum = moms.pop() if moms else momentum
+        torch.optim.Optimizer.__init__(self, groups, {"lr": lr, "weight_decay": wd,
+                                                      "momentum": momentum})
+        self.flat, self.optimizer = flat, None
+        where = group_index(flat, self.param_groups)
+        self._groups_key = (len(self.param_groups), tuple(where))
+        grouped = len(self.param_groups) > 1 or min(where) < 0
+        self._index = flat.per_element(where, dtype=torch.int64).cpu() if grouped else None
+        self._hyper_now()                                  # check the values now
+
+    def _hyper_now(self):
+        """What a push carries: lr and weight decay (one per group when there are several) and
+        the momentum, checked (one line if the groups' momenta were set apart)."""
+        groups = self.param_groups
+        momentum = groups[0].get("momentum", 0.0)
+        if any(g.get("momentum", 0.0) != momentum for g in groups):
+            raise ConfigError(f"{self.algorithm}: the param groups disagree on momentum "
+                              f"({[g.get('momentum') for g in groups]}); the server has one "
+                              "momentum for all groups")
+        momentum = check_real("momentum", float(momentum), low=0.0, high=1.0, high_open=True)
+        lrs = tuple(self.lr(i) for i in range(len(groups)))
+        wds = tuple(float(g["weight_decay"]) for g in groups)
+        if len(groups) == 1:
+            return lrs[0], momentum, wds[0]
+        return lrs, momentum, wds
 
     # -- worker side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,9 +305,11 @@ class ParameterServer(AlgorithmOptimizer):
             self.start()
         g = self.flat.grads if grad is None else grad
         pieces = worker_pieces(self.layout, g.cpu(), self.flat.numel)
+        lr, momentum, weight_decay = self._hyper_now()
         for s, (t, piece) in enumerate(zip(self.transports, pieces)):   # all leave, then replies
             t.push(piece, self.flat.buffers.cpu() if s == 0 else None, version=self.versions[s],
-                   loss=loss, oracle_loss=oracle_loss, last=last, stop=stop, lr=self.lr())
+                   loss=loss, oracle_loss=oracle_loss, last=last, stop=stop, lr=lr,
+                   momentum=momentum, weight_decay=weight_decay)
         head = self._replies(g)
         self.version = head.version
         self.steps += 1

@@ -59,6 +59,11 @@ from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, KIND_PUSH, KIND_STOP
 log = logging.getLogger("hpcasync")
 
 
+def _finite(value) -> bool:
+    """A pushed hyperparameter (a float, or one per param group) that the worker did send."""
+    return all(math.isfinite(x) for x in value) if isinstance(value, tuple) else math.isfinite(value)
+
+
 class PSServer:
     """Drives one rule over one transport until every worker is done.
 
@@ -72,8 +77,10 @@ class PSServer:
         on_epoch: ``on_epoch(epoch, record)`` after the epoch's crossing push was answered;
             ``record`` holds the staleness histogram and push counts of that epoch.
         lr_factor: ``lr_factor(epoch_float) -> factor``: the rule's lr for an accepted push is
-            the pushing worker's lr (its optimizer's, carried in the push; the rule's lr as built
-            when a push carries none) times this factor (the paper's warm-up; None: 1).
+            the pushing worker's lr (its optimizer's, carried in the push, one per param group;
+            the rule's lr as built when a push carries none) times this factor (the paper's
+            warm-up; None: 1). The push's weight decay (per group) and momentum, when it carries
+            them, become the rule's too.
         on_push: ``on_push(worker, staleness, loss)`` after each accepted push (progress, logs).
         on_buffers: ``on_buffers(worker, extra)`` with the float buffers of each accepted push.
         keep_log: keep every push in ``stats.log``.
@@ -306,10 +313,15 @@ class PSServer:
             self.apply_time += time.perf_counter() - t0
             self._send(w, reply.params, reply.version, False, reply.scalars, self.stopping)
             return
-        lr = push.lr if math.isfinite(push.lr) else self.base_lr
+        lr = push.lr if _finite(push.lr) else self.base_lr
         if self.lr_factor is not None and self.pushes_per_epoch:
-            lr = lr * self.lr_factor(self.stats.accepted / self.pushes_per_epoch)
-        rule.lr = lr
+            f = self.lr_factor(self.stats.accepted / self.pushes_per_epoch)
+            lr = tuple(x * f for x in lr) if isinstance(lr, tuple) else lr * f
+        rule.lr = lr                                    # one per param group (rules.base)
+        if _finite(push.weight_decay):
+            rule.weight_decay = push.weight_decay
+        if math.isfinite(push.momentum):
+            rule.momentum = push.momentum
         staleness = rule.staleness(meta)
         reply = rule.on_push(w, push.grad, meta)
         self.apply_time += time.perf_counter() - t0

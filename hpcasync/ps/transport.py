@@ -80,8 +80,9 @@ class RMATransport(_Base):
     name = "rma"
 
     def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0,
-                 reply: str = "get"):
-        super().__init__(comm, ps_rank, numel, extra=extra, reply_scalars=reply_scalars)
+                 reply: str = "get", groups: int = 1):
+        super().__init__(comm, ps_rank, numel, extra=extra, reply_scalars=reply_scalars,
+                         groups=groups)
         MPI = self.MPI
         if reply not in ("get", "put"):
             raise ValueError(f"reply must be 'get' or 'put', got {reply!r}")
@@ -148,7 +149,8 @@ class RMATransport(_Base):
     # worker side
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
              version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False, stop: bool = False, lr: float = float("nan")) -> None:
+             last: bool = False, stop: bool = False, lr=float("nan"), momentum=float("nan"),
+             weight_decay=float("nan")) -> None:
         MPI = self.MPI
         if kind == KIND_PUSH:
             base = self.worker * self.slot
@@ -161,7 +163,8 @@ class RMATransport(_Base):
             self.win_in.Unlock(self.ps_rank)
             if self.before_header is not None:
                 self.before_header()
-        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr)
+        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr,
+                                momentum, weight_decay)
         self.wait_time += wait(req)
 
     def recv_reply(self, out: torch.Tensor, poll=None) -> ReplyHeader:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr
-# (the worker's current learning rate: NaN when it sends none)
+# header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr,
+# momentum, weight decay (the worker's current hyperparameters: NaN when it sends none); with G param
+# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values)
 KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
 _PUSH_HEADER = 8
 _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
@@ -61,7 +62,9 @@ class Push:
     grad: torch.Tensor
     extra: torch.Tensor
     stop: bool = False            # the worker asks the PS to stop (it received a signal)
-    lr: float = float("nan")      # the worker's learning rate (its optimizer's param group)
+    lr: float | tuple = float("nan")            # the worker's learning rate (one per param group)
+    momentum: float = float("nan")              # its momentum (one for every group)
+    weight_decay: float | tuple = float("nan")  # its weight decay (one per param group)
 
 
 @dataclass
@@ -81,7 +84,8 @@ class _Base:
 
     name = "base"
 
-    def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0):
+    def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0,
+                 groups: int = 1):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -93,7 +97,8 @@ class _Base:
         self.is_ps = self.rank == ps_rank
         self.worker = -1 if self.is_ps else self.workers.index(self.rank)
         self.numel, self.extra, self.reply_scalars = numel, extra, reply_scalars
-        self._head_in = np.zeros(_PUSH_HEADER, np.float64)
+        self.groups = groups       # param groups: each push carries G lrs and weight decays
+        self._head_in = np.zeros(_PUSH_HEADER + 2 * groups, np.float64)
         self._head_out = np.zeros(3 + reply_scalars, np.float64)
         self._reply_heads = [np.zeros(3 + reply_scalars, np.float64)
                              for _ in range(self.num_workers)] if self.is_ps else []
@@ -172,9 +177,12 @@ class _Base:
 
     def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
+        G = self.groups
+        lr = float(h[7]) if G == 1 else (float(h[7]), *(float(x) for x in h[9 + G:]))
+        wd = float(h[9]) if G == 1 else tuple(float(x) for x in h[9: 9 + G])
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
                     oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
-                    stop=bool(h[6]), lr=float(h[7]))
+                    stop=bool(h[6]), lr=lr, momentum=float(h[8]), weight_decay=wd)
 
     def _reply_header(self, w: int, version: int, accepted: bool, scalars,
                       stop: bool = False) -> np.ndarray:
@@ -195,9 +203,18 @@ class _Base:
 
     # -- worker side ---------------------------------------------------------------------------
     def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
-                     numel: int, stop: bool = False, lr: float = float("nan")):
-        h = self._head_in
-        h[:] = (kind, version, loss, oracle_loss, numel, float(last), float(stop), lr)
+                     numel: int, stop: bool = False, lr=float("nan"), momentum=float("nan"),
+                     weight_decay=float("nan")):
+        G, h = self.groups, self._head_in
+        lrs = lr if isinstance(lr, (tuple, list)) else (lr,) * G
+        wds = weight_decay if isinstance(weight_decay, (tuple, list)) else (weight_decay,) * G
+        if len(lrs) != G or len(wds) != G:
+            raise ValueError(f"a push carries {G} lrs and weight decays, got {len(lrs)} and "
+                             f"{len(wds)}")
+        h[:8] = (kind, version, loss, oracle_loss, numel, float(last), float(stop), lrs[0])
+        h[8] = momentum
+        h[9: 9 + G] = wds
+        h[9 + G:] = lrs[1:]
         return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
 
     def _parse_reply(self) -> ReplyHeader:
