@@ -143,6 +143,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients. They stay views of the flat buffer whatever ``set_to_none`` says
         (the buffer is what the algorithm communicates)."""
+        self._check_bound()
         self.flat.zero_grad()
 
     def _check_bound(self) -> None:

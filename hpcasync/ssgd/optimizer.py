@@ -210,6 +210,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         says) and forget the backward passes counted so far, as torch's ``zero_grad`` drops the
         gradients. ``set_to_none`` decides what a parameter that then gets no gradient on any
         rank holds at ``step()``: None (torch's default; the optimizer skips it) or zeros."""
+        self._check_bound()
         self.reducer.discard()    # a backward not followed by step(): wait for what it started
         self._passes.reset()
         self._none_if_unused = bool(set_to_none)
