@@ -3,8 +3,9 @@
 Two models a user writes (``ConvBN``: conv + BatchNorm; ``RowGRU``: a GRU reading image rows),
 trained from plain numpy arrays (here Fashion-MNIST, taken out of hpcasync as numpy: from then on
 only numpy and ``torch.from_numpy``, as with your own ``.npy`` files). It also shows the metrics
-stream (``hpcasync.open_metrics``) and checkpoints (``hpcasync.save_checkpoint`` / ``load_checkpoint``:
-a run started again with the same ``--checkpoint-dir`` resumes after its last finished epoch)::
+stream (``hpcasync.open_metrics``) and checkpoints (``hpcasync.save_checkpoint`` / ``load_checkpoint``,
+one call on every rank for every family: a run started again with the same ``--checkpoint-dir``
+resumes after its last finished epoch; a PS's server continues its clock and warm-up)::
 
     mpiexec -n 4 python examples/own_model_numpy.py --algorithm ssgd --model convbn
     mpiexec -n 4 python examples/own_model_numpy.py --algorithm dcasgd-a --model gru \\
@@ -127,29 +128,22 @@ def main():
     torch.manual_seed(args.seed)
     factory = convbn if args.model == "convbn" else gru
     model = factory(xtr.shape[1:], int(ytr.max()) + 1).to(ctx.device)
-    start = 0                                                # epochs done (a resumed run)
-    if args.checkpoint_dir:                                  # every rank reads it: not collective
-        state = hpcasync.load_checkpoint(args.checkpoint_dir, model)
-        start = state["epoch"] if state else 0
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     hyper = dict(HYPER[alg])
-    if alg == "daso":                                        # DASO schedules its phases by epoch
+    if alg not in ("ssgd", "odsgd"):     # DASO's phases, the PS's epoch clock (warm-up) by epoch
         hyper.update(epochs=args.epochs, steps_per_epoch=steps)
-    elif alg not in SYNC:                                    # the server's epoch clock (warm-up)
-        hyper.update(epochs=args.epochs - start, steps_per_epoch=steps)
     opt = hpcasync.optimizer(alg, model, sgd, **hyper)        # collective
-    if start and (alg in SYNC or ctx.is_server):             # the optimizer's state (PS: the rule's)
-        hpcasync.load_checkpoint(args.checkpoint_dir, model, opt)
-        if ctx.is_root:
+    start = 0                                                # epochs done (a resumed run)
+    if args.checkpoint_dir:     # every rank, not collective; None (said in the log): a fresh start
+        state = hpcasync.load_checkpoint(args.checkpoint_dir, model, opt)   # PS: server and
+        start = state["epoch"] if state else 0                # workers each take their part
+        if start and ctx.is_root:
             print(f"resuming after epoch {start} from {args.checkpoint_dir}", flush=True)
     metrics = hpcasync.open_metrics(args.metrics, roles=ctx)   # the root rank writes it
 
-    def on_epoch(epoch, model):                              # PS: the server, at each crossing
-        epoch += start
+    def on_epoch(epoch, model):          # PS: the server, at each crossing (its clock resumes)
         metrics.write("epoch", epoch=epoch, test_accuracy=correct(model, 0, 1) / len(xte),
                       wall_time_s=round(time.time() - t0, 3))
-        if args.checkpoint_dir:
-            hpcasync.save_checkpoint(args.checkpoint_dir, model, opt, epoch=epoch)
 
     def correct(model, rank, size):
         """How many of slice ``rank`` of ``size`` of the test set ``model`` gets right."""
@@ -161,7 +155,7 @@ def main():
         return int((out.argmax(1).cpu() == torch.from_numpy(yte[lo:hi])).sum())
 
     if ctx.is_server:
-        opt.serve(on_epoch=on_epoch if args.metrics or args.checkpoint_dir else None)
+        opt.serve(on_epoch=on_epoch if args.metrics else None)   # writes the workers' checkpoints
     else:
         for epoch in range(start + 1, args.epochs + 1):
             rng = np.random.default_rng([args.seed, epoch])  # same permutation on every rank
@@ -186,8 +180,8 @@ def main():
                 train_loss = ctx.topology.world.allreduce(total / steps) / ctx.size
                 metrics.write("epoch", epoch=epoch, train_loss=train_loss,
                               wall_time_s=round(time.time() - t0, 3))
-                if args.checkpoint_dir:
-                    hpcasync.save_checkpoint(args.checkpoint_dir, model, opt, epoch=epoch)
+            if args.checkpoint_dir:      # every family the same; PS: the workers ask the server
+                hpcasync.save_checkpoint(args.checkpoint_dir, model, opt, epoch=epoch)
         if alg not in ("ssgd", "daso"):
             opt.finish()                  # OD-SGD: the last round in; PS: the server's final θ
     # every rank holds the same final model now: each scores a slice, the counts are summed

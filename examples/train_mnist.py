@@ -91,23 +91,21 @@ def train(epoch):
     return total / len(train_loader)
 
 
-def metric_sum(value):
-    return ctx.topology.world.allreduce(value)
-
-
-def test():
-    """Every rank scores its slice of the test set; the sums are added over the ranks."""
+def test(comm, part, parts, label):
+    """Ranks of ``comm`` each score part ``part`` of ``parts`` of the test set; the sums are added
+    over ``comm`` (Horovod's test() with its metric allreduce)."""
     model.eval()
-    lo, hi = len(test_set) * ctx.rank // ctx.size, len(test_set) * (ctx.rank + 1) // ctx.size
+    lo, hi = len(test_set) * part // parts, len(test_set) * (part + 1) // parts
     with torch.no_grad():
         output = model(test_set.images[lo:hi].to(ctx.device))
         target = test_set.labels[lo:hi].to(ctx.device)
         loss = F.cross_entropy(output, target, reduction="sum").item()
         correct = (output.argmax(1) == target).sum().item()
-    loss, correct = metric_sum(loss) / len(test_set), metric_sum(correct) / len(test_set)
-    if ctx.is_root:
-        print(f"\nTest set ({args.algorithm}): Average loss: {loss:.4f}, "
-              f"Accuracy: {100.0 * correct:.2f}%\n", flush=True)
+    model.train()
+    loss, correct = comm.allreduce(loss) / len(test_set), comm.allreduce(correct) / len(test_set)
+    if part == 0:
+        print(f"\nTest set ({label}): Average loss: {loss:.4f}, Accuracy: {100.0 * correct:.2f}%\n",
+              flush=True)
     return correct
 
 
@@ -118,6 +116,12 @@ else:
         epoch_loss = train(epoch)
         if args.algorithm == "daso":
             opt.epoch_end(epoch_loss)    # DASO adapts its schedule to the epoch's loss
+        if args.algorithm != "odsgd" and epoch < args.epochs:
+            # evaluation inside the loop, on the ranks that train: a PS's server is inside serve(),
+            # so the workers average through their own communicator (the world for ssgd/daso);
+            # a PS worker's model is its latest reply (SHAT/ENSEMBLE: its own model)
+            test(ctx.workers_comm, ctx.shard_index, ctx.num_shards, f"epoch {epoch}")
     if args.algorithm not in ("ssgd", "daso"):
         opt.finish()                     # OD-SGD: complete the last round; PS: the last push
-test()                                   # every rank now holds the same final model
+# every rank now holds the same final model: each scores a slice, the counts are summed
+test(ctx.topology.world, ctx.rank, ctx.size, args.algorithm)
