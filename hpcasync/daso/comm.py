@@ -82,7 +82,6 @@ class InFlight(NamedTuple):
     due_batch: int          # the batch that completes and merges it
     t_start: float          # time.perf_counter() at the send
     nbytes: int             # wire bytes of the message
-    keep: tuple = ()        # (start, end) ranges of θ held out of the merge (see merge_)
 
 
 def wire_itemsize(cast: str | None) -> int:
@@ -164,11 +163,10 @@ class DasoComm:
             self.global_bytes += nbytes // self.topo.local_size
         self.blocking_global_s += time.perf_counter() - t0
 
-    def start(self, snapshot: torch.Tensor, *, group: int, batch: int, due: int, keep=()
+    def start(self, snapshot: torch.Tensor, *, group: int, batch: int, due: int
               ) -> InFlight | None:
         """Group ``group`` starts summing ``snapshot`` (a tensor of its own, which receives S and
-        must not be touched until :meth:`complete`); returns None on ranks outside the group.
-        ``keep``: ranges the merge of this message must leave as they are (recorded with it)."""
+        must not be touched until :meth:`complete`); returns None on ranks outside the group."""
         if self.topo.local_rank != group:
             return None
         nbytes = snapshot.numel() * wire_itemsize(self.cast)
@@ -179,7 +177,7 @@ class DasoComm:
         if self.topo.num_nodes > 1:
             self.global_bytes += nbytes
         self.sends += 1
-        return InFlight(group, handle, batch, due, t_start, nbytes, tuple(keep))
+        return InFlight(group, handle, batch, due, t_start, nbytes)
 
     def progress(self, messages) -> None:
         """Let MPI move the messages in flight along (nonblocking ``test``)."""

@@ -122,6 +122,7 @@ class DASO(AlgorithmOptimizer):
         self.comm = DasoComm(topo, cast=cast, chunk_elems=chunk_elems, local_backend=local_backend,
                              link_delay_us_per_mb=link_delay_us_per_mb)
         self.inflight: deque[InFlight] = deque()   # this rank's global sends, oldest first
+        self._keep: dict[int, list] = {}            # send batch -> ranges its merge keeps
         self.steps = 0
         self.last_plan: BatchPlan | None = None
         self._synced_plan: BatchPlan | None = None  # set by synchronize(), used by step()
@@ -203,10 +204,10 @@ class DASO(AlgorithmOptimizer):
     def _send(self, plan: BatchPlan) -> None:
         due = plan.batch + self.schedule.knobs.batches_to_wait
         snapshot = pack_state(self.flat.params, self.flat.buffers)      # a fresh tensor per send
-        msg = self.comm.start(snapshot, group=plan.send_group, batch=plan.batch, due=due,
-                              keep=self._held())
+        msg = self.comm.start(snapshot, group=plan.send_group, batch=plan.batch, due=due)
         if msg is not None:
             self.inflight.append(msg)
+            self._keep[plan.batch] = self._held()     # what its merge leaves alone
 
     def _receive(self, plan: BatchPlan) -> None:
         group, state = plan.receive_group, self._scratch
@@ -220,7 +221,7 @@ class DASO(AlgorithmOptimizer):
             total = self.comm.complete(msg)
             pack_state(self.flat.params, self.flat.buffers, out=state)
             merge_(state, total, batches_to_wait=msg.due_batch - msg.sent_batch,
-                   num_nodes=self.topo.num_nodes, keep=msg.keep)
+                   num_nodes=self.topo.num_nodes, keep=self._keep.pop(msg.sent_batch, ()))
         self.comm.node_broadcast(state, root=group)
         unpack_state(state, self.flat.params, self.flat.buffers)
 
@@ -236,6 +237,7 @@ class DASO(AlgorithmOptimizer):
         topo.require_uniform("DASO")
         self.topo = topo
         self.inflight.clear()
+        self._keep.clear()
         self._lost_before = self.schedule.batch
         self._synced_plan = None
         self.comm = DasoComm(topo, **self._comm_args)
