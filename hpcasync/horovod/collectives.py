@@ -24,9 +24,13 @@ Semantics follow ``horovod.torch`` 0.28.1 (the tests compare each call with real
   an averaging ``reducescatter`` the gathered gradient (not divided by size), and that of
   ``broadcast`` the average on the root and zero elsewhere.
 
-Not reproduced: Horovod's name-based negotiation, which lets ranks submit asynchronous collectives
-in different orders. Here, as in MPI, every rank issues its collectives in the same order;
-``name=`` is kept on the handle for messages only.
+Agreement (:mod:`.agree`): before its data moves, every collective checks across ranks that
+kind, name, op, dtypes, shapes, root and scale factors agree, and raises Horovod's
+``HorovodInternalError`` ("Mismatched ...") on every rank when they do not; ``join()`` has
+Horovod's semantics (joined ranks contribute zeros to allreduces). Not reproduced: Horovod's
+name-based reordering — every rank issues its collectives in the same order (MPI's rule), and the
+``_async`` forms block until every rank has submitted theirs (then the data moves in the
+background). A second in-flight collective with the same ``name=`` raises Horovod's ValueError.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import warnings
 
 import torch
 
+from . import agree as _agree
+from .agree import Desc, HorovodInternalError
 from .basics import _state, check_process_set
 from .compression import Compression
 
@@ -44,10 +50,6 @@ Average, Sum, Adasum, Min, Max, Product = range(6)
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
              Product: "Product"}
 _HALF = (torch.float16, torch.bfloat16)
-
-
-class HorovodInternalError(RuntimeError):
-    """Raised where Horovod raises its internal error (a collective that failed)."""
 
 
 # -- handles --------------------------------------------------------------------------------------
@@ -74,10 +76,29 @@ class _Work:
 
 _works: dict[int, _Work] = {}
 _ids = itertools.count(1)
+_names: set = set()             # names of the collectives in flight (Horovod refuses a second)
+
+
+def _fresh(name) -> None:
+    """Horovod's check (local, before any exchange): one in-flight collective per name."""
+    if name is not None and name in _names:
+        raise ValueError("Requested to allreduce, allgather, or broadcast a tensor with the same "
+                         "name as another tensor that is currently being processed.  If you want "
+                         "to request another tensor, use a different tensor name.")
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _dev(t: torch.Tensor) -> str:
+    return t.device.type if isinstance(t, torch.Tensor) else "cpu"
 
 
 def _handle(work: _Work) -> int:
     h = next(_ids)
+    if work.name is not None:
+        _names.add(work.name)
     _works[h] = work
     return h
 
@@ -97,6 +118,7 @@ def synchronize(handle: int):
     work = _works.pop(handle, None)
     if work is None:
         raise ValueError(f"synchronize: unknown handle {handle!r} (already synchronized?)")
+    _names.discard(work.name)
     return work.complete()
 
 
@@ -178,11 +200,17 @@ def _deliver(result: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None)
 
 # -- allreduce ---------------------------------------------------------------------------------------
 
-def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set):
+def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, check=True):
     from mpi4py import MPI
 
     comm = _comm(process_set)
     n = comm.Get_size()
+    if check:
+        _fresh(name)
+        _agree.agree(comm, Desc("ALLREDUCE", name, op,
+                                [(_dt(t), tuple(t.shape)) for t in tensors], None,
+                                (float(prescale), float(postscale)),
+                                _dev(tensors[0]) if tensors else "cpu"))
     bufs, reqs, casts = [], [], []
     for t in tensors:
         b = _scale(_host(t), prescale)
@@ -285,6 +313,17 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 postscale_factor, process_set))
 
 
+def _serve_allreduce(desc: Desc) -> None:
+    """A joined rank's part in the active ranks' allreduce: zeros (Horovod's rule)."""
+    zeros = [torch.zeros(shape, dtype=getattr(torch, dt)) for dt, shape in desc.specs]
+    pre, post = desc.factors
+    _start_allreduce(zeros, [None] * len(zeros), desc.op, pre, post, desc.name, None,
+                     check=False).complete()
+
+
+_agree.SERVE["ALLREDUCE"] = _serve_allreduce
+
+
 # -- allgather ----------------------------------------------------------------------------------------
 
 def _rows(t: torch.Tensor) -> int:
@@ -293,13 +332,12 @@ def _rows(t: torch.Tensor) -> int:
 
 def allgather_async(tensor, name=None, process_set=None) -> int:
     comm = _comm(process_set)
+    _fresh(name)
     src = _host(tensor)
     if src.dim() == 0:
         src = src.reshape(1)
-    shapes = comm.allgather((tuple(src.shape[1:]), src.dtype))
-    if any(s != shapes[0] for s in shapes):
-        raise ValueError(f"allgather: tensors differ beyond the first dimension or in dtype "
-                         f"across ranks: {shapes}")
+    _agree.agree(comm, Desc("ALLGATHER", name, None,
+                            [(_dt(src), src.dim(), tuple(src.shape[1:]))], device=_dev(tensor)))
     rows = comm.allgather(src.shape[0])
     row = max(1, src[0].numel()) if src.shape[0] else int(torch.Size(src.shape[1:]).numel())
     out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
@@ -340,9 +378,13 @@ def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
 
 def _start_broadcast(tensor, root_rank, name, process_set, out):
     comm = _comm(process_set)
-    if not 0 <= root_rank < comm.Get_size():
-        raise ValueError(f"broadcast: root_rank {root_rank} is not a rank of {comm.Get_size()}")
+    _fresh(name)
     b = _host(tensor)
+    problem = None
+    if not 0 <= root_rank < comm.Get_size():
+        problem = f"broadcast: root_rank {root_rank} is not a rank of {comm.Get_size()}"
+    _agree.agree(comm, Desc("BROADCAST", name, None, [(_dt(b), tuple(b.shape))],
+                            root_rank, device=_dev(tensor), problem=problem))
     buf = _buf(b)
     req = comm.Ibcast(buf, root=root_rank)
     return _handle(_Work(name, [req], lambda: _deliver(b, tensor, out), keep=(b, buf)))
@@ -385,19 +427,12 @@ def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     comm = _comm(process_set)
     n = comm.Get_size()
+    _fresh(name)
     src = _host(tensor)
-    if src.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
-    if splits is None:
-        if src.shape[0] % n:
-            raise ValueError(f"alltoall: the first dimension ({src.shape[0]}) is not divisible "
-                             f"by the number of ranks ({n}); pass splits")
-        send = [src.shape[0] // n] * n
-    else:
-        send = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
-        if len(send) != n or any(s < 0 for s in send) or sum(send) != src.shape[0]:
-            raise ValueError(f"alltoall: splits {send} must be {n} non-negative counts adding up "
-                             f"to the first dimension {src.shape[0]}")
+    send, problem = _splits(src, splits, n)
+    _agree.agree(comm, Desc("ALLTOALL", name, None,
+                            [(_dt(src), src.dim(), tuple(src.shape[1:]))], device=_dev(tensor),
+                            problem=problem))
     recv = comm.alltoall(send)
     row = int(torch.Size(src.shape[1:]).numel())
     out = torch.empty((sum(recv), *src.shape[1:]), dtype=src.dtype)
@@ -413,6 +448,29 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     received = torch.tensor(recv, dtype=torch.int32)
     return _handle(_Work(name, [req], lambda: (_deliver(out, tensor, None), received),
                          keep=(src, bufs)))
+
+
+def _splits(src: torch.Tensor, splits, n: int):
+    """``(rows sent to each rank, problem)``; Horovod's rule: splits are 32-bit integers."""
+    if src.dim() == 0:
+        return None, "alltoall needs a tensor with at least one dimension"
+    if splits is None:
+        if src.shape[0] % n:
+            return None, (f"alltoall: the first dimension ({src.shape[0]}) is not divisible by "
+                          f"the number of ranks ({n}); pass splits")
+        return [src.shape[0] // n] * n, None
+    if torch.is_tensor(splits):
+        ok = splits.dtype == torch.int32
+        send = splits.tolist() if ok else None
+    else:
+        send = list(splits)
+        ok = all(isinstance(s, int) and not isinstance(s, bool) for s in send)
+    if not ok:
+        return None, "alltoall expects splits to contain 32-bit integer elements."
+    if len(send) != n or any(s < 0 for s in send) or sum(send) != src.shape[0]:
+        return None, (f"alltoall: splits {send} must be {n} non-negative counts adding up to the "
+                      f"first dimension {src.shape[0]}")
+    return send, None
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -449,13 +507,18 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
     from mpi4py import MPI
 
     op = _check_op(op, None)
-    if op not in (Average, Sum):
-        raise ValueError("reducescatter supports op Average and Sum")
     comm = _comm(process_set)
     n = comm.Get_size()
+    _fresh(name)
+    problem = None
+    if op not in (Average, Sum):
+        problem = "reducescatter supports op Average and Sum"
+    elif tensor.dim() == 0:
+        problem = "reducescatter needs a tensor with at least one dimension"
+    _agree.agree(comm, Desc("REDUCESCATTER", name, op, [(_dt(tensor), tuple(tensor.shape))],
+                            None, (float(prescale_factor), float(postscale_factor)),
+                            _dev(tensor), problem))
     src = _scale(_host(tensor), prescale_factor)
-    if src.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
     rows = _scatter_rows(src.shape[0], n)
     row = int(torch.Size(src.shape[1:]).numel())
     out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
@@ -500,16 +563,13 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 # -- barrier, join ------------------------------------------------------------------------------------
 
 def barrier(process_set=None) -> None:
-    _comm(process_set).Barrier()
+    comm = _comm(process_set)
+    _agree.agree(comm, Desc("BARRIER"))
+    comm.Barrier()
 
 
 def join(device=-1) -> int:
-    """Every rank calls it once it has no more data; returns the last rank to join.
-
-    Unlike Horovod, ranks that have joined do not keep serving the others' allreduces with zeros:
-    every rank must reach ``join()`` having issued the same collectives (uneven data ends in the
-    exit check of :func:`hpcasync.init` after 30 s, naming the problem)."""
-    import time
-
-    comm = _state().comm
-    return max(comm.allgather((time.time_ns(), comm.Get_rank())))[1]
+    """A rank with no more data calls it; until every rank has, its part in the others'
+    allreduces (and DistributedOptimizer steps) is zeros — Horovod's semantics (:mod:`.agree`).
+    Returns the last rank to join, on every rank."""
+    return _agree.join(_state().comm)

@@ -1,11 +1,14 @@
 """Horovod's helpers over the collectives: parameters, optimizer state and Python objects.
 
-* :func:`broadcast_parameters` — ``model.state_dict()`` or ``model.named_parameters()`` (or any
-  ``(name, tensor)`` sequence / dict) from ``root_rank``, in place, in name order;
+* :func:`broadcast_parameters` — ``model.state_dict()`` (any dict: in name order),
+  ``model.named_parameters()``, ``model.parameters()`` or a list of tensors / ``(name, tensor)``
+  pairs (in the order given, as Horovod) from ``root_rank``, in place;
 * :func:`broadcast_optimizer_state` — the optimizer's ``state_dict()`` from ``root_rank``: tensors
-  (momentum buffers, step counts) in place, scalars (lr, momentum, ...) into ``param_groups``; an
-  optimizer with no state yet on the root is first given one by a zero-gradient step, as Horovod
-  does, so every rank ends with the same keys;
+  (momentum buffers, step counts) in place, other per-parameter state and the hyperparameters
+  (lr, momentum, ...; a tensor lr in place) set to the root's; an optimizer with no state yet is
+  first given one by a zero-gradient step, as Horovod does, with lr 0 and the parameters restored
+  (Horovod's step with the real lr would move them under weight decay). ``model=`` is Horovod's
+  keyword (it marks sparse embeddings, whose gradients the facade reduces dense: accepted);
 * :func:`broadcast_object` / :func:`allgather_object` — any picklable object.
 """
 from __future__ import annotations
@@ -14,8 +17,10 @@ import collections.abc
 
 import torch
 
+from . import agree as _agree
+from .agree import Desc
 from .basics import _state, check_process_set
-from .collectives import broadcast_
+from .collectives import _fresh, broadcast_
 
 
 def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
@@ -23,17 +28,14 @@ def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
     check_process_set(process_set)
     if isinstance(params, dict):
         items = sorted(params.items())
-    elif isinstance(params, collections.abc.Iterable):
-        items = list(params)
-        if any(not isinstance(i, tuple) or len(i) != 2 for i in items):
-            raise ValueError("broadcast_parameters takes a state_dict, a dict or a sequence of "
-                             "(name, tensor) pairs (e.g. model.named_parameters())")
-        items = sorted(items, key=lambda i: i[0])
+    elif isinstance(params, collections.abc.Iterable) and not torch.is_tensor(params):
+        items = [i if isinstance(i, tuple) else (None, i) for i in params]
+        if any(len(i) != 2 for i in items):
+            raise ValueError("broadcast_parameters takes a state_dict, a dict, or a list of "
+                             "tensors or of (name, tensor) pairs (e.g. model.named_parameters())")
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    names = broadcast_object([n for n, _ in items], root_rank)
-    if names != [n for n, _ in items]:
-        raise ValueError("broadcast_parameters: the ranks hold different parameter names")
+    # each broadcast is agreed across ranks (name, shape, dtype): no separate name check
     for name, p in items:
         if p is None:
             continue
@@ -43,11 +45,12 @@ def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
             broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name)
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int, process_set=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set=None) -> None:
     """Make every rank's ``optimizer`` state (and hyperparameters) ``root_rank``'s."""
     check_process_set(process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    del model          # Horovod's: it marks sparse embeddings (none here: see the module doc)
     state = optimizer.state_dict()
     if not state["state"]:                          # no step yet: make the state exist everywhere
         _zero_step(optimizer)
@@ -61,10 +64,17 @@ def broadcast_optimizer_state(optimizer, root_rank: int, process_set=None) -> No
             if torch.is_tensor(v) and torch.is_tensor(mine) and mine.shape == v.shape:
                 with torch.no_grad():
                     mine.copy_(v.to(mine.device, mine.dtype))
+            elif key in own:              # non-tensor state (or a tensor of another shape)
+                own[key][k] = v.clone() if torch.is_tensor(v) else v
     groups = root_state["param_groups"]
     for group, root_group in zip(optimizer.param_groups, groups):
         for k, v in root_group.items():
-            if k != "params":
+            if k == "params":
+                continue
+            if torch.is_tensor(v) and torch.is_tensor(group.get(k)) and group[k].shape == v.shape:
+                with torch.no_grad():
+                    group[k].copy_(v)     # a tensor lr stays the object the scheduler holds
+            else:
                 group[k] = v
     if set(own) != set(root_state["state"]):
         optimizer.load_state_dict(root_state)     # (moves tensors to the parameters' devices)
@@ -79,9 +89,9 @@ def _zero_step(optimizer) -> None:
                 p.grad = torch.zeros_like(p)
                 saved.append(p)
     lrs = [g.get("lr") for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
+    for g in optimizer.param_groups:        # lr 0 for this step; a tensor lr is not touched
         if "lr" in g:
-            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else g["lr"].zero_()
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
     params = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
     _inner_step(optimizer)
     with torch.no_grad():
@@ -108,13 +118,18 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
     """``root_rank``'s ``obj`` (pickled) on every rank."""
     check_process_set(process_set)
     comm = _state().comm
+    _fresh(name)
+    problem = None
     if not 0 <= root_rank < comm.Get_size():
-        raise ValueError(f"broadcast_object: root_rank {root_rank} is not a rank of "
-                         f"{comm.Get_size()}")
+        problem = f"broadcast_object: root_rank {root_rank} is not a rank of {comm.Get_size()}"
+    _agree.agree(comm, Desc("BROADCAST", name, None, (), root_rank, problem=problem))
     return comm.bcast(obj, root=root_rank)
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
     check_process_set(process_set)
-    return _state().comm.allgather(obj)
+    comm = _state().comm
+    _fresh(name)
+    _agree.agree(comm, Desc("ALLGATHER", name))
+    return comm.allgather(obj)

@@ -17,14 +17,19 @@ So the path from ``optimizer.step()`` to the wire is::
 Where it differs from Horovod (``horovod/torch/optimizer.py``):
 
 * fusion is by fixed contiguous buckets of the flat buffer (``bucket_bytes``: 256 KiB when
-  overlapping, else 64 MiB, Horovod's fusion threshold), not Horovod's timed fusion buffer; ``overlap`` defaults to on for CUDA parameters and off on the
-  CPU, where hpcasync measured it slower (``hpcasync.ssgd.DistributedOptimizer``); ``groups``
-  is accepted and ignored (buckets already group);
-* parameters must be float32 on one device (``NotImplementedError`` otherwise);
+  overlapping, else 64 MiB, Horovod's fusion threshold), not Horovod's timed fusion buffer;
+  ``overlap`` defaults to on for CUDA parameters and off on the CPU, where hpcasync measured it
+  slower (``hpcasync.ssgd.DistributedOptimizer``); ``num_groups``/``groups`` make the buckets
+  (each group one bucket; a group must be a contiguous run of parameters, else ConfigError);
+* trained parameters must be float32 on one device (``NotImplementedError`` otherwise); frozen
+  (``requires_grad=False``) parameters of other dtypes are left out of the flat buffer;
+* agreement (:mod:`.agree`): construction checks once that every rank has the same parameter
+  layout (HorovodInternalError naming the parameter otherwise); each step exchanges 32 bytes so
+  that a rank in ``hvd.join()`` contributes zeros to the step's buckets, as Horovod's does;
 * ``zero_grad()`` zeroes the gradients in place (they stay views of the flat buffer) whatever
   ``set_to_none`` says;
-* ``gradient_predivide_factor`` gives the same average (Average = sum/size; the split of the
-  division before/after the sum only changes rounding; fp16 compression divides before the sum);
+* ``gradient_predivide_factor`` f is Horovod's: gradients scaled by 1/f before the sum and by
+  f/size after it (then ``overlap`` is off: the scaling needs the whole gradient);
 * ``op=Adasum``, custom compressors and sparse gradients raise ``NotImplementedError``.
 
 Other algorithms (``algorithm="daso"``, ``"odsgd"``, a PS rule; or named at ``hvd.init``): the
@@ -44,10 +49,15 @@ import logging
 import math
 import warnings
 
+import itertools
+import weakref
+
 import torch
 
 from ..errors import ConfigError
 from ..ssgd.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
+from . import agree as _agree
+from .agree import Desc
 from .basics import _state, check_process_set, require_algorithm
 from .collectives import Adasum, Average, Sum
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
@@ -61,6 +71,22 @@ _WIRE = {NoneCompressor: None, FP16Compressor: "fp16", BF16Compressor: "bf16"}
 #: collective costs a latency — milliseconds when ranks share cores (resnet18: 180 buckets of
 #: 256 KiB vs 1 of 45 MiB)
 FUSION_BYTES = 64 * 2**20
+_SEQ = itertools.count()
+_LIVE: dict = {}                # "DistributedOptimizer.<k>" -> weakref, for a joined rank's part
+
+
+def _serve_step(desc) -> None:
+    """A joined rank's part in a DistributedOptimizer step of the active ranks: zeros."""
+    ref = _LIVE.get(desc.name)
+    opt = ref() if ref is not None else None
+    if opt is None:
+        raise _agree.HorovodInternalError(f"{desc.name} stepped on other ranks but is gone here")
+    opt._hvd_serve_zeros()
+
+
+_agree.SERVE["OPTIMIZER"] = _serve_step
+_agree._NOT_WITH_JOIN["OPTIMIZER-INIT"] = ("DistributedOptimizer construction is not supported "
+                                           "with Join at this time.")
 
 
 class _HorovodOptimizer:
@@ -68,10 +94,13 @@ class _HorovodOptimizer:
 
     _hvd_facade = True
 
-    def _hvd_setup(self, named, compression, passes, op, overlap, bucket_bytes, progress):
+    def _hvd_setup(self, named, compression, passes, op, overlap, bucket_bytes, progress,
+                   predivide=1.0, groups=None):
         from ..comm import FlatModel
 
-        params = _params(self)
+        # frozen parameters of other dtypes (integer buffers registered as parameters) get no
+        # gradient and no update: they stay out of the float32 flat buffer
+        params = [p for p in _params(self) if p.requires_grad or p.dtype == torch.float32]
         bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
         if bad:
             raise NotImplementedError(f"hpcasync.horovod.DistributedOptimizer flattens float32 "
@@ -80,6 +109,19 @@ class _HorovodOptimizer:
             raise NotImplementedError("hpcasync.horovod.DistributedOptimizer: parameters on "
                                       "more than one device")
         self._hvd_names = {id(p): n for n, p in named}
+        comm = _state().comm
+        _agree.agree(comm, Desc("OPTIMIZER-INIT", "DistributedOptimizer", op,
+                                [(str(p.dtype)[6:], tuple(p.shape),
+                                  self._hvd_names.get(id(p), f"parameter {k}"))
+                                 for k, p in enumerate(params)],
+                                None, (float(predivide), float(passes)),
+                                params[0].device.type if params else "cpu"))
+        self._hvd_comm, self._hvd_predivide = comm, float(predivide)
+        name = f"DistributedOptimizer.{next(_SEQ)}"
+        self._hvd_desc = Desc("OPTIMIZER", name, op)
+        self._hvd_digest = _agree.digest(self._hvd_desc)
+        self._hvd_agreed = False
+        _LIVE[name] = weakref.ref(self)
         self._hvd_flat = flat = FlatModel(ParamHolder(params))
         self.backward_passes_per_step = passes
         self._hvd_counts = [0] * len(params)
@@ -91,12 +133,40 @@ class _HorovodOptimizer:
                            for k, p in enumerate(params) if p.requires_grad]
         if overlap is None:
             overlap = flat.params.device.type == "cuda"
+        if predivide != 1.0:
+            overlap = False           # 1/f scales the whole gradient before any bucket starts
         if bucket_bytes is None:      # overlap: small buckets start early; else few, large ones
             bucket_bytes = DEFAULT_BUCKET_BYTES if overlap else FUSION_BYTES
-        self._hvd_reducer = BucketReducer(
-            flat, _state().comm.Dup(), bucket_bytes=bucket_bytes, overlap=overlap,
-            compress=_WIRE[compression], progress=progress, average=op == Average,
-            last_pass=lambda: self._hvd_last)
+        self._hvd_reducer = red = BucketReducer(
+            flat, comm.Dup(), bucket_bytes=bucket_bytes, overlap=overlap,
+            compress=_WIRE[compression], progress=progress,
+            average=op == Average and predivide == 1.0, last_pass=lambda: self._hvd_last)
+        if groups:
+            red.buckets = _group_buckets(flat, params, groups)
+            red._bucket_of = {k: b for b, (_, _, m) in enumerate(red.buckets) for k in m}
+            red._reset()
+
+    def _hvd_agree_step(self) -> None:
+        """This step's 32-byte exchange (once per step): the ranks agree that they step this
+        optimizer, and a rank in ``hvd.join()`` learns it has to contribute zeros."""
+        if not self._hvd_agreed:
+            self._hvd_agreed = True
+            _agree.agree(self._hvd_comm, self._hvd_desc, self._hvd_digest)
+
+    def _hvd_serve_zeros(self) -> None:
+        """Run this step's bucket allreduces on zeros (this rank has joined); its gradients are
+        left as they were."""
+        flat, params = self._hvd_flat, self._hvd_flat._params       # noqa: SLF001
+        saved, grads = flat.grads.clone(), [p.grad for p in params]
+        self._hvd_reducer.discard()
+        for p in params:
+            p.grad = None                 # every slot reduced as zero
+        try:
+            self._hvd_reducer.finish()
+        finally:
+            flat.grads.copy_(saved)
+            for p, g in zip(params, grads):
+                p.grad = g
 
     def _hvd_guard(self, k: int):
         def hook(p):
@@ -109,12 +179,24 @@ class _HorovodOptimizer:
                     "locally, or call step()/synchronize() after each backward")
             self._hvd_last = self._hvd_counts[k] == self.backward_passes_per_step
             self._hvd_pending = True
+            if self._hvd_last and self._hvd_reducer.overlap:
+                self._hvd_agree_step()          # before this step's first bucket starts
         return hook
 
     def synchronize(self) -> None:
         """Reduce the gradients across ranks now (every bucket; those started during backward are
         waited for)."""
-        self._hvd_reducer.finish()
+        self._hvd_agree_step()
+        f = self._hvd_predivide
+        try:
+            if f != 1.0:                  # Horovod: prescale 1/f, postscale f/size
+                self._hvd_flat.collect_grads()
+                self._hvd_flat.grads.mul_(1.0 / f)
+            self._hvd_reducer.finish()
+            if f != 1.0:
+                self._hvd_flat.grads.mul_(f / self._hvd_comm.Get_size())
+        finally:
+            self._hvd_agreed = False
         self._hvd_counts = [0] * len(self._hvd_counts)
         self._hvd_pending = False
         self._hvd_synchronized = True
@@ -131,9 +213,12 @@ class _HorovodOptimizer:
     def step(self, closure=None):
         if self._hvd_should_sync:
             if self._hvd_synchronized:
-                warnings.warn("optimizer.step() after optimizer.synchronize() without the "
-                              "optimizer.skip_synchronize() context: the gradients are reduced "
-                              "a second time (slower, and with op=Sum wrong)")
+                warnings.warn("optimizer.step() called without "      # Horovod's words
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
             self.synchronize()
         self._hvd_synchronized = False
         return super().step(closure)
@@ -151,6 +236,7 @@ class _HorovodOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         self._hvd_reducer.discard()
+        self._hvd_agreed = False
         self._hvd_counts = [0] * len(self._hvd_counts)
         self._hvd_pending = self._hvd_synchronized = False
         self._hvd_should_sync = True
@@ -165,6 +251,35 @@ def _params(opt) -> list:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+def _group_buckets(flat, params, groups) -> list:
+    """Buckets from Horovod's ``groups``: an int n splits the parameters into n contiguous runs
+    (Horovod's ``split_list``); a list of parameter lists gives one bucket per group, the
+    parameters in no group one bucket each. Bucket 0 holds the last parameters, as
+    :func:`~hpcasync.ssgd.buckets.bucket_ranges` orders them."""
+    index = {id(p): k for k, p in enumerate(params)}
+    n = len(params)
+    if isinstance(groups, int):
+        q, r = divmod(n, groups)
+        runs = [list(range(i * q + min(i, r), (i + 1) * q + min(i + 1, r)))
+                for i in range(groups)]
+        runs = [run for run in runs if run]
+    else:
+        runs, seen = [], set()
+        for g in groups:
+            run = sorted(index[id(p)] for p in g if id(p) in index)
+            if run and run != list(range(run[0], run[-1] + 1)):
+                raise ConfigError("DistributedOptimizer(groups=...): hpcasync's buckets are "
+                                  "contiguous ranges of the flat buffer; each group must be a run "
+                                  "of consecutive parameters (in named_parameters() order)")
+            if run:
+                runs.append(run)
+                seen.update(run)
+        runs += [[k] for k in range(n) if k not in seen]
+        runs.sort()
+    ends = [flat.offsets[k] + int(torch.Size(flat.shapes[k]).numel()) for k in range(n)]
+    return [(flat.offsets[run[0]], ends[run[-1]], list(reversed(run))) for run in reversed(runs)]
 
 
 def _named(opt, named_parameters) -> list:
@@ -229,8 +344,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     opt.__dict__.update(optimizer.__dict__)        # the same param_groups, state and defaults
     for attr in ("step", "zero_grad"):             # instance patches of the wrapped optimizer
         opt.__dict__.pop(attr, None)
+    if num_groups and groups is None:
+        groups = num_groups               # Horovod: num_groups is the old name of groups=int
+    if groups == 0:
+        groups = None
+    if groups is not None and not (isinstance(groups, list) or
+                                   (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "torch.Tensor.")
     opt._hvd_setup(named, compression, backward_passes_per_step, op, overlap, bucket_bytes,
-                   progress)
+                   progress, gradient_predivide_factor, groups)
     return opt
 
 

@@ -1,0 +1,202 @@
+"""Cross-rank agreement on every facade collective, and Horovod's ``join()``.
+
+Horovod's coordinator matches collectives by name and raises the same error on every rank when
+their dtypes, shapes, ops, roots or scale factors differ. Here collectives run in submission order
+(MPI's rule), so before a collective's data moves every rank puts a 62-bit digest of its
+*descriptor* (kind, name, op, dtype and shape of each tensor — allgather/alltoall: all but the
+first dimension —, root, scale factors, device type) into one ``MPI_Allreduce(MIN)`` of four
+int64 ``[digest, -digest, joined, first-in-join]``: equal min and max digest is agreement (32 bytes
+and one latency per collective; nothing cached, so nothing can go stale). On disagreement the
+descriptors are allgathered and every rank raises the same :class:`HorovodInternalError` with
+Horovod's "Mismatched ..." text, the tensor's name and the two ranks compared.
+
+``join()``: a joined rank loops in that exchange with a neutral digest. When the active ranks'
+exchange shows a joined rank, they allgather the descriptor; for an allreduce (plain, grouped, or a
+DistributedOptimizer step) the joined rank runs the same MPI calls on zeros — Horovod's rule: the
+joined rank contributes zeros and Average still divides by ``size()``; allgather, broadcast,
+alltoall, reducescatter and barrier raise Horovod's "... is not supported with Join at this time."
+on the active ranks. When every rank is in ``join()`` it returns the last rank to join (ranks that
+join in the same exchange: the highest).
+
+``HPCASYNC_HOROVOD_AGREE=0`` switches the exchange off (the cost measurement; then ``join()`` is a
+plain collective again, as before).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+BIG = 1 << 62
+_MASK = BIG - 1
+
+#: kind -> callable(descriptor) that a joined rank runs (registered by collectives / optimizer)
+SERVE: dict = {}
+_NOT_WITH_JOIN = {"ALLGATHER": "Allgather is not supported with Join at this time. Specify "
+                               "sparse_to_dense=True if using DistributedOptimizer",
+                  "BROADCAST": "Broadcast is not supported with Join at this time.",
+                  "ALLTOALL": "Alltoall is not supported with Join at this time.",
+                  "REDUCESCATTER": "Reducescatter is not supported with Join at this time.",
+                  "BARRIER": "Barrier is not supported with Join at this time."}
+
+
+class HorovodInternalError(RuntimeError):
+    """Raised where Horovod raises its internal error (a collective that failed or that the
+    ranks disagree on)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("HPCASYNC_HOROVOD_AGREE", "1") != "0"
+
+
+class Desc(tuple):
+    """``(kind, name, op, specs, root, factors, device, problem)``; ``specs`` one ``(dtype,
+    shape)`` per tensor (allgather/alltoall: ``(dtype, ndim, shape[1:])``); ``problem`` a
+    rank-local error (bad ``splits``, ...) raised on every rank after the exchange, so a rank
+    whose call is invalid never leaves the others waiting."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind, name=None, op=None, specs=(), root=None, factors=None, device="cpu",
+                problem=None):
+        return super().__new__(cls, (kind, name, op, tuple(specs), root, factors, device,
+                                     problem))
+
+    kind = property(lambda s: s[0])
+    name = property(lambda s: s[1])
+    op = property(lambda s: s[2])
+    specs = property(lambda s: s[3])
+    root = property(lambda s: s[4])
+    factors = property(lambda s: s[5])
+    problem = property(lambda s: s[7])
+
+
+def digest(desc: Desc) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(desc).encode(), digest_size=8).digest(),
+                          "little") & _MASK
+
+
+def _exchange(comm, mine: int | None, first: bool = False) -> np.ndarray:
+    from mpi4py import MPI
+
+    if mine is None:        # a joined rank: neutral digest
+        v = np.array([BIG, BIG, -1, -comm.Get_rank() if first else BIG], dtype=np.int64)
+    else:
+        v = np.array([mine, -mine, 0, BIG], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MIN)
+    return v
+
+
+def agree(comm, desc: Desc, dig: int | None = None) -> None:
+    """Every rank's ``desc`` equal, or the same HorovodInternalError on every rank; with a
+    joined rank, serve it (allreduce kinds) or raise Horovod's join error (the others)."""
+    if not enabled():
+        if desc.problem:
+            raise ValueError(desc.problem)
+        return
+    v = _exchange(comm, digest(desc) if dig is None else dig)
+    if v[2] == 0 and v[0] == -v[1]:
+        if desc.problem:
+            raise ValueError(desc.problem)          # the same problem on every rank
+        return                                      # the fast path: agreed, nobody joined
+    every = comm.allgather(desc)
+    bad = [(r, d.problem) for r, d in enumerate(every) if d is not None and d.problem]
+    if bad:
+        raise ValueError(f"{bad[0][1]} [rank {bad[0][0]}]")
+    if v[2] != 0 and desc.kind in _NOT_WITH_JOIN:
+        # the joined ranks learn the descriptor from the same allgather and skip it
+        if v[0] == -v[1]:
+            raise HorovodInternalError(_NOT_WITH_JOIN[desc.kind])
+    if v[0] != -v[1]:
+        raise HorovodInternalError(mismatch(every))
+
+
+def join(comm) -> int:
+    """Horovod's join on ``comm`` (module doc): returns the last rank to join."""
+    if not enabled():
+        import time
+
+        return max(comm.allgather((time.time_ns(), comm.Get_rank())))[1]
+    first = True
+    while True:
+        v = _exchange(comm, None, first)
+        first = False
+        if v[0] == BIG:                             # every rank is in join()
+            return int(-v[3])
+        every = comm.allgather(None)
+        live = [d for d in every if d is not None]
+        if (any(d != live[0] for d in live) or live[0].kind in _NOT_WITH_JOIN
+                or live[0].problem):
+            continue                                # the active ranks raise; nothing to serve
+        SERVE[live[0].kind](live[0])
+
+
+# -- the error text ----------------------------------------------------------------------------
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _differ(a: Desc, b: Desc) -> str:
+    """Horovod's message for the first difference, in its coordinator's order."""
+    kind = a.kind
+    if a.kind != b.kind:
+        return (f"Mismatched operations: One rank did an {a.kind}, but another rank did an "
+                f"{b.kind}.")
+    if a.name != b.name:
+        return (f"Mismatched tensor names: One rank submitted {a.name!r}, but another rank "
+                f"submitted {b.name!r} (hpcasync.horovod runs collectives in the order each rank "
+                "submits them).")
+    if len(a.specs) != len(b.specs):
+        return (f"Mismatched {kind} group sizes: One rank sent {len(a.specs)} tensors, but "
+                f"another rank sent {len(b.specs)}.")
+    for sa, sb in zip(a.specs, b.specs):
+        if sa[0] != sb[0]:
+            return (f"Mismatched data types: One rank had type {sa[0]}, but another rank had "
+                    f"type {sb[0]}.")
+    if a.op != b.op:
+        return (f"Mismatched reduction operation: One rank sent reduction op {a.op}, but another "
+                f"rank sent reduction op {b.op}.")
+    for sa, sb in zip(a.specs, b.specs):
+        if kind in ("ALLGATHER", "ALLTOALL"):
+            (_, na, ra), (_, nb, rb) = sa, sb
+            if na != nb:
+                return (f"Mismatched {kind} tensor shapes: One rank sent a tensor of rank {na}, "
+                        f"but another rank sent a tensor of rank {nb}.")
+            for d, (x, y) in enumerate(zip(ra, rb), start=1):
+                if x != y:
+                    return (f"Mismatched {kind} tensor shapes: One rank sent a tensor with "
+                            f"dimension {d} equal to {x}, but another rank sent a tensor with "
+                            f"dimension {d} equal to {y}.")
+        elif sa[1:] != sb[1:]:
+            which = f" (parameter {sa[2]} / {sb[2]})" if len(sa) > 2 else ""
+            return (f"Mismatched {kind} tensor shapes: One rank sent a tensor of shape "
+                    f"{_shape(sa[1])}, but another rank sent a tensor of shape "
+                    f"{_shape(sb[1])}.{which}")
+    if a.factors != b.factors:
+        fa, fb = a.factors or (1.0, 1.0), b.factors or (1.0, 1.0)
+        return (f"Mismatched prescale and/or postscale factors: One rank sent factors "
+                f"({_g(fa[0])}, {_g(fa[1])}), but another rank sent factors ({_g(fb[0])}, "
+                f"{_g(fb[1])}).")
+    if a.root != b.root:
+        return (f"Mismatched {kind} root ranks: One rank specified root rank {a.root}, but "
+                f"another rank specified root rank {b.root}.")
+    if a[6] != b[6]:
+        dev = {True: "CPU", False: "GPU"}
+        return (f"Mismatched {kind} CPU/GPU device selection: One rank specified device "
+                f"{dev[a[6] == 'cpu']}, but another rank specified device {dev[b[6] == 'cpu']}.")
+    return f"Mismatched {kind} requests: {a!r} vs {b!r}."
+
+
+def mismatch(every: list) -> str:
+    """One line, the same on every rank: Horovod's text, then the tensor and the ranks."""
+    live = [(r, d) for r, d in enumerate(every) if d is not None]
+    r0, a = live[0]
+    r1, b = next((r, d) for r, d in live if d != a)
+    name = a.name if a.name is not None else f"{a.kind.lower()}.noname"
+    return f"{_differ(a, b)} [tensor {name}: rank {r0} vs rank {r1}]"
