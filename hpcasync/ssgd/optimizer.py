@@ -159,7 +159,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         t0 = time.perf_counter()
         self._check_bound()       # before any collective: every rank stops at the same step
         self.reducer.finish()
-        self._collect()           # (a no-op pointer check: the reducer re-bound every gradient)
+        self.flat.collect_grads()  # (a no-op pointer check: the reducer re-bound every gradient)
         self._release_unused()
         wire = self.flat.numel
         if self.sync_buffers:     # the buffers' bucket, last: BatchNorm statistics of this step

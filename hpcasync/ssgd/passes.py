@@ -37,7 +37,7 @@ class BackwardPasses:
         self._counted = list(counted)
         self.counts = [0] * len(flat.parameters)
         self.last = True
-        self._views = [v for _, v in flat.views("grads")]
+        self._view_ptrs = [v.data_ptr() for _, v in flat.views("grads")]
         self._hooks = {}
         self._hook_trainable()
 
@@ -76,9 +76,9 @@ class BackwardPasses:
         tensor of its own, e.g. set by hand or after ``set_to_none``), else 0.0. Read it before
         the gradients are re-bound to the flat buffer."""
         out = []
-        for p, n, view in zip(self.flat.parameters, self.counts, self._views):
+        for p, n, ptr in zip(self.flat._params, self.counts, self._view_ptrs):  # noqa: SLF001
             g = p.grad
-            out.append(1.0 if n or (g is not None and g.data_ptr() != view.data_ptr()) else 0.0)
+            out.append(1.0 if n or (g is not None and g.data_ptr() != ptr) else 0.0)
         return out
 
     def reset(self) -> None:
