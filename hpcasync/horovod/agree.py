@@ -63,6 +63,9 @@ class Desc(tuple):
         return super().__new__(cls, (kind, name, op, tuple(specs), root, factors, device,
                                      problem))
 
+    def __getnewargs__(self):             # pickled (the allgather of a disagreement) field-wise
+        return tuple(self)
+
     kind = property(lambda s: s[0])
     name = property(lambda s: s[1])
     op = property(lambda s: s[2])
