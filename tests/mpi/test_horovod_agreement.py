@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hpcasync.horovod as fh
-from tests.mpi_util import COMM, HOROVOD_ERROR, RANK
+from tests.mpi_util import COMM, HOROVOD_ERROR, RANK, SIZE
 
 pytestmark = pytest.mark.timeout(60)
 ODD = RANK % 2
@@ -43,8 +43,8 @@ CASES = [
                                      0, name="b3")),
     ("agdim", lambda h: h.allgather(torch.ones(2, 3 if ODD else 4), name="g1")),
     ("agrank", lambda h: h.allgather(torch.ones(2, 3) if ODD else torch.ones(2), name="g2")),
-    ("a2a", lambda h: h.alltoall(torch.ones(4, 2 if ODD else 3), name="t1")),
-    ("a2adtype", lambda h: h.alltoall(torch.ones(4, dtype=torch.int32 if ODD else torch.float32),
+    ("a2a", lambda h: h.alltoall(torch.ones(2 * SIZE, 2 if ODD else 3), name="t1")),
+    ("a2adtype", lambda h: h.alltoall(torch.ones(2 * SIZE, dtype=torch.int32 if ODD else torch.float32),
                                       name="t2")),
     ("rs", lambda h: h.reducescatter(torch.ones(4 if ODD else 6), name="r1")),
     ("rsdtype", lambda h: h.reducescatter(
