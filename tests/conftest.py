@@ -86,6 +86,8 @@ def pytest_configure(config):
         config.option.basetemp = tempfile.mkdtemp(prefix=f"hpcasync-pytest-r{RANK}-")
     config.addinivalue_line("markers", "rank0: runs on rank 0 only (launches its own MPI job)")
     config.addinivalue_line("markers", "slow: acceptance-size run")
+    config.addinivalue_line("markers", "no_mpi: launches no MPI job (in tests/mpi for the time "
+                            "budget of tests/unit only); CI's MPICH pass leaves it out")
     # Before pytest-timeout's pytest_configure reads it: the environment beats pytest.ini, an
     # explicit --timeout beats the environment.
     if os.environ.get(TIMEOUT_ENV) and getattr(config.option, "timeout", None) is None:
