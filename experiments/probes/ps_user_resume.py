@@ -49,12 +49,15 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=3)
     ap.add_argument("--train-limit", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noise", action="store_true",
+                    help="also a second uninterrupted run: the push-order noise to compare with")
     a = ap.parse_args()
     load = os.getloadavg()[0]
     print(f"# ranks {a.ranks}, ConvBN, Fashion-MNIST first {a.train_limit} images, 2 epochs, "
           f"seed {a.seed}; load average at start {load:.2f}")
-    print("| rule | uninterrupted | interrupted after 1, resumed | difference (points) |")
-    print("|---|---|---|---|")
+    print("| rule | uninterrupted | interrupted after 1, resumed | difference (points) |"
+          + (" second uninterrupted: difference |" if a.noise else ""))
+    print("|---|---|---|---|" + ("---|" if a.noise else ""))
     for rule in a.rules:
         with tempfile.TemporaryDirectory() as tmp:
             t = Path(tmp)
@@ -64,8 +67,12 @@ def main() -> None:
             resumed = run(rule, 2, a.ranks, a.train_limit, a.seed, str(t / "ck"), t / "res.json")
             assert resumed["resumed"], f"{rule}: the second launch did not resume"
             d = 100 * (resumed["accuracy"] - whole["accuracy"])
+            noise = ""
+            if a.noise:
+                again = run(rule, 2, a.ranks, a.train_limit, a.seed, None, t / "again.json")
+                noise = f" {100 * (again['accuracy'] - whole['accuracy']):+.2f} |"
             print(f"| {rule} | {100 * whole['accuracy']:.2f} % | {100 * resumed['accuracy']:.2f} % "
-                  f"| {d:+.2f} |  ({time.time() - t0:.0f} s)", flush=True)
+                  f"| {d:+.2f} |{noise}  ({time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
