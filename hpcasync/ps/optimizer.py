@@ -27,9 +27,12 @@ between; a worker that waits over 30 s for it says so in the log.
 Defaults that the CLI applies apply here too, each a keyword: the rule's paper schedule
 (``warmup_epochs``: SMEGA2/DANA/NAG warm the lr up from lr/N over 5 epochs, so they need
 ``steps_per_epoch``; ``warmup_epochs=0`` turns it off); ``average_buffers=True`` (the server keeps
-the mean of the workers' latest float buffers). The learning rate is the workers': each push carries
-``param_groups[0]["lr"]``, so an LR scheduler on a worker's optimizer drives the server's lr for
-that worker's pushes (times the warm-up factor).
+the mean of the workers' latest float buffers). The hyperparameters are the workers': each push
+carries every param group's ``lr`` and ``weight_decay`` and the (one) ``momentum``, so an LR
+scheduler on a worker's optimizer (OneCycleLR's momentum too) drives the server's values for that
+worker's pushes (lr times the warm-up factor). ``param_groups=`` (``hpcasync.optimizer`` passes a
+torch SGD's) gives each group its own lr and weight decay on its slice of θ; parameters in no
+group or with ``requires_grad=False`` stay bitwise untouched on every rank.
 
 Checkpoints (:func:`hpcasync.save_checkpoint`): the server's holds θ and the rule's state. With
 shat, shat-root and ensemble a worker's model is its own (``keeps_local``): a worker that calls
