@@ -45,7 +45,9 @@ def test_broadcast_optimizer_state_sets_non_tensor_state(backends):
 
 
 def test_broadcast_parameters_takes_a_list_of_tensors(backends):
-    for hvd in backends.values():
+    # the facade only: real Horovod names unnamed tensors by its per-process handle counter,
+    # which differs between ranks once they ran uneven work (the join tests) and then hangs
+    for hvd in (fh,):
         ts = [torch.full((2,), float(RANK)), torch.full((3,), float(RANK) + 1)]
         hvd.broadcast_parameters(ts, root_rank=0)
         assert torch.equal(ts[0], torch.zeros(2)) and torch.equal(ts[1], torch.ones(3))
