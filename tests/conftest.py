@@ -1,4 +1,8 @@
-"""pytest under MPI: ``mpiexec -n 4 python -m mpi4py -m pytest``.
+"""pytest under MPI: ``mpiexec -n 4 python -m mpi4py -m pytest tests/mpi``.
+
+tests/unit runs in one process (``python -m pytest tests/unit``): with one rank the machinery
+below does nothing (no barrier, no agreement, no duplicate communicator), only the timeout hooks
+and the markers remain.
 
 Every rank collects and runs the same tests in the same order; rank 0 alone prints the report (the
 terminal reporter is unregistered on the other ranks). An autouse fixture starts and ends every
@@ -166,6 +170,9 @@ def pytest_collection_finish(session):
 @pytest.fixture(autouse=True)
 def _ranks_in_step(request):
     """Start and end every test together, without spinning, so collectives line up."""
+    if SIZE == 1:
+        yield
+        return
     idle_barrier(HARNESS_COMM)
     yield
     idle_barrier(HARNESS_COMM)
