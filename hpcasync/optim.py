@@ -36,6 +36,7 @@ from torch import nn
 
 from .comm import FlatModel
 from .errors import CheckpointError, ConfigError
+from .passes import BackwardPasses, unbound_message
 
 log = logging.getLogger("hpcasync")
 
@@ -70,13 +71,6 @@ def group_index(flat: FlatModel, param_groups) -> list[int]:
     return [where.get(id(p), -1) if p.requires_grad else -1 for p in flat.parameters]
 
 
-def unbound_message(algorithm: str, name: str) -> str:
-    """The one line for a parameter (or buffer) that ``model.to(...)`` moved off the flat buffer."""
-    return (f"{algorithm}: {name} is no longer a view of the flat buffer (.to()/.cuda()/.half()/"
-            ".double()/channels_last after hpcasync.optimizer(...)?): build the optimizer after "
-            "moving/converting the model")
-
-
 class AlgorithmOptimizer(torch.optim.Optimizer):
     """Base of the optimizer-shaped object of every algorithm (module doc).
 
@@ -87,6 +81,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
 
     algorithm: str = ""
     _skip = False                      # inside skip_synchronize()
+    _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
 
     def _wrap(self, flat: FlatModel, optimizer: torch.optim.Optimizer) -> None:
         """Share the user optimizer's param groups and state; check it optimizes this model."""
@@ -153,10 +148,43 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         if name is not None:
             raise ConfigError(unbound_message(self.algorithm, name))
 
+    def _note_unused(self) -> None:
+        """Say (once per parameter, on this rank) when a parameter the optimizer trains got no
+        gradient in this step: these families apply it as a zero gradient (weight decay and
+        momentum still move it), where plain torch would skip it. SSGD does as torch does
+        (``p.grad = None``) and opts out. The counting hooks exist from the first step on; the
+        check starts at the second."""
+        if not self._warns_unused:
+            return
+        tracker = self.__dict__.get("_unused_tracker")
+        if tracker is None:
+            n = len(self.flat.parameters)
+            self.__dict__["_unused_tracker"] = BackwardPasses(self.flat, 1 << 30, [False] * n,
+                                                              self.algorithm)
+            return
+        presence = tracker.presence()
+        tracker.reset()
+        if all(presence):
+            return
+        told = self.__dict__.setdefault("_told_unused", set())
+        groups = group_index(self.flat, self.param_groups)
+        new = [k for k, (g, got) in enumerate(zip(groups, presence))
+               if g >= 0 and not got and k not in told]
+        if new:
+            told.update(new)
+            log.warning("%s: %s got no gradient in this step: %s applies a zero gradient there "
+                        "(weight decay and momentum still move it), where plain torch would skip "
+                        "it; if it is never used, freeze it (requires_grad=False) or leave it out "
+                        "of the optimizer (ssgd skips such parameters as torch does)",
+                        self.algorithm, ", ".join(self.flat.names[k] for k in new),
+                        self.algorithm)
+
     def _collect(self) -> None:
         """Before reading ``flat.grads``: check the parameters are still views of the flat buffer
-        (:meth:`_check_bound`), then take back gradients a ``set_to_none`` detached."""
+        (:meth:`_check_bound`), say whether a trained parameter got no gradient
+        (:meth:`_note_unused`), then take back gradients a ``set_to_none`` detached."""
         self._check_bound()
+        self._note_unused()
         if self.flat.collect_grads() and not getattr(self, "_told_set_to_none", False):
             self._told_set_to_none = True
             log.debug("%s: gradients detached by zero_grad(set_to_none=True) were re-bound to "

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat
 from ..topology import init_mpi
 from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
-from .passes import BackwardPasses
+from ..passes import BackwardPasses
 
 log = logging.getLogger("hpcasync")
 
@@ -79,6 +79,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
     """
 
     algorithm = "ssgd"
+    _warns_unused = False       # parameters with no gradient on any rank get p.grad = None
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  backward_passes_per_step: int = 1, compress: str | None = None,

@@ -3,7 +3,7 @@
 * ``FlatModel.unbound()`` names the first parameter or buffer that ``.to()``/``.double()``/
   channels_last moved off the flat buffer, and nothing while the model is untouched;
 * ``presence`` lies right in front of ``grads`` in one storage (SSGD's last bucket carries both);
-* :class:`~hpcasync.ssgd.passes.BackwardPasses` counts passes per parameter as Horovod does,
+* :class:`~hpcasync.passes.BackwardPasses` counts passes per parameter as Horovod does,
   refuses an overrun with one line, and says which parameters got a gradient.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from hpcasync.comm import FlatModel
 from hpcasync.errors import ConfigError
-from hpcasync.ssgd.passes import BackwardPasses
+from hpcasync.passes import BackwardPasses
 
 
 def _net():

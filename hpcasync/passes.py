@@ -9,13 +9,22 @@ is the last of the step for the parameter whose hook fires (``last``, read by th
 a gradient at all this step (:meth:`presence`: the hook fired, or ``p.grad`` was set to a tensor
 that is not the flat buffer's view). Its hook also stops at once when ``model.to(...)`` moved the
 parameter off the flat buffer.
+
+SSGD uses it for both (:mod:`hpcasync.ssgd.optimizer`); the other families use its presence to say
+when a trainable parameter got no gradient in a step (:meth:`AlgorithmOptimizer._note_unused`).
 """
 from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from ..optim import unbound_message
+from .errors import ConfigError
+
+
+def unbound_message(algorithm: str, name: str) -> str:
+    """The one line for a parameter (or buffer) that ``model.to(...)`` moved off the flat buffer."""
+    return (f"{algorithm}: {name} is no longer a view of the flat buffer (.to()/.cuda()/.half()/"
+            ".double()/channels_last after hpcasync.optimizer(...)?): build the optimizer after "
+            "moving/converting the model")
 
 
 class BackwardPasses:
