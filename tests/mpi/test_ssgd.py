@@ -69,19 +69,19 @@ def test_ssgd_equals_single_process_sgd_on_concatenated_batch(data):
 
 
 def test_backward_passes_per_step_accumulates(data):
+    """Horovod's meaning: two backward passes, then one step() that averages their sum."""
     model = _replica()
     flat = FlatModel(model)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), flat, COMM,
                                backward_passes_per_step=2)
     opt.broadcast_parameters(root=0)
     before = flat.params.clone()
+    opt.zero_grad()
     for step in range(2):
         x, y = _batch(data, step, RANK)
-        opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step == 0:
-            assert torch.equal(flat.params, before), "stepped before the second backward pass"
+        assert torch.equal(flat.params, before), "stepped before step()"
+    opt.step()
     assert opt.steps == 1 and not torch.equal(flat.params, before)
 
 

@@ -40,13 +40,14 @@ def _train(data, model_name, *, overlap, steps=3, bpps=1, compress=None,
     assert opt.overlap == overlap
     assert len(opt.reducer.buckets) > 1
     opt.broadcast_parameters(root=0)
-    for step in range(steps * bpps):
-        x, y = _batch(data, step, RANK)
+    for step in range(steps):                   # bpps backward passes, one step (Horovod's)
         if set_to_none:
             model.zero_grad(set_to_none=True)   # detaches the views: the hooks must re-bind
         else:
             opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        for k in range(bpps):
+            x, y = _batch(data, step * bpps + k, RANK)
+            F.cross_entropy(model(x), y).backward()
         opt.step()
     opt.close()
     assert opt.steps == steps
@@ -196,7 +197,7 @@ def test_second_backward_in_one_step_is_refused(data):
     x, y = _batch(data, 0, RANK)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(ConfigError, match="backward_passes_per_step or overlap=False"):
+    with pytest.raises(ConfigError, match="more than backward_passes_per_step=1 times"):
         F.cross_entropy(model(x), y).backward()
     opt.zero_grad()                          # waits for the first backward's buckets, resets
     _one_step(model, opt, data)
