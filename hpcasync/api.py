@@ -48,18 +48,20 @@ from typing import Any
 
 import torch
 
+from . import registry
 from .errors import ConfigError
-from .rules import MOMENTUM_RULES, RULES
+from .rules import MOMENTUM_RULES
 
 log = logging.getLogger("hpcasync")
 
-SYNC_ALGORITHMS = ("ssgd", "daso", "odsgd")
-PS_ALGORITHMS = tuple(RULES)          # the eleven parameter-server rules
+#: live views of :mod:`hpcasync.registry` (a registered algorithm shows in them)
+SYNC_ALGORITHMS = registry.LiveNames(registry.sync_names)
+PS_ALGORITHMS = registry.LiveNames(registry.ps_names)       # the parameter-server rules
 
 
 def algorithms() -> tuple[str, ...]:
-    """The 14 algorithm names."""
-    return SYNC_ALGORITHMS + PS_ALGORITHMS
+    """The algorithm names: the 14 of :mod:`hpcasync.registry` (plus any registered)."""
+    return registry.names()
 
 
 
@@ -249,15 +251,16 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     """
     if algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
-    if algorithm in ("ssgd", "daso"):
+    family = registry.get(algorithm).family            # the package that runs it
+    if registry.get(algorithm).user_optimizer:          # ssgd, daso
         if optimizer is None:
             raise ConfigError(f"{algorithm} runs your torch optimizer: "
                               f"hpcasync.optimizer({algorithm!r}, model, torch.optim.SGD(...))")
-        return _sync_optimizer(algorithm, model, optimizer, hyper)
+        return _sync_optimizer(algorithm, family, model, optimizer, hyper)
     hyper = {**_from_torch_optimizer(algorithm, optimizer), **hyper}
     if "lr" not in hyper:
         raise ConfigError(f"{algorithm} needs a learning rate: pass lr=... (or a torch.optim.SGD)")
-    if algorithm == "odsgd":
+    if family == "odsgd":
         from .odsgd.optimizer import ODSGD
 
         return ODSGD(model, **hyper)
@@ -266,9 +269,9 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     return ParameterServer(model, algorithm, **hyper)
 
 
-def _sync_optimizer(algorithm, model, opt, hyper):
+def _sync_optimizer(algorithm, family, model, opt, hyper):
     broadcast = hyper.pop("broadcast", True)
-    if algorithm == "ssgd":
+    if family == "ssgd":
         from .ssgd.optimizer import DistributedOptimizer
 
         result = DistributedOptimizer(opt, model, **hyper)
@@ -295,7 +298,7 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
     if type(opt) is not torch.optim.SGD:
         raise ConfigError(f"{algorithm} runs its own update: pass lr=... and its hyperparameters, "
                           f"or a torch.optim.SGD to take them from (got {type(opt).__name__})")
-    if algorithm == "odsgd":             # every param group's lr, momentum, weight decay
+    if registry.get(algorithm).family == "odsgd":   # every group's lr, momentum, weight decay
         from .odsgd.optimizer import hyper_from_sgd
 
         return hyper_from_sgd(opt)

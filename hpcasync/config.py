@@ -1,7 +1,7 @@
 """One config object for every run, validated before MPI starts.
 
 Common options live in :class:`TrainConfig`; each runtime adds its own argument group (see
-``hpcasync.runtime.RUNTIMES``) whose values arrive in ``TrainConfig.options``. A config file
+``hpcasync.registry``) whose values arrive in ``TrainConfig.options``. A config file
 (``--config run.toml`` or ``.json``) gives defaults that the command line overrides.
 
 ``--model``, ``--dataset``, ``--loss`` and ``--optimizer`` take a built-in name or user code,
@@ -19,28 +19,24 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from . import registry
 from .errors import ConfigError
 
 DATASETS = ("fashion-mnist", "fashion-mnist-mini", "mnist", "cifar10")
 MODELS = ("mlp", "lenet", "resnet20")
 LOSSES = ("cross_entropy", "nll")
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
-#: the algorithms that train with --optimizer (the others have their own update rules)
-OPTIMIZER_ALGORITHMS = ("ssgd", "daso")
-
-
-DEFAULT_LR = 0.05
-# Per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset. NAG-ASGD's one shared Nesterov
-# buffer turns the other workers' in-flight pushes into extra momentum: at lr 0.05 (batch 32,
-# momentum 0.9, 4 ranks, fashion-mnist, 2 epochs) 5 of 16 runs collapsed below 50 %; at 0.02 none
-# of 12 did (tests/test_learning_bars.py has the figures). The papers show the same instability at
-# scale -- it is why DANA and SMEGA2 exist -- so the baseline's default is the stable one.
-ALGORITHM_LR = {"nag": 0.02}
+#: the algorithms that train with --optimizer (the others have their own update rules); live
+OPTIMIZER_ALGORITHMS = registry.LiveNames(registry.user_optimizer_names)
+DEFAULT_LR = registry.DEFAULT_LR
+#: per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset (``default_lr`` of the registry's
+#: entries: nag 0.02, why there); a live view
+ALGORITHM_LR = registry.LiveMapping(registry.algorithm_lrs)
 
 
 def default_lr(algorithm: str) -> float:
     """The learning rate ``--lr`` means when it is not given: 0.05, nag 0.02."""
-    return ALGORITHM_LR.get(algorithm, DEFAULT_LR)
+    return registry.default_lr(algorithm)
 
 
 @dataclass
@@ -122,8 +118,9 @@ class TrainConfig:
                 raise ConfigError(f"--metrics {self.metrics}: directory {parent} does not exist")
             if not os.access(parent, os.W_OK):
                 raise ConfigError(f"--metrics {self.metrics}: directory {parent} is not writable")
-        if self.backend == "horovod" and self.algorithm not in ("ssgd", "daso"):
-            raise ConfigError(f"--backend horovod applies to ssgd and daso, not {self.algorithm}")
+        if self.backend == "horovod" and self.algorithm not in registry.horovod_names():
+            raise ConfigError(f"--backend horovod applies to {' and '.join(registry.horovod_names())}, "
+                              f"not {self.algorithm}")
         return self
 
     def to_record(self) -> dict[str, Any]:

@@ -18,7 +18,10 @@ class OptionParser(argparse.ArgumentParser):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from . import registry
     from .runtime import algorithms, runtime_modules
+
+    lrs = "".join(f"; {name} {lr:g}" for name, lr in registry.algorithm_lrs().items())
 
     p.add_argument("--config", help="TOML or JSON file of option defaults (the command line wins)")
     p.add_argument("--algorithm", default="ssgd", help=f"one of: {', '.join(algorithms())}")
@@ -45,7 +48,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 0.05; nag 0.02: see config.ALGORITHM_LR)")
+                   help=f"learning rate (default {registry.DEFAULT_LR:g}{lrs}: the registry's "
+                        "default_lr)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

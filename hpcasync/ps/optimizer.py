@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import registry
 from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError
 from ..optim import AlgorithmOptimizer, as_flat, group_index
@@ -70,7 +71,7 @@ from .worker import Patience
 
 log = logging.getLogger("hpcasync")
 
-ALGORITHMS = tuple(RULES)
+ALGORITHMS = registry.LiveNames(registry.ps_names)     # live: a registered rule shows
 
 
 class ParameterServer(AlgorithmOptimizer):

@@ -64,7 +64,8 @@ from ..errors import CheckpointError, ConfigError, TopologyError
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
-from ..rules import MOMENTUM_RULES, RULES, make_rule, ps_lr_factor, rule_hyperparameters
+from .. import registry
+from ..rules import make_rule, ps_lr_factor, rule_hyperparameters
 from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
@@ -74,16 +75,12 @@ from .takeover import (ServerLost, StartupLost, Takeover, known_dead, restart_wi
 
 log = logging.getLogger("hpcasync")
 
-ALGORITHMS = tuple(RULES)
-_OWNERS = {"dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
-           "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
-           "lc_window": ("lcasgd",), "lc_max_factor": ("lcasgd",),
-           "smega2_estimate": ("smega2",)}
+#: the parameter-server algorithms, a live view of :mod:`hpcasync.registry`
+ALGORITHMS = registry.LiveNames(registry.ps_names)
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("parameter server (asgd, dcasgd, dcasgd-a, lcasgd, shat, "
-                                  "shat-root, ensemble, asp, smega2, dana, nag)")
+    g = parser.add_argument_group(f"parameter server ({', '.join(registry.ps_names())})")
     g.add_argument("--ps-transport", default="rma", choices=("rma", "rma-put", "p2p"),
                    help="rma: one-sided Put in / Get out (default); rma-put: the PS Puts replies; "
                         "p2p: two-sided Isend/Recv")
@@ -112,22 +109,17 @@ def add_arguments(parser) -> None:
 
 def rule_hyper(cfg) -> dict:
     """The keyword arguments of ``make_rule(cfg.algorithm, ...)`` from the config."""
-    name, opt = cfg.algorithm, cfg.options
-    accepted = rule_hyperparameters(name)
+    alg, opt = registry.get(cfg.algorithm), cfg.options
+    accepted = rule_hyperparameters(alg.name)
     hyper = {"lr": cfg.lr}
     if "weight_decay" in accepted:
         hyper["weight_decay"] = cfg.weight_decay
     if "momentum" in accepted:
-        hyper["momentum"] = cfg.momentum if name in MOMENTUM_RULES else opt.get("ps_momentum", 0.0)
-    pairs = {"dcasgd": {"lam": "dc_lambda"},
-             "dcasgd-a": {"lam": "dc_lambda0", "ms_momentum": "dc_ms_momentum"},
-             "lcasgd": {"predictor": "lc_predictor", "lam": "lc_lambda", "anchor": "lc_anchor",
-                        "window": "lc_window", "max_factor": "lc_max_factor"},
-             "smega2": {"estimate": "smega2_estimate"}}.get(name, {})
-    for key, option in pairs.items():
+        hyper["momentum"] = cfg.momentum if alg.momentum_rule else opt.get("ps_momentum", 0.0)
+    for option, key in alg.options:              # the options this algorithm owns (registry)
         if opt.get(option) is not None:
             hyper[key] = opt[option]
-    if name == "lcasgd":
+    if "seed" in accepted:                       # lcasgd's LSTM predictor
         hyper["seed"] = cfg.seed
     return hyper
 
@@ -147,11 +139,11 @@ def validate(cfg) -> None:
     """Pre-MPI checks: options that belong to another algorithm, the rule's hyperparameters
     (built on a 1-element θ), the heterogeneity options."""
     opt = cfg.options
-    for option, owners in _OWNERS.items():
+    for option, owners in registry.option_owners().items():
         if opt.get(option) is not None and cfg.algorithm not in owners:
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{flag} applies to {', '.join(owners)}, not {cfg.algorithm}")
-    if opt.get("ps_momentum", 0.0) and cfg.algorithm in MOMENTUM_RULES:
+    if opt.get("ps_momentum", 0.0) and registry.get(cfg.algorithm).momentum_rule:
         raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
     warm = opt.get("ps_warmup_epochs")
     if warm is not None and not 0 <= warm < float("inf"):

@@ -1,7 +1,8 @@
 """Parameter-server update rules: pure tensor math, no MPI. The MPI parameter server and the
 simulator drive the same rule objects (see base.py for the protocol).
 
-``RULES`` maps a name to a factory; ``make_rule`` checks the hyperparameters and builds one::
+``RULES`` maps a name to a factory (a live view of :mod:`hpcasync.registry`, whose entries name
+the rule classes below); ``make_rule`` checks the hyperparameters and builds one::
 
     rule = make_rule("dcasgd-a", theta0, num_workers=4, lr=0.1)
 
@@ -26,11 +27,13 @@ OD-SGD is synchronous at the PS; its pure parts are functions in odsgd.py.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Any
 
 from torch import Tensor
 
+from .. import registry
 from ..errors import ConfigError
 from .asgd import ASGD, asgd_update
 from .base import PushMeta, Reply, Rule, smega2_lr, step_decay_lr, warmup_lr
@@ -41,23 +44,22 @@ from .nag import NAG
 from .shat import SHAT, shat_alpha
 from .smega2 import SMEGA2, smega2_estimate
 
-RULES: dict[str, functools.partial] = {
-    "asgd": functools.partial(ASGD),
-    "dcasgd": functools.partial(DCASGD, mode="constant"),
-    "dcasgd-a": functools.partial(DCASGD, mode="adaptive"),
-    "lcasgd": functools.partial(LCASGD),
-    "shat": functools.partial(SHAT, alpha_mode="log"),
-    "shat-root": functools.partial(SHAT, alpha_mode="root"),
-    "ensemble": functools.partial(SHAT, alpha_mode="ensemble"),
-    "asp": functools.partial(SHAT, alpha_mode="asp"),
-    "smega2": functools.partial(SMEGA2),
-    "dana": functools.partial(DANAZero),
-    "nag": functools.partial(NAG),
-}
+
+def _rule_factories() -> dict[str, functools.partial]:
+    """name -> ``partial(RuleClass, **fixed)`` of every registered parameter-server algorithm."""
+    return {name: _partial(name) for name in registry.ps_names()}
 
 
+def _partial(name: str) -> functools.partial:
+    alg = registry.get(name)
+    module, cls = alg.rule.split(":")
+    return functools.partial(getattr(importlib.import_module(module), cls), **dict(alg.rule_kwargs))
+
+
+#: name -> rule factory (``partial(RuleClass, **fixed)``), a live view of :mod:`hpcasync.registry`
+RULES = registry.LiveMapping(_rule_factories)
 #: rules whose momentum is the algorithm (``momentum`` is theirs; the others' is an option)
-MOMENTUM_RULES = ("smega2", "dana", "nag")
+MOMENTUM_RULES = registry.LiveNames(registry.momentum_rules)
 
 
 def ps_lr_factor(name: str, num_workers: int, warmup_epochs: float | None = None):
@@ -109,13 +111,13 @@ def make_rule(name: str, theta0: Tensor, num_workers: int, **hyper: Any) -> Rule
     missing = [k for k, d in accepted.items() if d is inspect.Parameter.empty and k not in hyper]
     if missing:
         raise ConfigError(f"rule {name!r} needs {', '.join(missing)}")
-    return RULES[name](theta0, num_workers, **hyper)
+    return _factory(name)(theta0, num_workers, **hyper)
 
 
 def _factory(name: str) -> functools.partial:
-    if name not in RULES:
-        raise ConfigError(f"unknown rule {name!r} (choose from {', '.join(RULES)})")
-    return RULES[name]
+    if registry.find(name) is None or not registry.get(name).is_ps:
+        raise ConfigError(f"unknown rule {name!r} (choose from {', '.join(registry.ps_names())})")
+    return _partial(name)
 
 
 __all__ = ["RULES", "MOMENTUM_RULES", "make_rule", "ps_lr_factor", "rule_hyperparameters", "PushMeta", "Reply", "Rule", "ASGD",

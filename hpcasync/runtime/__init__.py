@@ -1,4 +1,5 @@
-"""Runtimes: who talks to whom. Each algorithm name maps to the module that runs it.
+"""Runtimes: who talks to whom. Each algorithm's runtime module is named by its entry in
+:mod:`hpcasync.registry`.
 
 A runtime module provides ``run(ctx: RunContext) -> RunResult`` and may provide
 ``add_arguments(parser)`` (its own option group) and ``validate(cfg)`` (checks that need no MPI).
@@ -8,27 +9,21 @@ from __future__ import annotations
 
 import importlib
 
-RUNTIMES: dict[str, str] = {
-    "ssgd": "hpcasync.ssgd.runtime",
-    "daso": "hpcasync.daso.runtime",
-    "odsgd": "hpcasync.odsgd.runtime",
-    **{name: "hpcasync.ps.runtime" for name in ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat",
-                                                "shat-root", "ensemble", "asp", "smega2", "dana",
-                                                "nag")},
-}
+from .. import registry
+
+#: name -> runtime module, a live view of the registry
+RUNTIMES = registry.LiveMapping(registry.runtimes)
 
 
 def algorithms() -> tuple[str, ...]:
-    return tuple(RUNTIMES)
+    return registry.names()
 
 
 def runtime_module(name: str):
-    return importlib.import_module(RUNTIMES[name])
+    """The runtime module of algorithm ``name`` (an unknown name: ConfigError naming the choices)."""
+    return importlib.import_module(registry.get(name).runtime)
 
 
 def runtime_modules():
     """Each distinct runtime module once (several algorithm names may share one)."""
-    seen = []
-    for mod in dict.fromkeys(RUNTIMES.values()):
-        seen.append(importlib.import_module(mod))
-    return seen
+    return [importlib.import_module(m) for m in dict.fromkeys(registry.runtimes().values())]

@@ -31,11 +31,10 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import registry
 from ..errors import ConfigError
 
 log = logging.getLogger("hpcasync")
-
-SYNC_ALGORITHMS = ("ssgd",)
 
 
 class _LocalComm:
@@ -50,7 +49,6 @@ class _LocalComm:
 
 def check(cfg) -> None:
     """Pre-run checks: the driver's precheck plus the simulator's options."""
-    from ..ps.runtime import ALGORITHMS as PS_ALGORITHMS
     from ..train import precheck
 
     workers = cfg.options.get("workers")
@@ -70,8 +68,8 @@ def check(cfg) -> None:
         if value != default:
             raise ConfigError(f"{flag} {value}: the simulator trains with SGD and cross entropy; "
                               f"{flag} applies to hpcasync train")
-    if cfg.algorithm not in PS_ALGORITHMS + SYNC_ALGORITHMS:
-        raise ConfigError(f"the simulator runs {', '.join(PS_ALGORITHMS + SYNC_ALGORITHMS)}; "
+    if cfg.algorithm not in registry.simulated_names():
+        raise ConfigError(f"the simulator runs {', '.join(registry.simulated_names())}; "
                           f"not {cfg.algorithm}")
     if cfg.backend != "mpi":
         raise ConfigError("the simulator does not use --backend; leave it at mpi")
@@ -98,7 +96,7 @@ def simulate(cfg) -> dict:
     if len(train_set) // W < cfg.batch_size:
         raise ConfigError(f"each of the {W} workers gets {len(train_set) // W} training examples, "
                           f"fewer than one batch of {cfg.batch_size}")
-    synchronous = cfg.algorithm in SYNC_ALGORITHMS
+    synchronous = not registry.get(cfg.algorithm).is_ps
     # rank numbering of the real job this simulates: the PS is --ps-rank (async), no PS (sync)
     ranks = list(range(W)) if synchronous else [r for r in range(W + 1) if r != cfg.ps_rank]
     if not synchronous and cfg.ps_rank > W:

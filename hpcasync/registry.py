@@ -1,0 +1,275 @@
+"""The algorithms, in one table: every list of names in hpcasync derives from it.
+
+Each entry says the algorithm's family (the package that runs it), its runtime module, its update
+rule (the parameter-server family), its defaults and the CLI options it owns. The front door
+(``hpcasync.algorithms()``), the CLI, the rules (``hpcasync.rules.RULES``), the parameter server
+and the simulator ask this module when they are used, so adding an algorithm is one entry::
+
+    from hpcasync import registry
+    registry.register(registry.ps_algorithm("asgd-copy", "hpcasync.rules.asgd:ASGD"))
+
+A low layer: it imports the standard library and :mod:`hpcasync.errors` only (no torch), so
+``hpcasync --help`` and option errors stay fast.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+#: the packages that run an algorithm (``hpcasync.<family>``)
+FAMILIES = ("ssgd", "daso", "odsgd", "ps")
+#: the learning rate ``--lr`` means when an entry gives no ``default_lr``
+DEFAULT_LR = 0.05
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm.
+
+    Args:
+        name: the name users type (``--algorithm``, ``hpcasync.optimizer(name, ...)``).
+        family: one of :data:`FAMILIES`.
+        runtime: the CLI's runtime module (``run(ctx)``, optional ``add_arguments``/``validate``).
+        rule: the parameter-server family's update rule, ``"module:Class"`` (imported when built).
+        rule_kwargs: keyword arguments the name fixes on the rule, as pairs (``(("mode",
+            "adaptive"),)``: dcasgd-a is DCASGD with adaptive λ).
+        momentum_rule: the momentum is the algorithm's own (``--momentum`` and an SGD's momentum
+            are its hyperparameter; ``--ps-momentum`` does not apply) and the lr follows the
+            SMEGA2 paper's schedule.
+        user_optimizer: it runs the user's torch optimizer (``--optimizer``, a required
+            ``optimizer`` argument of ``hpcasync.optimizer``).
+        horovod_backend: ``--backend horovod`` applies.
+        simulated: ``hpcasync sim`` runs it.
+        options: the CLI options only this algorithm takes, as (option dest, rule hyperparameter)
+            pairs; another algorithm given one is a ConfigError.
+        default_lr: the lr ``--lr`` means when not given (None: :data:`DEFAULT_LR`).
+        summary: one line for tables and help.
+    """
+    name: str
+    family: str
+    runtime: str
+    rule: str | None = None
+    rule_kwargs: tuple[tuple[str, object], ...] = ()
+    momentum_rule: bool = False
+    user_optimizer: bool = False
+    horovod_backend: bool = False
+    simulated: bool = False
+    options: tuple[tuple[str, str], ...] = ()
+    default_lr: float | None = None
+    summary: str = ""
+
+    @property
+    def is_ps(self) -> bool:
+        return self.family == "ps"
+
+
+def ps_algorithm(name: str, rule: str, summary: str = "", **fields) -> Algorithm:
+    """An entry of the parameter-server family: run by ``hpcasync.ps.runtime`` and simulated."""
+    return Algorithm(name, "ps", "hpcasync.ps.runtime", rule=rule, simulated=True,
+                     summary=summary, **fields)
+
+
+_RULES = "hpcasync.rules."
+_TABLE: dict[str, Algorithm] = {}
+
+
+def register(alg: Algorithm) -> Algorithm:
+    """Add ``alg`` (tests, plugins); a taken name or a malformed entry is a ConfigError."""
+    if not isinstance(alg, Algorithm):
+        raise ConfigError(f"register() takes an hpcasync.registry.Algorithm, got {type(alg).__name__}")
+    if not alg.name or not isinstance(alg.name, str):
+        raise ConfigError(f"an algorithm needs a non-empty name, got {alg.name!r}")
+    if alg.name in _TABLE:
+        raise ConfigError(f"algorithm {alg.name!r} is already registered; choose another name")
+    if alg.family not in FAMILIES:
+        raise ConfigError(f"algorithm {alg.name!r}: family {alg.family!r} is not one of: "
+                          f"{', '.join(FAMILIES)}")
+    if alg.is_ps != (alg.rule is not None):
+        raise ConfigError(f"algorithm {alg.name!r}: the ps family, and only it, has an update rule "
+                          "(rule='module:Class')")
+    if alg.rule is not None and alg.rule.count(":") != 1:
+        raise ConfigError(f"algorithm {alg.name!r}: rule {alg.rule!r} is not 'module:Class'")
+    _TABLE[alg.name] = alg
+    return alg
+
+
+def unregister(name: str) -> None:
+    """Remove a registered algorithm (tests); an unknown name is a ConfigError."""
+    get(name)
+    del _TABLE[name]
+
+
+# -- queries: every derived list calls one of these when it is used --------------------------------
+
+def names() -> tuple[str, ...]:
+    """Every algorithm name, in registration order (the 14 built-ins first)."""
+    return tuple(_TABLE)
+
+
+def get(name: str) -> Algorithm:
+    """The entry of ``name``; an unknown name is a ConfigError naming the choices."""
+    try:
+        return _TABLE[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown algorithm {name!r} (choose from {', '.join(_TABLE)})") from None
+
+
+def find(name: str) -> Algorithm | None:
+    """The entry of ``name``, or None."""
+    return _TABLE.get(name) if isinstance(name, str) else None
+
+
+def by_family(family: str) -> tuple[str, ...]:
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r} (choose from {', '.join(FAMILIES)})")
+    return tuple(a.name for a in _TABLE.values() if a.family == family)
+
+
+def ps_names() -> tuple[str, ...]:
+    """The parameter-server algorithms (each has an update rule in ``hpcasync.rules``)."""
+    return by_family("ps")
+
+
+def sync_names() -> tuple[str, ...]:
+    """The synchronous algorithms (no server rank)."""
+    return tuple(a.name for a in _TABLE.values() if not a.is_ps)
+
+
+def momentum_rules() -> tuple[str, ...]:
+    return tuple(a.name for a in _TABLE.values() if a.momentum_rule)
+
+
+def user_optimizer_names() -> tuple[str, ...]:
+    return tuple(a.name for a in _TABLE.values() if a.user_optimizer)
+
+
+def horovod_names() -> tuple[str, ...]:
+    return tuple(a.name for a in _TABLE.values() if a.horovod_backend)
+
+
+def simulated_names() -> tuple[str, ...]:
+    return tuple(a.name for a in _TABLE.values() if a.simulated)
+
+
+def runtimes() -> dict[str, str]:
+    """name -> runtime module."""
+    return {a.name: a.runtime for a in _TABLE.values()}
+
+
+def option_owners() -> dict[str, tuple[str, ...]]:
+    """CLI option dest -> the algorithms that take it (the others refuse it)."""
+    owners: dict[str, tuple[str, ...]] = {}
+    for a in _TABLE.values():
+        for option, _ in a.options:
+            owners[option] = owners.get(option, ()) + (a.name,)
+    return owners
+
+
+def algorithm_lrs() -> dict[str, float]:
+    """The entries whose default lr is not :data:`DEFAULT_LR`."""
+    return {a.name: a.default_lr for a in _TABLE.values() if a.default_lr is not None}
+
+
+def default_lr(name: str) -> float:
+    """The lr ``--lr`` means when it is not given (an unknown name: :data:`DEFAULT_LR`; the
+    name's own check reports it)."""
+    alg = find(name)
+    return DEFAULT_LR if alg is None or alg.default_lr is None else alg.default_lr
+
+
+# -- live views, for modules that expose a constant other code reads ------------------------------
+
+class LiveNames(Sequence):
+    """A tuple-like view of ``query()``, read at each use (so a registered name shows)."""
+
+    def __init__(self, query: Callable[[], tuple[str, ...]]):
+        self._query = query
+
+    def __getitem__(self, i):
+        return self._query()[i]
+
+    def __len__(self) -> int:
+        return len(self._query())
+
+    def __contains__(self, name) -> bool:
+        return name in self._query()
+
+    def __iter__(self):
+        return iter(self._query())
+
+    def __add__(self, other):
+        return self._query() + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + self._query()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._query())
+
+
+class LiveMapping(Mapping):
+    """A read-only dict-like view of ``query()``, read at each use."""
+
+    def __init__(self, query: Callable[[], Mapping]):
+        self._query = query
+
+    def __getitem__(self, key):
+        return self._query()[key]
+
+    def __iter__(self):
+        return iter(self._query())
+
+    def __len__(self) -> int:
+        return len(self._query())
+
+    def __repr__(self) -> str:
+        return repr(dict(self._query()))
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+for _alg in (
+    Algorithm("ssgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True, horovod_backend=True,
+              simulated=True, summary="synchronous SGD: one gradient allreduce per step"),
+    Algorithm("daso", "daso", "hpcasync.daso.runtime", user_optimizer=True, horovod_backend=True,
+              summary="DASO: node-local sync, delayed global averaging"),
+    Algorithm("odsgd", "odsgd", "hpcasync.odsgd.runtime",
+              summary="OD-SGD: synchronous PS with its own global momentum"),
+    ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
+    ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
+                 rule_kwargs=(("mode", "constant"),), options=(("dc_lambda", "lam"),)),
+    ps_algorithm("dcasgd-a", _RULES + "dcasgd:DCASGD", "DC-ASGD-a, adaptive λ",
+                 rule_kwargs=(("mode", "adaptive"),),
+                 options=(("dc_lambda0", "lam"), ("dc_ms_momentum", "ms_momentum"))),
+    ps_algorithm("lcasgd", _RULES + "lcasgd:LCASGD", "LC-ASGD, loss-prediction compensation",
+                 options=(("lc_predictor", "predictor"), ("lc_lambda", "lam"),
+                          ("lc_anchor", "anchor"), ("lc_window", "window"),
+                          ("lc_max_factor", "max_factor"))),
+    ps_algorithm("shat", _RULES + "shat:SHAT", "SHAT, α = 1 − (n/c)/ln n",
+                 rule_kwargs=(("alpha_mode", "log"),)),
+    ps_algorithm("shat-root", _RULES + "shat:SHAT", "SHAT-root, α = 1 − (n/c)/√n",
+                 rule_kwargs=(("alpha_mode", "root"),)),
+    ps_algorithm("ensemble", _RULES + "shat:SHAT", "SHAT with α = 0 (independent workers)",
+                 rule_kwargs=(("alpha_mode", "ensemble"),)),
+    ps_algorithm("asp", _RULES + "shat:SHAT", "SHAT with α = 1 (= ASGD)",
+                 rule_kwargs=(("alpha_mode", "asp"),)),
+    ps_algorithm("smega2", _RULES + "smega2:SMEGA2", "SMEGA2, one momentum buffer, look-ahead reply",
+                 momentum_rule=True, options=(("smega2_estimate", "estimate"),)),
+    ps_algorithm("dana", _RULES + "dana:DANAZero", "DANA-Zero, N momentum buffers, look-ahead reply",
+                 momentum_rule=True),
+    # default_lr: NAG-ASGD's one shared Nesterov buffer turns the other workers' in-flight pushes
+    # into extra momentum: at lr 0.05 (batch 32, momentum 0.9, 4 ranks, fashion-mnist, 2 epochs)
+    # 5 of 16 runs collapsed below 50 %; at 0.02 none of 12 did (tests/mpi/test_learning_bars.py).
+    # The papers show the same instability at scale (why DANA and SMEGA2 exist).
+    ps_algorithm("nag", _RULES + "nag:NAG", "NAG-ASGD, shared Nesterov buffer",
+                 momentum_rule=True, default_lr=0.02),
+):
+    register(_alg)
+del _alg

@@ -1,0 +1,199 @@
+"""One algorithm registry (issue 25): the 14 names with their families live in
+``hpcasync.registry`` alone; every other list of names derives from it when used, so a fake 15th
+algorithm registered here shows in the front door, the CLI, the rules, the parameter server and the
+simulator, and trains exactly as the rule it copies. Duplicate and unknown names are one-line
+ConfigErrors; the registry is a low layer (stdlib and ``hpcasync.errors``; no torch)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpcasync
+from hpcasync import api, config, registry, rules
+from hpcasync.errors import ConfigError
+from hpcasync.options import command_parser
+from hpcasync.ps import optimizer as ps_optimizer
+from hpcasync.ps import runtime as ps_runtime
+from hpcasync.runtime import RUNTIMES, runtime_module, runtime_modules
+from hpcasync.runtime import algorithms as runtime_algorithms
+from hpcasync.sim import driver as sim_driver
+
+PS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp", "smega2",
+      "dana", "nag")
+SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "256", "--test-limit", "64",
+         "--epochs", "1", "--progress", "off", "--batch-size", "16", "--model", "mlp"]
+
+
+@pytest.fixture
+def copy_alg():
+    """A fake 15th algorithm: ASGD under another name, with its own default lr."""
+    alg = registry.register(registry.ps_algorithm("asgd-copy", "hpcasync.rules.asgd:ASGD",
+                                                  "ASGD again", default_lr=0.03))
+    try:
+        yield alg
+    finally:
+        registry.unregister("asgd-copy")
+
+
+def _derived() -> dict[str, tuple]:
+    """Every list of names hpcasync exposes outside the registry."""
+    return {
+        "api.algorithms": api.algorithms(), "hpcasync.algorithms": hpcasync.algorithms(),
+        "runtime.algorithms": runtime_algorithms(), "RUNTIMES": tuple(RUNTIMES),
+        "api.PS_ALGORITHMS": tuple(api.PS_ALGORITHMS), "rules.RULES": tuple(rules.RULES),
+        "ps.runtime.ALGORITHMS": tuple(ps_runtime.ALGORITHMS),
+        "ps.optimizer.ALGORITHMS": tuple(ps_optimizer.ALGORITHMS),
+        "api.SYNC_ALGORITHMS": tuple(api.SYNC_ALGORITHMS),
+        "rules.MOMENTUM_RULES": tuple(rules.MOMENTUM_RULES),
+        "config.OPTIMIZER_ALGORITHMS": tuple(config.OPTIMIZER_ALGORITHMS),
+        "config.ALGORITHM_LR": tuple(config.ALGORITHM_LR.items()),
+    }
+
+
+def _expected() -> dict[str, tuple]:
+    every, ps = registry.names(), registry.ps_names()
+    return {"api.algorithms": every, "hpcasync.algorithms": every, "runtime.algorithms": every,
+            "RUNTIMES": every, "api.PS_ALGORITHMS": ps, "rules.RULES": ps,
+            "ps.runtime.ALGORITHMS": ps, "ps.optimizer.ALGORITHMS": ps,
+            "api.SYNC_ALGORITHMS": registry.sync_names(),
+            "rules.MOMENTUM_RULES": registry.momentum_rules(),
+            "config.OPTIMIZER_ALGORITHMS": registry.user_optimizer_names(),
+            "config.ALGORITHM_LR": tuple(registry.algorithm_lrs().items())}
+
+
+def test_the_fourteen_and_their_families():
+    assert registry.names() == ("ssgd", "daso", "odsgd", *PS)
+    assert {n: registry.get(n).family for n in ("ssgd", "daso", "odsgd")} == {
+        "ssgd": "ssgd", "daso": "daso", "odsgd": "odsgd"}
+    assert registry.ps_names() == PS == registry.by_family("ps")
+    assert registry.sync_names() == ("ssgd", "daso", "odsgd")
+    assert registry.momentum_rules() == ("smega2", "dana", "nag")
+    assert registry.user_optimizer_names() == ("ssgd", "daso") == registry.horovod_names()
+    assert registry.simulated_names() == ("ssgd", *PS)
+    assert registry.algorithm_lrs() == {"nag": 0.02} and config.default_lr("asgd") == 0.05
+    assert {n: RUNTIMES[n] for n in ("ssgd", "daso", "odsgd", "nag")} == {
+        "ssgd": "hpcasync.ssgd.runtime", "daso": "hpcasync.daso.runtime",
+        "odsgd": "hpcasync.odsgd.runtime", "nag": "hpcasync.ps.runtime"}
+    assert registry.option_owners() == {
+        "dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
+        "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
+        "lc_window": ("lcasgd",), "lc_max_factor": ("lcasgd",), "smega2_estimate": ("smega2",)}
+    for name in PS:                                # each rule is the class its entry names
+        module, cls = registry.get(name).rule.split(":")
+        assert rules.RULES[name].func.__name__ == cls and module.startswith("hpcasync.rules.")
+
+
+def test_every_derived_list_is_the_registry():
+    assert _derived() == _expected()
+    assert len(api.algorithms()) == 14
+
+
+def test_a_registered_fifteenth_shows_everywhere(copy_alg):
+    assert registry.names()[-1] == "asgd-copy" and len(api.algorithms()) == 15
+    assert _derived() == _expected()
+    for name, names in _derived().items():
+        if name not in ("api.SYNC_ALGORITHMS", "rules.MOMENTUM_RULES",
+                        "config.OPTIMIZER_ALGORITHMS"):
+            assert "asgd-copy" in names or ("asgd-copy", 0.03) in names, name
+    assert "asgd-copy" in api.PS_ALGORITHMS and "asgd-copy" in ps_optimizer.ALGORITHMS
+    assert runtime_module("asgd-copy") is ps_runtime
+    assert ps_runtime in runtime_modules()
+    assert "asgd-copy" in registry.simulated_names()
+    assert config.TrainConfig(algorithm="asgd-copy").lr == 0.03
+    # the rule: an ASGD, and the same θ as asgd's on the same pushes
+    theta0 = torch.arange(6, dtype=torch.float32)
+    a = rules.make_rule("asgd", theta0, 2, lr=0.1, momentum=0.5)
+    b = rules.make_rule("asgd-copy", theta0, 2, lr=0.1, momentum=0.5)
+    assert type(b) is rules.ASGD
+    assert rules.rule_hyperparameters("asgd-copy") == rules.rule_hyperparameters("asgd")
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        grad = torch.randn(6, generator=g)
+        ra = a.on_push(step % 2, grad, rules.PushMeta(version=max(step - 1, 0)))
+        rb = b.on_push(step % 2, grad, rules.PushMeta(version=max(step - 1, 0)))
+        assert torch.equal(ra.params, rb.params) and ra.version == rb.version
+    assert torch.equal(a.theta, b.theta) and not torch.equal(a.theta, theta0)
+
+
+def test_the_front_door_and_the_cli_take_the_fifteenth(copy_alg):
+    model = torch.nn.Linear(3, 2)
+    for call in (lambda: hpcasync.optimizer("asgd-copy", model),
+                 lambda: hpcasync.optimizer("asgd-copy", model, lr=0.1, lam=1.0)):
+        with pytest.raises(ConfigError) as err:          # past the name check, to the rule's
+            call()
+        assert "unknown algorithm" not in str(err.value)
+    with pytest.raises(ConfigError, match="unknown algorithm 'asgd-copy2'"):
+        hpcasync.optimizer("asgd-copy2", model, lr=0.1)
+    args = command_parser("train").parse_args(["--algorithm", "asgd-copy", *SMALL])
+    cfg = config.config_from_args(args)
+    assert cfg.lr == 0.03
+    cfg.validate(runtime_algorithms())
+    ps_runtime.validate(cfg)
+    assert ps_runtime.rule_hyper(cfg) == {"lr": 0.03, "weight_decay": 0.0, "momentum": 0.0}
+    args = command_parser("train").parse_args(["--algorithm", "asgd-copy", "--dc-lambda", "0.1",
+                                               *SMALL])
+    with pytest.raises(ConfigError, match="--dc-lambda applies to dcasgd, not asgd-copy"):
+        ps_runtime.validate(config.config_from_args(args))
+
+
+def _sim(algorithm: str) -> dict:
+    args = command_parser("sim").parse_args(["--algorithm", algorithm, "--workers", "2",
+                                             "--lr", "0.05", *SMALL])
+    return sim_driver.simulate(config.config_from_args(args))
+
+
+@pytest.mark.timeout(120)
+def test_the_simulator_trains_the_fifteenth_as_the_rule_it_copies(copy_alg):
+    skip = ("time_s", "wall_time_s", "algorithm")
+    copy, asgd = _sim("asgd-copy"), _sim("asgd")
+    assert copy["algorithm"] == "asgd-copy" and copy["test_accuracy"] > 0.2
+    assert {k: v for k, v in copy.items() if k not in skip} == {
+        k: v for k, v in asgd.items() if k not in skip}
+
+
+def test_duplicates_and_unknown_names_are_one_line_errors():
+    with pytest.raises(ConfigError, match="'asgd' is already registered") as err:
+        registry.register(registry.ps_algorithm("asgd", "hpcasync.rules.asgd:ASGD"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        registry.get("sgd")
+    assert str(err.value) == f"unknown algorithm 'sgd' (choose from {', '.join(registry.names())})"
+    with pytest.raises(ConfigError, match="unknown algorithm 'nope'"):
+        runtime_module("nope")
+    with pytest.raises(ConfigError, match="unknown rule 'ssgd'"):
+        rules.make_rule("ssgd", torch.zeros(1), 1, lr=0.1)
+    with pytest.raises(ConfigError, match="unknown algorithm 'nope'"):
+        registry.unregister("nope")
+    with pytest.raises(ConfigError, match="family 'pss' is not one of"):
+        registry.register(registry.Algorithm("x", "pss", "hpcasync.ps.runtime"))
+    with pytest.raises(ConfigError, match="the ps family, and only it, has an update rule"):
+        registry.register(registry.Algorithm("x", "ps", "hpcasync.ps.runtime"))
+    with pytest.raises(ConfigError, match="is not 'module:Class'"):
+        registry.register(registry.ps_algorithm("x", "hpcasync.rules.asgd.ASGD"))
+    with pytest.raises(ConfigError, match="needs a non-empty name"):
+        registry.register(registry.ps_algorithm("", "hpcasync.rules.asgd:ASGD"))
+    assert registry.names() == ("ssgd", "daso", "odsgd", *PS)       # nothing half-registered
+    with pytest.raises(ConfigError, match="--algorithm 'x' is not one of: ssgd, "):
+        config.TrainConfig(algorithm="x").validate(runtime_algorithms())
+
+
+def test_the_registry_is_a_low_layer():
+    """stdlib and hpcasync.errors only (the families import it, never the reverse), no torch."""
+    tree = ast.parse(Path(registry.__file__).read_text())
+    ours = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                "hpcasync")):
+            ours.add(("." * node.level) + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            ours |= {a.name for a in node.names if a.name.startswith(("hpcasync", "torch"))}
+    assert ours == {".errors"}
+    r = subprocess.run([sys.executable, "-c", "import sys, hpcasync.registry as r, hpcasync.config;"
+                        "assert len(r.names()) == 14; print('torch' in sys.modules)"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
