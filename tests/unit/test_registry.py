@@ -86,6 +86,10 @@ def test_the_fourteen_and_their_families():
     for name in PS:                                # each rule is the class its entry names
         module, cls = registry.get(name).rule.split(":")
         assert rules.RULES[name].func.__name__ == cls and module.startswith("hpcasync.rules.")
+    assert {n: rules.RULES[n].keywords for n in PS if rules.RULES[n].keywords} == {
+        "dcasgd": {"mode": "constant"}, "dcasgd-a": {"mode": "adaptive"},
+        "shat": {"alpha_mode": "log"}, "shat-root": {"alpha_mode": "root"},
+        "ensemble": {"alpha_mode": "ensemble"}, "asp": {"alpha_mode": "asp"}}
 
 
 def test_every_derived_list_is_the_registry():
@@ -139,6 +143,10 @@ def test_the_front_door_and_the_cli_take_the_fifteenth(copy_alg):
                                                *SMALL])
     with pytest.raises(ConfigError, match="--dc-lambda applies to dcasgd, not asgd-copy"):
         ps_runtime.validate(config.config_from_args(args))
+    args = command_parser("train").parse_args(["--algorithm", "dcasgd-a", "--dc-lambda0", "2.5",
+                                               "--dc-ms-momentum", "0.9", *SMALL])
+    hyper = ps_runtime.rule_hyper(config.config_from_args(args))     # the entry's options
+    assert (hyper["lam"], hyper["ms_momentum"]) == (2.5, 0.9)
 
 
 def _sim(algorithm: str) -> dict:
