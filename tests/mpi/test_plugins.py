@@ -51,7 +51,8 @@ BAD = """
 
     import torch
     from torch import nn
-    
+    from torch.utils.data import Dataset, TensorDataset
+
     NOT_CALLABLE = 42
 
 
