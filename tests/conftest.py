@@ -92,6 +92,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: acceptance-size run")
     config.addinivalue_line("markers", "no_mpi: launches no MPI job (in tests/mpi for the time "
                             "budget of tests/unit only); CI's MPICH pass leaves it out")
+    config.addinivalue_line("markers", "one_mpi: takes the MPI paths of a twin test that runs under "
+                            "every MPI (tests.mpi_util.MPI_TWINS); CI's MPICH pass leaves it out")
     # Before pytest-timeout's pytest_configure reads it: the environment beats pytest.ini, an
     # explicit --timeout beats the environment.
     if os.environ.get(TIMEOUT_ENV) and getattr(config.option, "timeout", None) is None:

@@ -125,3 +125,20 @@ def need_horovod() -> None:
         pytest.fail(f"HPCASYNC_HOROVOD=1 (Horovod was to be built) but horovod.torch does not "
                     f"import: {HOROVOD_ERROR}")
     pytest.skip("Horovod is not installed (scripts/install-horovod.sh)")
+
+
+#: PS rules whose MPI traffic is another rule's: the same transport and the same push and reply
+#: shapes (ASP and ENSEMBLE are SHAT at α = 1 and 0; the rule is server-side math, tested in
+#: tests/unit). A per-algorithm end-to-end test marks these ``one_mpi`` (:func:`per_algorithm`):
+#: CI's MPICH pass runs it for the twin, not again for each of them.
+MPI_TWINS = {"dcasgd": "asgd", "dcasgd-a": "asgd", "dana": "smega2", "nag": "smega2",
+             "shat-root": "shat", "ensemble": "shat", "asp": "shat"}
+
+
+def per_algorithm(algorithms):
+    """pytest params, one per algorithm name, marked ``one_mpi`` where :data:`MPI_TWINS` names a
+    twin whose run takes the same MPI paths."""
+    import pytest
+
+    return [pytest.param(a, marks=[pytest.mark.one_mpi] if a in MPI_TWINS else [], id=a)
+            for a in algorithms]

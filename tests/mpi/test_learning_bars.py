@@ -81,7 +81,7 @@ from __future__ import annotations
 import pytest
 
 from hpcasync.rules import RULES
-from tests.mpi_util import last_summary, run_mpi
+from tests.mpi_util import last_summary, per_algorithm, run_mpi
 
 #: ``hpcasync train --algorithm`` names: the two collective families, OD-SGD, then the 11 PS rules
 ALGORITHMS = ("ssgd", "daso", "odsgd", *RULES)
@@ -126,7 +126,7 @@ def test_every_algorithm_has_a_bar_far_above_chance():
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", per_algorithm(ALGORITHMS))
 def test_learns_at_documented_defaults(tmp_path, algorithm):
     metrics = tmp_path / "run.jsonl"
     r = run_mpi(4, command(algorithm, metrics), timeout=TIMEOUT)
