@@ -44,12 +44,11 @@ from .compress import decode, encode, wire_dtype
 from .direct import try_direct
 from .handle import Allreduce, Handle, run_blocking
 from .ops import HALF_DTYPES, check_dtype, mpi_datatype, mpi_buffer, sum_op
+from .engine import ALGORITHMS, pick_engine  # noqa: F401 (ALGORITHMS re-exported)
 from .shm import ShmAllreduce
-from .tune import use_shm
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("auto", "mpi", "shm")
 DASO_CHUNK_ELEMS = 10_000_000     # DASO (Coquelin et al.) sends global messages in 10 M-elem chunks
 
 
@@ -76,21 +75,6 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad:
         tensor = tensor.detach()
     return tensor if tensor.dim() == 1 else tensor.view(-1)
-
-
-def pick_engine(comm, nbytes: int, algorithm: str, cuda_aware: bool,
-                wire: torch.dtype = torch.float32) -> ShmAllreduce | None:
-    """The shm engine to use for this reduction, or None for MPI (collective on first use)."""
-    if algorithm not in ALGORITHMS:
-        raise ConfigError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
-    if algorithm == "mpi" or comm.Get_size() == 1 or (algorithm == "auto" and cuda_aware):
-        return None
-    engine = ShmAllreduce.for_comm(comm)
-    if engine is None and algorithm == "shm":
-        raise TopologyError("algorithm='shm' needs all ranks of the communicator on one node")
-    if engine is not None and algorithm == "auto" and not use_shm(comm, nbytes, wire):
-        return None
-    return engine
 
 
 class PinnedPool:

@@ -16,12 +16,20 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 _keyval = None
+#: called with a communicator's handle when it is freed (modules that keep per-communicator
+#: state in dicts of their own, e.g. :mod:`.direct`'s decisions, register here)
+_on_free: list[Callable[[int], None]] = []
+
+
+def on_free(callback: Callable[[int], None]) -> None:
+    """Call ``callback(comm.handle)`` whenever a communicator with a cache is freed."""
+    if callback not in _on_free:
+        _on_free.append(callback)
 
 
 def _delete(comm, keyval, cache) -> None:
-    from .direct import forget
-
-    forget(comm.handle)
+    for callback in _on_free:
+        callback(comm.handle)
     for key in reversed(list(cache)):
         obj = cache.pop(key)
         free = getattr(obj, "free", None) or getattr(obj, "Free", None)

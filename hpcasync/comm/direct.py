@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import on_free
 from .ops import mpi_datatype, sum_op
 
 VIEW_MAX_BYTES = 1 << 20
@@ -36,6 +37,9 @@ _in_place = None
 def forget(handle: int) -> None:
     """Drop the decisions of a communicator being freed (called by :mod:`.cache`)."""
     _decisions.pop(handle, None)
+
+
+on_free(forget)
 
 
 def try_direct(comm, tensor: torch.Tensor, average: bool) -> bool:
@@ -70,8 +74,8 @@ def _decide(comm, tensor: torch.Tensor, key: tuple):
     global _in_place
     from mpi4py import MPI
 
-    from .allreduce import pick_engine
     from .cache import comm_cache
+    from .engine import pick_engine
 
     _in_place = MPI.IN_PLACE
     comm_cache(comm)          # an attribute on comm, so that freeing it calls forget()

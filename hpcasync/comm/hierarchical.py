@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from .allreduce import flat_view, pick_engine, piece_elems, staged_steps
+from .allreduce import flat_view, piece_elems, staged_steps
+from .engine import pick_engine
 from .cache import comm_cache, private_dup
 from .compress import decode, encode, wire_dtype
 from .handle import Allgatherv, Allreduce, Handle, ReduceScatter, run_blocking

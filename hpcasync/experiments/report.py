@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .spec import option_args
+from .spec import PIVOT_NAMES, option_args
 
 TIME_KEYS = {"sim_time": "sim_time", "wall": "wall_time_s"}
 TIME_NAMES = {"sim_time": "sim time", "wall": "wall time"}
@@ -260,6 +260,9 @@ PIVOTS = {
     "ps_wait": ("Mean wait of a push for the simulated server (ms)",
                 lambda g: _pm([r.ps_wait for r in g.runs if r.ps_wait is not None], ".2f", 1e3)),
 }
+
+
+assert tuple(PIVOTS) == PIVOT_NAMES, "report.PIVOTS and spec.PIVOT_NAMES must list the same pivots"
 
 
 def pivot_tables(exp: dict, groups: list[Group]) -> list[str]:

@@ -29,6 +29,9 @@ from typing import Any
 
 from ..errors import ConfigError
 
+#: ``[report] pivot`` values (their titles and formatters: ``report.PIVOTS``)
+PIVOT_NAMES = ("accuracy", "time_per_epoch", "ps_busy", "ps_wait")
+
 MODES = ("sim", "mpi")
 TOP_KEYS = ("name", "description", "claim", "mode", "timeout", "jobs", "base", "matrix",
             "variants", "overrides", "mini", "report")
@@ -370,11 +373,10 @@ def _report(value, axes: dict, mode: str, fail) -> dict:
         fail("[report] time = sim_time needs mode = sim")
     if "facet" not in out and "rows" in out:
         out["facet"] = out["rows"]
-    from .report import PIVOTS
 
     pivot = out.get("pivot", ["accuracy"])
-    if not isinstance(pivot, list) or not pivot or any(p not in PIVOTS for p in pivot):
-        fail(f"[report] pivot must be a list of: {', '.join(PIVOTS)}; got {pivot!r}")
+    if not isinstance(pivot, list) or not pivot or any(p not in PIVOT_NAMES for p in pivot):
+        fail(f"[report] pivot must be a list of: {', '.join(PIVOT_NAMES)}; got {pivot!r}")
     return out
 
 

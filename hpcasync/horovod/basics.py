@@ -92,7 +92,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
             local.Free()
             local = grouped
         cross = comm.Split(local.Get_rank(), comm.Get_rank())
-        first = min(r for r in range(roles.size) if r not in _servers(roles))
+        first = min(r for r in range(roles.size) if r not in roles.topology.servers)
         if roles.rank == first:
             atexit.register(_no_optimizer_at_exit)
     else:
@@ -101,10 +101,6 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     sizes = comm.allgather(local.Get_size())
     _STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
                     homogeneous=len(set(sizes)) == 1)
-
-
-def _servers(roles) -> list[int]:
-    return roles.topology.servers
 
 
 def _no_optimizer_at_exit() -> None:

@@ -384,19 +384,13 @@ def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
         log.warning("%s: no steps_per_epoch given to DistributedOptimizer: the paper's lr warm-up "
                     "is off (pass steps_per_epoch=len(train_loader) to keep it)", algorithm)
     roles = st.roles
-    first = min(r for r in range(roles.size) if r not in _servers_of(roles))
+    first = min(r for r in range(roles.size) if r not in roles.topology.servers)
     if roles.rank == first:
         send_spec(roles, spec_of(algorithm, resolved, _params(optimizer)))
     st.spec_sent = True
     opt = make(algorithm, holder, **resolved)
     atexit.register(_finish_quietly, opt)        # runs before the PS's own exit hook
     return opt
-
-
-def _servers_of(roles):
-    from .basics import _servers
-
-    return _servers(roles)
 
 
 def _finish_quietly(opt) -> None:

@@ -39,20 +39,17 @@ def spec_of(algorithm: str, hyper: dict, params) -> dict:
 
 def send_spec(roles, spec: dict | None) -> None:
     """The first worker: hand ``spec`` (or None: no optimizer) to every server rank."""
-    from .basics import _servers
-
     world = roles.topology.world
-    for server in _servers(roles):
+    for server in roles.topology.servers:
         world.send(spec, dest=server, tag=SPEC_TAG)
 
 
 def serve_and_exit(roles) -> None:
     """Server rank: receive the spec, serve the algorithm, exit the process (status 0)."""
     from ..api import optimizer
-    from .basics import _servers
 
     world = roles.topology.world
-    first = min(r for r in range(roles.size) if r not in _servers(roles))
+    first = min(r for r in range(roles.size) if r not in roles.topology.servers)
     spec = world.recv(source=first, tag=SPEC_TAG)
     if spec is not None:
         params = [nn.Parameter(torch.empty(s)) for s in spec["shapes"]]

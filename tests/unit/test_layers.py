@@ -52,3 +52,56 @@ def test_errors_are_the_builtins_a_user_catches():
     except RuntimeError as outer:
         assert errors.proc_failure(outer)           # found through __cause__
     assert not errors.proc_failure(ValueError("no"))
+
+
+# Import circles left, each a dispatch to user code (the built-in factory hands a "module:factory"
+# spec to plugins/data.user, which call back into it); named here so a new circle fails the test.
+KNOWN_CIRCLES = [{"hpcasync.models", "hpcasync.plugins"},
+                 {"hpcasync.data.datasets", "hpcasync.data.user"}]
+
+
+def _circles(graph) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.find_modules_directly_imported_by(w)))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.add(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def test_no_import_circles_even_inside_functions():
+    grimp = pytest.importorskip("grimp")        # comes with import-linter
+    circles = _circles(grimp.build_graph("hpcasync"))
+    new = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
+    assert not new, new
