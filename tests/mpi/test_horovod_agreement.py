@@ -16,16 +16,6 @@ pytestmark = pytest.mark.timeout(60)
 ODD = RANK % 2
 
 
-@pytest.fixture(scope="module")
-def backends():
-    fh.init()
-    found = {"facade": fh}
-    if HOROVOD_ERROR is None:
-        import horovod.torch as rh
-
-        rh.init()
-        found["horovod"] = rh
-    return found
 
 
 #: (label, call(hvd) -> result): each differs between odd and even ranks

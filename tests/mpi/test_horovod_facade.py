@@ -23,17 +23,6 @@ FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64, torch.uint8, torch.int8]
 
 
-@pytest.fixture(scope="module")
-def backends():
-    """{"facade": hpcasync.horovod, "horovod": horovod.torch (when it imports)}."""
-    fh.init()
-    found = {"facade": fh}
-    if HOROVOD_ERROR is None:
-        import horovod.torch as rh
-
-        rh.init()
-        found["horovod"] = rh
-    return found
 
 
 def test_real_horovod_is_there_when_ci_built_it():

@@ -13,16 +13,6 @@ from tests.mpi_util import COMM, HOROVOD_ERROR, RANK, SIZE
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def backends():
-    fh.init()
-    found = {"facade": fh}
-    if HOROVOD_ERROR is None:
-        import horovod.torch as rh
-
-        rh.init()
-        found["horovod"] = rh
-    return found
 
 
 def _uneven(hvd):
