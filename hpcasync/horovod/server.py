@@ -32,6 +32,12 @@ class ParamHolder(nn.Module):
 
 
 def spec_of(algorithm: str, hyper: dict, params) -> dict:
+    """What the server rank needs to build the same optimizer: the hyperparameters (param groups
+    name their tensors by index into ``params``), the parameters' shapes and values."""
+    if "param_groups" in hyper:
+        index = {id(p): i for i, p in enumerate(params)}
+        hyper = {**hyper, "param_groups": [{**g, "params": [index[id(p)] for p in g["params"]]}
+                                           for g in hyper["param_groups"]]}
     return {"algorithm": algorithm, "hyper": hyper,
             "shapes": [tuple(p.shape) for p in params],
             "values": torch.cat([p.detach().reshape(-1).float().cpu() for p in params])}
@@ -59,6 +65,10 @@ def serve_and_exit(roles) -> None:
             for p in params:
                 p.copy_(spec["values"][offset: offset + p.numel()].view_as(p))
                 offset += p.numel()
-        opt = optimizer(spec["algorithm"], holder, **spec["hyper"])
+        hyper = dict(spec["hyper"])
+        if "param_groups" in hyper:            # indices -> this rank's parameters
+            hyper["param_groups"] = [{**g, "params": [params[i] for i in g["params"]]}
+                                     for g in hyper["param_groups"]]
+        opt = optimizer(spec["algorithm"], holder, **hyper)
         opt.serve()
     sys.exit(0)
