@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from ..errors import ProcessFailedError, proc_failure
 from .shards import ShardError
 from .wire import KIND_PUSH
 
@@ -118,8 +119,19 @@ class OrderFollower(_Ordered):
         if self._oreq is None:
             self._oreq = self.comm.Irecv([self._obuf, self.MPI.INT64_T],
                                          source=self.layout.servers[0], tag=_TAG_ORDER)
-        if not self._oreq.Test():
-            return False
+        try:
+            if not self._oreq.Test():
+                return False
+        except self.MPI.Exception as exc:
+            if not proc_failure(exc):
+                raise
+            # shard 0's server died (ULFM): the job cannot go on; worker 0 says so (ps.runtime),
+            # this rank only if nobody did within 10 s (the first line's MPI_Abort ends the wait)
+            time.sleep(10)
+            raise ProcessFailedError(f"the parameter server (rank {self.layout.servers[0]}) died "
+                                     "(shard 0, which orders the pushes); the run cannot go on: "
+                                     "resume from its last checkpoint with --resume auto",
+                                     [self.layout.servers[0]]) from None
         self._oreq, self._onext = None, int(self._obuf[0])
         return True
 
