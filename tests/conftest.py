@@ -94,6 +94,9 @@ def pytest_configure(config):
                             "budget of tests/unit only); CI's MPICH pass leaves it out")
     config.addinivalue_line("markers", "one_mpi: takes the MPI paths of a twin test that runs under "
                             "every MPI (tests.mpi_util.MPI_TWINS); CI's MPICH pass leaves it out")
+    config.addinivalue_line("markers", "e2e: an end-to-end training run to an accuracy bar (examples, "
+                            "learning bars, plugins' training, acceptance): its MPI calls are the "
+                            "other tests'; CI's MPICH pass leaves it out")
     # Before pytest-timeout's pytest_configure reads it: the environment beats pytest.ini, an
     # explicit --timeout beats the environment.
     if os.environ.get(TIMEOUT_ENV) and getattr(config.option, "timeout", None) is None:

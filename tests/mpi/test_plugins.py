@@ -296,6 +296,7 @@ def _assert_plugin_specs(config, model="gru"):
 # images), measured for seeds 0, 1, 2 (the test runs seed 0): ssgd 46.9 / 48.7 / 48.7 %, daso
 # 46.6 / 48.6 / 48.2 %, odsgd 47.1 / 49.6 / 48.6 %, smega2 (PS + 3 workers, timing-dependent)
 # 51.6-52.8 % over five runs. Chance is 10 %. Bars: 4+ points below the worst.
+@pytest.mark.e2e
 @pytest.mark.rank0
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm, extra, bar, by_cwd", [
@@ -322,6 +323,7 @@ def test_gru_plugin_trains(algorithm, extra, bar, by_cwd, tmp_path):
     assert acc > bar, (algorithm, acc)
 
 
+@pytest.mark.e2e
 @pytest.mark.rank0
 @pytest.mark.timeout(240)
 def test_convbn_plugin_trains(tmp_path):
@@ -358,6 +360,7 @@ MINI = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", "4000", "--
         "--epochs", "1", "--progress", "off"]
 
 
+@pytest.mark.e2e
 @pytest.mark.rank0
 @pytest.mark.timeout(240)
 def test_nll_loss_with_a_log_softmax_model(tmp_path):
@@ -375,6 +378,7 @@ def test_nll_loss_with_a_log_softmax_model(tmp_path):
     assert summary["test_accuracy"] > 0.66 and 0 < summary["test_loss"] < 1.0, summary
 
 
+@pytest.mark.e2e
 @pytest.mark.rank0
 @pytest.mark.timeout(240)
 def test_user_loss_is_what_training_and_evaluation_use(tmp_path):
@@ -392,6 +396,7 @@ def test_user_loss_is_what_training_and_evaluation_use(tmp_path):
 
 # GRU with --optimizer adam --lr 0.005, seeds 0-2: 61.6 / 60.3 / 60.5 %; the default SGD at that
 # lr: 32.4 / 33.2 / 30.4 %, so the bar also tells that adam was used.
+@pytest.mark.e2e
 @pytest.mark.rank0
 @pytest.mark.timeout(240)
 def test_adam_optimizer_for_ssgd(tmp_path):
