@@ -23,9 +23,9 @@ from ..comm import allreduce
 from ..comm.broadcast import broadcast
 from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat
+from ..passes import BackwardPasses
 from ..topology import init_mpi
 from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
-from ..passes import BackwardPasses
 
 log = logging.getLogger("hpcasync")
 
