@@ -347,14 +347,12 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         _check_unsharded(optimizer, "save_checkpoint")
     header = {"algorithm": algorithm, "model": type(model).__name__}
     if ps:
-        from .ps import loop_checkpoint
-
         if optimizer.is_server:
-            return loop_checkpoint.server_save(optimizer, directory, epoch=epoch, step=step,
-                                               keep=keep, extra=extra, header=header)
-        if not optimizer._closed:                       # after finish(): the server's call writes
-            loop_checkpoint.request(optimizer, directory, epoch=epoch, step=step, keep=keep,
-                                    extra=extra, header=header)
+            return optimizer.checkpoints.save(directory, epoch=epoch, step=step, keep=keep,
+                                              extra=extra, header=header)
+        if not optimizer.closed:                        # after finish(): the server's call writes
+            optimizer.checkpoints.request(directory, epoch=epoch, step=step, keep=keep,
+                                          extra=extra, header=header)
         return None
     writer = comm is None or comm.Get_rank() == 0
     path = None
@@ -412,9 +410,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     if optimizer is None:
         return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
     if ps:
-        from .ps.loop_checkpoint import restore
-
-        return restore(optimizer, state)
+        return optimizer.checkpoints.restore(state)
     optimizer.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
 

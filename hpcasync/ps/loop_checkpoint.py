@@ -12,9 +12,10 @@ and every worker's part. A worker that finishes early or steps unevenly cannot b
 finished worker counts as having asked. The server's θ is the one at the last request (pushes
 that faster workers made after their own request are in θ and are pushed again on resume).
 
-:func:`restore` (``hpcasync.load_checkpoint``) gives the server θ, the rule and (at ``serve()``)
-the clock; each worker its part. The server's own call (inside ``serve(on_epoch=...)``, or after
-``serve()``) writes a server-only file of the same format unless its label is already complete.
+:meth:`LoopCheckpoints.restore` (``hpcasync.load_checkpoint``) gives the server θ, the rule and
+(at ``serve()``) the clock; each worker its part. The server's own call (inside
+``serve(on_epoch=...)``, or after ``serve()``) writes a server-only file of the same format unless
+its label is already complete.
 
 Example (every rank)::
 
@@ -40,42 +41,157 @@ log = logging.getLogger("hpcasync")
 TAG_REQUEST = 4121
 
 
-# -- worker side --------------------------------------------------------------------------------
+class LoopCheckpoints:
+    """One ParameterServer's checkpoints from a user's loop (module doc): ``opt.checkpoints``.
 
-def worker_part(opt, epoch: int, step: int, extra: dict) -> dict:
-    """What a worker contributes to a checkpoint: its position and its own state."""
-    return {"worker": opt.worker, "epoch": int(epoch), "step": int(step), "extra": dict(extra),
-            "steps": int(opt.steps), "version": int(opt.version),
-            "buffers": opt.flat.buffers.detach().cpu().clone(),
-            "optimizer": opt.state_dict(),
-            "local": opt.local_model() if opt.keeps_local else None}
+    Holds what the protocol keeps between calls: a worker's requests in flight, a server's clock
+    loaded by :meth:`restore` until ``serve()`` continues it, and the server's
+    :class:`Collector` while it serves. Reads the optimizer's public state only."""
 
+    def __init__(self, opt):
+        self.opt = opt
+        self.sends: list = []                  # worker: its requests not yet taken by the server
+        self.resume_clock: dict | None = None  # server: a loaded clock, continued at serve()
+        self.collector: Collector | None = None    # server: while (and after) it serves
 
-def request(opt, directory, *, epoch: int, step: int, keep: int, extra: dict,
-            header: dict) -> None:
-    """Worker: ask the server to write a checkpoint of this label (module doc); returns at once."""
-    msg = {"directory": str(directory), "keep": int(keep), "label": (int(epoch), int(step)),
-           "header": dict(header), "part": worker_part(opt, epoch, step, extra)}
-    sends = opt.__dict__.setdefault("_checkpoint_sends", [])
-    sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
+    # -- worker side ----------------------------------------------------------------------------
 
+    def worker_part(self, epoch: int, step: int, extra: dict) -> dict:
+        """What a worker contributes to a checkpoint: its position and its own state."""
+        opt = self.opt
+        return {"worker": opt.worker, "epoch": int(epoch), "step": int(step),
+                "extra": dict(extra), "steps": int(opt.steps), "version": int(opt.version),
+                "buffers": opt.flat.buffers.detach().cpu().clone(),
+                "optimizer": opt.state_dict(),
+                "local": opt.local_model() if opt.keeps_local else None}
 
-def flush(opt) -> None:
-    """Worker, before its last message: wait until the server has taken every request (it polls
-    while serving, so this ends), so no request can arrive after the worker finished."""
-    from .wire import wait
+    def request(self, directory, *, epoch: int, step: int, keep: int, extra: dict,
+                header: dict) -> None:
+        """Worker: ask the server to write a checkpoint of this label (module doc); returns at
+        once."""
+        opt = self.opt
+        msg = {"directory": str(directory), "keep": int(keep), "label": (int(epoch), int(step)),
+               "header": dict(header), "part": self.worker_part(epoch, step, extra)}
+        self.sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
 
-    for req in opt.__dict__.pop("_checkpoint_sends", []):
-        wait(req)
+    def flush(self) -> None:
+        """Worker, before its last message: wait until the server has taken every request (it
+        polls while serving, so this ends), so no request can arrive after the worker finished."""
+        from .wire import wait
 
+        sends, self.sends = self.sends, []
+        for req in sends:
+            wait(req)
 
-# -- server side --------------------------------------------------------------------------------
+    # -- server side ----------------------------------------------------------------------------
+
+    def attach(self, server) -> "Collector":
+        """Server, at ``serve()``: continue a loaded clock, and poll for requests between pushes
+        and while idle. Returns the collector (``close()`` it when ``serve`` returns)."""
+        opt = self.opt
+        clock, self.resume_clock = self.resume_clock, None
+        if clock is not None:
+            server.load_state_dict({**clock["server"], "rule": opt.rule.state_dict()})
+            W = opt.num_workers
+            server.finished = [False] * W            # a user's loop: every worker finishes itself
+            server.positions = [int(p) for p in clock["positions"]]
+            log.info("PS %s: resuming the server's clock at %d accepted pushes (epoch %d)",
+                     opt.algorithm, server.stats.accepted, server.next_epoch)
+        collector = self.collector = Collector(self, server)
+        stop, idle = server.stop_requested, opt.transport.idle_hook
+
+        def stop_requested() -> bool:
+            collector.poll()
+            return stop is not None and stop()
+
+        def idle_hook() -> None:
+            collector.poll()
+            if idle is not None:
+                idle()
+        server.stop_requested, opt.transport.idle_hook = stop_requested, idle_hook
+        return collector
+
+    def snapshot(self, epoch: int, step: int, extra: dict, parts: dict | None) -> dict:
+        """The server's state (θ in the model, the rule, the clock) and the workers' parts."""
+        opt = self.opt
+        opt.load_theta()
+        clock = None
+        if opt.server is not None:
+            clock = {k: v for k, v in opt.server.state_dict().items() if k != "rule"}
+        return {"model": opt.flat.module.state_dict(), "optimizer": opt.state_dict(),
+                "epoch": int(epoch), "step": int(step), "extra": dict(extra),
+                "ps": {"clock": clock, "workers": {str(w): p for w, p in (parts or {}).items()}}}
+
+    def write(self, directory, epoch: int, step: int, *, keep: int, extra: dict,
+              parts: dict | None, header: dict) -> Path:
+        """Server: write :meth:`snapshot` atomically to ``directory``; returns the path."""
+        opt = self.opt
+        state = self.snapshot(epoch, step, extra, parts)
+        path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
+                                                            **header)
+        log.info("PS %s: checkpoint %s (%s)", opt.algorithm, path,
+                 f"every worker's part, version {opt.rule.version}" if parts else
+                 f"the server's state only, version {opt.rule.version}")
+        return path
+
+    def save(self, directory, *, epoch: int, step: int, keep: int, extra: dict,
+             header: dict) -> Path:
+        """The server's own ``save_checkpoint`` (inside ``on_epoch`` or after ``serve()``): a
+        server-only file, unless the workers already completed this label (then that file)."""
+        if self.collector is not None:
+            self.collector.poll()
+            done = self.collector.written.get((int(epoch), int(step)))
+            if done is not None:
+                return done
+        return self.write(directory, epoch, step, keep=keep, extra=extra, parts=None,
+                          header=header)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def restore(self, state: dict) -> dict:
+        """Load a PS checkpoint's state into the optimizer (its model already holds
+        ``state["model"]``); returns the position the loop continues from (``{"epoch", "step",
+        **extra}``; a worker that had finished: ``finished: True``)."""
+        opt = self.opt
+        opt.load_state_dict(state["optimizer"])
+        ps = state.get("ps") or {}
+        parts = {int(w): p for w, p in (ps.get("workers") or {}).items()}
+        position = {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+        if opt.is_server:
+            if ps.get("clock") is not None:
+                positions = [int(parts[w]["steps"]) if w in parts else 0
+                             for w in range(opt.num_workers)]
+                self.resume_clock = {"server": ps["clock"], "positions": positions}
+            return position
+        part = parts.get(opt.worker)
+        if part is None:
+            if opt.keeps_local:
+                log.warning("%s worker %d: the checkpoint holds no model of its own (the server "
+                            "wrote it alone): it restarts from the server's θ", opt.algorithm,
+                            opt.worker)
+            return position
+        if "optimizer" in part:
+            buffers = part["buffers"]
+            if buffers.numel() != opt.flat.buffers.numel():
+                raise CheckpointError(f"worker {opt.worker}'s saved buffers have "
+                                      f"{buffers.numel()} elements, the model "
+                                      f"{opt.flat.buffers.numel()}")
+            opt.flat.buffers.copy_(buffers.to(opt.flat.buffers))
+            opt.load_state_dict(part["optimizer"])
+            opt.steps = int(part["steps"])
+            if part.get("local") is not None:
+                opt.resume_local(part["local"])
+        out = {"epoch": part["epoch"], "step": part["step"], **part.get("extra", {})}
+        if part.get("finished"):
+            out["finished"] = True
+        return out
+
 
 class Collector:
     """Server: the workers' checkpoint requests, written when a label is complete (module doc)."""
 
-    def __init__(self, opt, server):
-        self.opt, self.server = opt, server
+    def __init__(self, checkpoints: LoopCheckpoints, server):
+        self.checkpoints, self.opt, self.server = checkpoints, checkpoints.opt, server
         self.pending: dict[tuple[int, int], dict] = {}
         self.written: dict[tuple[int, int], Path] = {}
         self.last: dict[int, dict] = {}          # each worker's latest part
@@ -108,9 +224,9 @@ class Collector:
                 parts = {w: entry["parts"].get(w) or _finished_part(self.last.get(w), label,
                                                                      self.server.positions[w])
                          for w in range(W)}
-                self.written[label] = write(self.opt, entry["directory"], *label,
-                                            keep=entry["keep"], extra={}, parts=parts,
-                                            header=entry["header"])
+                self.written[label] = self.checkpoints.write(
+                    entry["directory"], *label, keep=entry["keep"], extra={}, parts=parts,
+                    header=entry["header"])
 
     def close(self) -> None:
         """After ``serve()``: every worker has finished, so every pending label is complete."""
@@ -124,104 +240,3 @@ def _finished_part(last: dict | None, label, position: int) -> dict:
         return {"epoch": label[0], "step": label[1], "extra": {}, "steps": int(position),
                 "finished": True}
     return {**last, "finished": True}
-
-
-def attach(opt, server) -> Collector:
-    """Server, at ``serve()``: continue a loaded clock, and poll for requests between pushes and
-    while idle. Returns the collector (``close()`` it when ``serve`` returns)."""
-    clock = opt.__dict__.pop("_resume_clock", None)
-    if clock is not None:
-        server.load_state_dict({**clock["server"], "rule": opt.rule.state_dict()})
-        W = opt.num_workers
-        server.finished = [False] * W            # a user's loop: every worker finishes itself
-        server.positions = [int(p) for p in clock["positions"]]
-        log.info("PS %s: resuming the server's clock at %d accepted pushes (epoch %d)",
-                 opt.algorithm, server.stats.accepted, server.next_epoch)
-    collector = opt.collector = Collector(opt, server)
-    stop, idle = server.stop_requested, opt.transport.idle_hook
-
-    def stop_requested() -> bool:
-        collector.poll()
-        return stop is not None and stop()
-
-    def idle_hook() -> None:
-        collector.poll()
-        if idle is not None:
-            idle()
-    server.stop_requested, opt.transport.idle_hook = stop_requested, idle_hook
-    return collector
-
-
-def snapshot(opt, epoch: int, step: int, extra: dict, parts: dict | None) -> dict:
-    """The server's state (θ in the model, the rule, the clock) and the workers' parts."""
-    opt.load_theta()
-    server = getattr(opt, "server", None)
-    clock = None
-    if server is not None:
-        clock = {k: v for k, v in server.state_dict().items() if k != "rule"}
-    return {"model": opt.flat.module.state_dict(), "optimizer": opt.state_dict(),
-            "epoch": int(epoch), "step": int(step), "extra": dict(extra),
-            "ps": {"clock": clock, "workers": {str(w): p for w, p in (parts or {}).items()}}}
-
-
-def write(opt, directory, epoch: int, step: int, *, keep: int, extra: dict,
-          parts: dict | None, header: dict) -> Path:
-    """Server: write :func:`snapshot` atomically to ``directory``; returns the path."""
-    state = snapshot(opt, epoch, step, extra, parts)
-    path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step, **header)
-    log.info("PS %s: checkpoint %s (%s)", opt.algorithm, path,
-             f"every worker's part, version {opt.rule.version}" if parts else
-             f"the server's state only, version {opt.rule.version}")
-    return path
-
-
-def server_save(opt, directory, *, epoch: int, step: int, keep: int, extra: dict,
-                header: dict) -> Path:
-    """The server's own ``save_checkpoint`` (inside ``on_epoch`` or after ``serve()``): a
-    server-only file, unless the workers already completed this label (then that file)."""
-    collector = getattr(opt, "collector", None)
-    if collector is not None:
-        collector.poll()
-        done = collector.written.get((int(epoch), int(step)))
-        if done is not None:
-            return done
-    return write(opt, directory, epoch, step, keep=keep, extra=extra, parts=None, header=header)
-
-
-# -- loading ------------------------------------------------------------------------------------
-
-def restore(opt, state: dict) -> dict:
-    """Load a PS checkpoint's state into ``opt`` (its model already holds ``state["model"]``);
-    returns the position the loop continues from (``{"epoch", "step", **extra}``; a worker that
-    had finished: ``finished: True``)."""
-    opt.load_state_dict(state["optimizer"])
-    ps = state.get("ps") or {}
-    parts = {int(w): p for w, p in (ps.get("workers") or {}).items()}
-    position = {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
-    if opt.is_server:
-        if ps.get("clock") is not None:
-            positions = [int(parts[w]["steps"]) if w in parts else 0
-                         for w in range(opt.num_workers)]
-            opt._resume_clock = {"server": ps["clock"], "positions": positions}
-        return position
-    part = parts.get(opt.worker)
-    if part is None:
-        if opt.keeps_local:
-            log.warning("%s worker %d: the checkpoint holds no model of its own (the server "
-                        "wrote it alone): it restarts from the server's θ", opt.algorithm,
-                        opt.worker)
-        return position
-    if "optimizer" in part:
-        buffers = part["buffers"]
-        if buffers.numel() != opt.flat.buffers.numel():
-            raise CheckpointError(f"worker {opt.worker}'s saved buffers have {buffers.numel()} "
-                                  f"elements, the model {opt.flat.buffers.numel()}")
-        opt.flat.buffers.copy_(buffers.to(opt.flat.buffers))
-        opt.load_state_dict(part["optimizer"])
-        opt.steps = int(part["steps"])
-        if part.get("local") is not None:
-            opt.resume_local(part["local"])
-    out = {"epoch": part["epoch"], "step": part["step"], **part.get("extra", {})}
-    if part.get("finished"):
-        out["finished"] = True
-    return out

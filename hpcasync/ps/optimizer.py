@@ -55,18 +55,16 @@ import torch
 
 from .. import registry
 from ..comm.broadcast import broadcast
-from ..errors import CheckpointError, ConfigError, TopologyError
+from ..errors import CheckpointError, ConfigError, TopologyError, fail_fast
 from ..optim import AlgorithmOptimizer, as_flat, group_index
-from ..rules import RULES, make_rule, ps_lr_factor
+from ..rules import RULES, Reply, make_rule, ps_lr_factor
 from ..rules.base import check_real
 from ..topology import default_topology
-from .lifecycle import at_exit, describe, peek, take_replies
-from .loop_checkpoint import attach as attach_checkpoints, flush as flush_checkpoint_requests
+from .loop_checkpoint import LoopCheckpoints
 from .ordering import ordered
 from .server import PSServer
-from .shards import (ShardLayout, check_shards, epoch_exchange, finish_sends, wait_ends,
-                     worker_pieces)
-from .transport import KIND_DONE, KIND_FINISH, make_transport
+from .shards import EpochExchange, ShardLayout, check_shards, wait_ends, worker_pieces
+from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, make_transport
 from .worker import Patience
 
 log = logging.getLogger("hpcasync")
@@ -184,10 +182,15 @@ class ParameterServer(AlgorithmOptimizer):
         self.served = False
         self._buffers = torch.zeros(W, flat.buffer_numel) if self.is_server else None
         self._seen = [False] * W
+        self.server: PSServer | None = None          # serve()'s loop
+        self._ordered = None                          # make_server(): the transport in push order
+        self._epoch_exchange: EpochExchange | None = None   # make_server(), K > 1
         self._closed = False
+        # save_checkpoint / load_checkpoint from a user's loop (:mod:`.loop_checkpoint`)
+        self.checkpoints = LoopCheckpoints(self)
         if self.is_server:
             log.info("%s", self.describe())
-        atexit.register(at_exit, weakref.ref(self))
+        atexit.register(ParameterServer._at_exit, weakref.ref(self))
         self._hook = None
         if not self.is_server and start:
             ref = weakref.ref(self)
@@ -324,11 +327,41 @@ class ParameterServer(AlgorithmOptimizer):
             self.finished = self.stopped = True         # the server stopped the job (preemption)
         return head
 
-    def _replies(self, g, poll=None):         # worker: each shard's reply into the model
-        return take_replies(self, g, poll)
+    def _replies(self, g, poll=None):
+        """Worker: every shard's reply into its slice of the model, through that shard's
+        worker-side rule (``g``: the pushed gradient, None for the first reply). One header back:
+        accepted if every shard accepted, stop if any stops (they agree, :mod:`.shards`); its
+        version is shard 0's (``versions`` holds each shard's)."""
+        L, heads = self.layout, []
+        for s, t in enumerate(self.transports):
+            out = L.slice(self._reply, s)
+            head = t.recv_reply(out, poll=poll)
+            self.rules[s].on_reply(L.slice(self.flat.params, s),
+                                   Reply(out.to(self.flat.device), head.version, head.scalars),
+                                   L.slice(g, s) if g is not None and head.accepted else None)
+            self.versions[s] = head.version
+            heads.append(head)
+        head = heads[0]
+        if len(heads) > 1:
+            if len({h.accepted for h in heads}) > 1:
+                log.warning("%s worker %d: the shards disagree on accepting a push (%s)",
+                            self.algorithm, self.worker, [h.accepted for h in heads])
+            head.accepted = all(h.accepted for h in heads)
+            head.stop = any(h.stop for h in heads)
+        return head
 
-    def peek(self, out: torch.Tensor) -> None:        # worker: current θ (LC-ASGD's oracle)
-        peek(self, out)
+    def peek(self, out: torch.Tensor) -> None:
+        """Worker: every server's current θ slice into ``out`` (a PEEK message to each; LC-ASGD's
+        oracle)."""
+        for t in self.transports:
+            t.push(self.flat.grads, kind=KIND_PEEK)
+        for s, t in enumerate(self.transports):
+            t.recv_reply(self.layout.slice(out, s))
+
+    def last_reply(self) -> torch.Tensor:
+        """Worker: a CPU copy of the θ it holds from the server (its last reply; before the
+        first, the broadcast start). A worker taking over a dead server starts from it."""
+        return (self._reply if self.started else self.flat.params).detach().cpu().clone()
 
     def finish(self, *, stop_requested: Callable[[], bool] | None = None, collective=True):
         """Worker: no more pushes. Waits for the server's end message, reports the step count,
@@ -339,7 +372,7 @@ class ParameterServer(AlgorithmOptimizer):
             return self.flat.module
         if not self.started and not self.finished and self._hook is not None:
             self.start()        # a user's worker that never stepped (e.g. resumed at its end)
-        flush_checkpoint_requests(self)          # the server has them before it sees FINISH
+        self.checkpoints.flush()                  # the server has them before it sees FINISH
         if self.started and not self.finished:
             for t, v in zip(self.transports, self.versions):
                 t.push(torch.zeros(0), kind=KIND_FINISH, version=v)
@@ -365,7 +398,7 @@ class ParameterServer(AlgorithmOptimizer):
         ppe = W * self.steps_per_epoch if self.steps_per_epoch else None
         on_buffers = self._take_buffers if self.sync_buffers else None
         if self.layout.K > 1:
-            hook = self._epoch_hook = epoch_exchange(self, callbacks.get("on_epoch"))
+            hook = self._epoch_exchange = EpochExchange(self, callbacks.get("on_epoch"))
             callbacks.update(on_epoch=hook, on_served=hook.end, worker_ranks=self.layout.workers)
         self._ordered = ordered(self.transport, self.layout)      # K > 1: shard 0's order
         return PSServer(self._ordered, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
@@ -387,7 +420,7 @@ class ParameterServer(AlgorithmOptimizer):
                 on_epoch(epoch, self.flat.module)
         server = self.make_server(on_epoch=crossed, **callbacks)
         self.server = server
-        collector = attach_checkpoints(self, server)    # a loaded clock; the workers' requests
+        collector = self.checkpoints.attach(server)     # a loaded clock; the workers' requests
         server.serve()
         collector.close()
         server.finish()
@@ -397,8 +430,20 @@ class ParameterServer(AlgorithmOptimizer):
         return self.flat.module
 
     def describe(self) -> str:
-        """The rule and its settings in words (logged by the server at construction)."""
-        return describe(self)
+        """The rule, its hyperparameters and the defaults in force, in words (logged by the
+        server at construction)."""
+        W = self.num_workers
+        hyper = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in self.hyper.items())
+        factor = ps_lr_factor(self.algorithm, W, self.warmup_epochs)
+        warm = (5.0 if self.warmup_epochs is None else self.warmup_epochs) if factor else 0
+        shards = (f"; {self.layout.K} shard servers (ranks {self.layout.servers})"
+                  if self.layout.K > 1 else "")
+        return (f"{self.algorithm} on {W} workers ({hyper}); lr warm-up from lr/{W} over "
+                f"{warm:g} epochs (warmup_epochs)" if warm else
+                f"{self.algorithm} on {W} workers ({hyper}); no lr warm-up (warmup_epochs)") + \
+            ("; the server's model takes the workers' mean BatchNorm buffers (average_buffers)"
+             if self.sync_buffers else "") + f"; transport {self.transport.name}" + shards
 
     def _take_buffers(self, w: int, extra: torch.Tensor) -> None:
         self._buffers[w].copy_(extra)
@@ -427,7 +472,10 @@ class ParameterServer(AlgorithmOptimizer):
         if self._closed:
             return
         self._closed = True
-        finish_sends(self, collective=collective)        # a shard server's epoch messages
+        if self._ordered is not None and self._ordered is not self.transport:
+            self._ordered.finish(collective=collective)  # :mod:`.ordering`'s messages
+        if self._epoch_exchange is not None:             # a shard server's epoch messages
+            self._epoch_exchange.finish(collective=collective)
         for t in self.transports:
             t.close(collective=collective)
         if collective:
@@ -446,6 +494,35 @@ class ParameterServer(AlgorithmOptimizer):
         for tensor in (self.flat.params, self.flat.buffers):
             if tensor.numel():
                 broadcast(comm, tensor, root=root)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (after ``finish()``/``serve()``, collective)."""
+        return self._closed
+
+    def _at_exit_check(self) -> None:
+        """Interpreter exit: a worker that never called finish() finishes now (so the server can
+        end); a server that never served ends the job, saying so (the workers wait for it)."""
+        if self._closed:
+            return
+        try:
+            if self.is_server and not self.served:
+                fail_fast(ConfigError(
+                    f"rank {self.ps_rank} is the parameter server of {self.algorithm} and exited "
+                    "without calling opt.serve(): the workers wait for it. Call opt.serve() on "
+                    "the server rank (ctx.is_server)"))
+            elif not self.is_server and self.started:
+                log.warning("%s worker %d: finish() was not called; finishing at exit",
+                            self.algorithm, self.worker)
+                self.finish()
+        except Exception as exc:  # noqa: BLE001 - at exit: report and end the job, never hang
+            fail_fast(exc)
+
+    @staticmethod
+    def _at_exit(ref) -> None:
+        opt = ref()          # a weak reference: registering must not keep the optimizer alive
+        if opt is not None:
+            opt._at_exit_check()
 
     def _worker_only(self, what: str) -> None:
         if self.is_server:

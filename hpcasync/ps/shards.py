@@ -199,18 +199,24 @@ def wait_ends(transports, request_stop=None) -> bool:
     return any(bool(e[0]) for e in ends)
 
 
-def epoch_exchange(opt, server_epoch):
-    """Server side, K > 1: wrap ``on_epoch`` so that server 0 assembles θ from every shard at each
-    epoch crossing (module docstring) before calling it; servers s > 0 send their slice instead and
-    call nothing."""
-    from mpi4py import MPI
+class EpochExchange:
+    """Server side, K > 1: the shards' θ at each epoch crossing (module docstring), as the server
+    loop's ``on_epoch(epoch, record)``. Server 0 takes every other shard's slice into the model
+    (``opt``: the ParameterServer; its ``load_theta()`` gives its own slice), then calls
+    ``on_epoch``; server s > 0 sends its slice instead and calls nothing. :meth:`end` is server
+    s > 0's empty end message, :meth:`finish` the close of the exchange."""
 
-    from .wire import wait
+    def __init__(self, opt, on_epoch):
+        self.opt, self.layout, self.on_epoch = opt, opt.layout, on_epoch
+        self.pending: list = []         # server s > 0: (request, buffer) of its sends in flight
+        self.ended = False              # server s > 0: its end message is sent
 
-    layout = opt.layout
-    pending: list = []
+    def __call__(self, epoch: int, record: dict) -> None:
+        from mpi4py import MPI
 
-    def crossed(epoch: int, record: dict) -> None:
+        from .wire import wait
+
+        opt, layout = self.opt, self.layout
         if layout.shard == 0:
             opt.load_theta()
             for s in range(1, layout.K):
@@ -225,53 +231,49 @@ def epoch_exchange(opt, server_epoch):
                                      f"{epoch}, which shard 0 crossed: the shards disagree on "
                                      "the pushes they took")
                 piece.copy_(host)
-            if server_epoch is not None:
-                server_epoch(epoch, record)
+            if self.on_epoch is not None:
+                self.on_epoch(epoch, record)
             return
-        pending[:] = [(req, buf) for req, buf in pending if not req.Test()]
+        self.pending[:] = [(req, buf) for req, buf in self.pending if not req.Test()]
         buf = opt.rule.theta.detach().cpu().clone()
-        pending.append((layout.comm.Isend([buf.numpy(), MPI.FLOAT], dest=layout.servers[0],
-                                          tag=_TAG_EPOCH), buf))
-    def end() -> None:
+        self.pending.append((layout.comm.Isend([buf.numpy(), MPI.FLOAT], dest=layout.servers[0],
+                                               tag=_TAG_EPOCH), buf))
+
+    def end(self) -> None:
         """Server s > 0, its last epoch crossed: the empty end message to server 0 (sent before
         the end of the run's handshake with the workers, which server 0 may be waiting on)."""
-        if layout.shard > 0 and not crossed.ended:
-            crossed.ended = True
-            pending.append((layout.comm.Isend([torch.zeros(0).numpy(), MPI.FLOAT],
-                                              dest=layout.servers[0], tag=_TAG_EPOCH), None))
-    crossed.pending, crossed.end, crossed.ended = pending, end, False   # close() waits for these
-    return crossed
+        from mpi4py import MPI
 
+        if self.layout.shard > 0 and not self.ended:
+            self.ended = True
+            self.pending.append((self.layout.comm.Isend(
+                [torch.zeros(0).numpy(), MPI.FLOAT], dest=self.layout.servers[0],
+                tag=_TAG_EPOCH), None))
 
-def finish_sends(opt, *, collective: bool = True) -> None:
-    """Server, K > 1, at close (before the transports close): server s > 0 completes its epoch
-    sends and its end message (:func:`epoch_exchange`'s ``end``); server 0 takes every end
-    message and raises :class:`ShardError` if a slice comes first (that shard crossed an epoch
-    server 0 did not). ``collective=False`` (a rank died): only the sends in flight."""
-    from mpi4py import MPI
+    def finish(self, *, collective: bool = True) -> None:
+        """At close (before the transports close): server s > 0 completes its epoch sends and its
+        end message; server 0 takes every end message and raises :class:`ShardError` if a slice
+        comes first (that shard crossed an epoch server 0 did not). ``collective=False`` (a rank
+        died): only the sends in flight."""
+        from mpi4py import MPI
 
-    from .wire import wait
+        from .wire import wait
 
-    L, hook = opt.layout, getattr(opt, "_epoch_hook", None)
-    order = getattr(opt, "_ordered", None)
-    if order is not None and order is not opt.transport:
-        order.finish(collective=collective)          # :mod:`.ordering`'s messages
-    if hook is None or L.K == 1:
-        return
-    if collective:
-        hook.end()                      # if serve() did not get to it
-    for req, _ in hook.pending:
-        wait(req)
-    if not collective or L.shard > 0:
-        return
-    for s in range(1, L.K):
-        status = MPI.Status()
-        wait(L.comm.Irecv([torch.empty(L.bounds[s][1] - L.bounds[s][0]).numpy(), MPI.FLOAT],
-                          source=L.servers[s], tag=_TAG_EPOCH), status)
-        if status.Get_count(MPI.FLOAT):
-            raise ShardError(f"{opt.algorithm} --ps-ranks {L.K}: shard {s}'s server (rank "
-                             f"{L.servers[s]}) crossed an epoch that shard 0 did not: the "
-                             "shards disagree on the pushes they took")
+        L = self.layout
+        if collective:
+            self.end()                      # if serve() did not get to it
+        for req, _ in self.pending:
+            wait(req)
+        if not collective or L.shard > 0:
+            return
+        for s in range(1, L.K):
+            status = MPI.Status()
+            wait(L.comm.Irecv([torch.empty(L.bounds[s][1] - L.bounds[s][0]).numpy(), MPI.FLOAT],
+                              source=L.servers[s], tag=_TAG_EPOCH), status)
+            if status.Get_count(MPI.FLOAT):
+                raise ShardError(f"{self.opt.algorithm} --ps-ranks {L.K}: shard {s}'s server "
+                                 f"(rank {L.servers[s]}) crossed an epoch that shard 0 did not: "
+                                 "the shards disagree on the pushes they took")
 
 
 def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, header: dict):

@@ -146,5 +146,5 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
     os.environ.pop("HPCASYNC_INJECT_KILL", None)     # testing hooks named the old ranks
     theta = None
     if new.Get_rank() == server:          # its last reply (before any: the broadcast start)
-        theta = (opt._reply if opt.started else opt.flat.params).detach().cpu().clone()  # noqa
+        theta = opt.last_reply()
     return Takeover(share=share, theta=theta, records=records)
