@@ -142,9 +142,7 @@ class _HorovodOptimizer:
             compress=_WIRE[compression], progress=progress,
             average=op == Average and predivide == 1.0, last_pass=lambda: self._hvd_last)
         if groups:
-            red.buckets = _group_buckets(flat, params, groups)
-            red._bucket_of = {k: b for b, (_, _, m) in enumerate(red.buckets) for k in m}
-            red._reset()
+            red.set_buckets(_group_buckets(flat, params, groups))
 
     def _hvd_agree_step(self) -> None:
         """This step's 32-byte exchange (once per step): the ranks agree that they step this

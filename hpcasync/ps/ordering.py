@@ -76,7 +76,7 @@ class OrderLeader(_Ordered):
         object.__setattr__(self, "_osends", collections.deque())
 
     def recv_push(self):
-        w, h = self.inner._recv_header()          # noqa: SLF001 (the transport's own receive)
+        w, h = self.inner.recv_header()
         if int(h[0]) == KIND_PUSH:
             buf = np.array([w], np.int64)
             for server in self.layout.servers[1:]:

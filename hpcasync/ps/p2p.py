@@ -140,7 +140,7 @@ class P2PTransport(_Base):
         return self._grad.numel() * 4 + (self.pool.nbytes() if self.pool is not None else 0)
 
     def recv_push(self) -> Push:
-        return self.complete_push(*self._recv_header())
+        return self.complete_push(*self.recv_header())
 
     def complete_push(self, w: int, h) -> Push:
         """The push whose header ``h`` came from worker ``w``: its data is received now (it

@@ -194,13 +194,10 @@ class PSServer:
         """Start the epoch clock where every worker resumes, at its ``position``-th push (a
         worker took over from a dead server, :mod:`.takeover`): positions, accepted pushes and
         the next epoch to cross as if the ``W × position`` pushes before had been served here."""
-        W = self.transport.num_workers
-        self.positions = [int(position)] * W
-        self.stats.accepted = W * int(position)
-        self.stats.per_worker = [int(position)] * W
+        self.positions = [int(position)] * self.transport.num_workers
+        self.stats.start_at(position, self.pushes_per_epoch)
         if self.pushes_per_epoch:
             self.next_epoch = self.stats.accepted // self.pushes_per_epoch + 1
-            self.stats._accepted = self.stats.accepted % self.pushes_per_epoch  # noqa: SLF001
 
     def _begin_stop(self, reason: str) -> None:
         if not self.stopping:

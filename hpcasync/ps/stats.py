@@ -49,6 +49,15 @@ class PushStats:
         self.reasons: Counter[str] = Counter()
         self._reset_epoch()
 
+    def start_at(self, position: int, pushes_per_epoch: int | None = None) -> None:
+        """Count ``position`` accepted pushes of every worker as served before (a server that
+        took over from a dead one, :mod:`.takeover`); with ``pushes_per_epoch``, the current
+        epoch holds the pushes past its last crossing."""
+        self.accepted = self.num_workers * int(position)
+        self.per_worker = [int(position)] * self.num_workers
+        if pushes_per_epoch:
+            self._accepted = self.accepted % pushes_per_epoch
+
     def _reset_epoch(self) -> None:
         self._hist: Counter[int] = Counter()
         self._accepted = 0

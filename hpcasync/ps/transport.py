@@ -112,7 +112,7 @@ class RMATransport(_Base):
 
     # PS side
     def recv_push(self) -> Push:
-        return self.complete_push(*self._recv_header())
+        return self.complete_push(*self.recv_header())
 
     def complete_push(self, w: int, h) -> Push:
         """The push whose header ``h`` came from worker ``w`` (:meth:`recv_push`'s second half;

@@ -147,7 +147,9 @@ class _Base:
         return WorkerFailed([self.workers.index(r) for r in ranks if r in self.workers])
 
     # -- PS side -------------------------------------------------------------------------------
-    def _recv_header(self) -> tuple[int, np.ndarray]:
+    def recv_header(self) -> tuple[int, np.ndarray]:
+        """PS: wait for the next push's header; ``(worker, header)``. ``complete_push`` takes
+        the rest (the ordered view of a sharded server calls the two apart, :mod:`.ordering`)."""
         status = self.MPI.Status()
         if self._head_req is None:
             self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],

@@ -132,22 +132,25 @@ class BucketReducer:
         self._presence = presence
         self._inflight = []             # progress="test": handles of started buckets
         numels = [int(torch.Size(s).numel()) for s in flat.shapes]
-        self.buckets = bucket_ranges(flat.offsets, numels, int(bucket_bytes))
-        self._bucket_of = {}
-        for b, (_, _, members) in enumerate(self.buckets):
-            for k in members:
-                self._bucket_of[k] = b
         self.overlap = bool(overlap) and (progress == "test" or self._threads_ok())
         self._last_pass = last_pass
         self.record, self.events = False, []
         self._views = [v for _, v in flat.views("grads")]
         self._hooks, self._thread, self._queue = [], None, None
         self._error: BaseException | None = None
-        self._reset()
+        self.set_buckets(bucket_ranges(flat.offsets, numels, int(bucket_bytes)))
         if self.overlap:
-            for k, p in enumerate(flat._params):      # noqa: SLF001 (the flat model's own list)
+            for k, p in enumerate(flat.parameters):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(k)))
+
+    def set_buckets(self, buckets: list) -> None:
+        """Reduce in these buckets (``[(lo, hi, member indices), ...]``, as
+        :func:`bucket_ranges` makes them; Horovod's ``groups=`` give their own), from the next
+        step on."""
+        self.buckets = buckets
+        self._bucket_of = {k: b for b, (_, _, members) in enumerate(buckets) for k in members}
+        self._reset()
 
     def _threads_ok(self) -> bool:
         from mpi4py import MPI
