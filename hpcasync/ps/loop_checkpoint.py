@@ -1,21 +1,8 @@
 """A parameter-server checkpoint from a user's loop: :func:`hpcasync.save_checkpoint` on every rank.
 
-The server is inside ``serve()`` while the workers loop, and the workers are not in lockstep, so
-nothing here waits for anybody. A worker's call *asks*: it sends the server (a synchronous send on a
-tag of its own, completed at the latest in ``finish()``) the label, the directory and its part —
-its position (the label, its push count), its BatchNorm buffers, its optimizer's param groups
-(lr of its scheduler) and, for shat/shat-root/ensemble, its own model — and trains on. The server
-polls between pushes and while idle; when every worker has asked for a label or has finished, it
-writes ONE file (the CLI's atomic format): θ and the mean buffers, the rule's state, its clock
-(push counts, epoch, so the warm-up and the epoch records continue), the workers' latest buffers
-and every worker's part. A worker that finishes early or steps unevenly cannot block a label: a
-finished worker counts as having asked. The server's θ is the one at the last request (pushes
-that faster workers made after their own request are in θ and are pushed again on resume).
-
-:meth:`LoopCheckpoints.restore` (``hpcasync.load_checkpoint``) gives the server θ, the rule and
-(at ``serve()``) the clock; each worker its part. The server's own call (inside
-``serve(on_epoch=...)``, or after ``serve()``) writes a server-only file of the same format unless
-its label is already complete.
+Every ParameterServer holds one :class:`LoopCheckpoints` (``opt.checkpoints``). A worker's call
+asks the server for the checkpoint of its label and trains on; the server, inside ``serve()``,
+writes ONE file when every worker has asked for that label or has finished. Nothing waits.
 
 Example (every rank)::
 
@@ -25,6 +12,8 @@ Example (every rank)::
     else:
         for epoch in range(start + 1, E + 1): ...; hpcasync.save_checkpoint("ckpt", model, opt, epoch=epoch)
         opt.finish()
+
+Design: docs/design/ps.md#loop-checkpoints (what each part holds, the server's own call, restore).
 """
 from __future__ import annotations
 
@@ -42,7 +31,8 @@ TAG_REQUEST = 4121
 
 
 class LoopCheckpoints:
-    """One ParameterServer's checkpoints from a user's loop (module doc): ``opt.checkpoints``.
+    """One ParameterServer's checkpoints from a user's loop (docs/design/ps.md#loop-checkpoints):
+    ``opt.checkpoints``.
 
     Holds what the protocol keeps between calls: a worker's requests in flight, a server's clock
     loaded by :meth:`restore` until ``serve()`` continues it, and the server's
@@ -67,8 +57,8 @@ class LoopCheckpoints:
 
     def request(self, directory, *, epoch: int, step: int, keep: int, extra: dict,
                 header: dict) -> None:
-        """Worker: ask the server to write a checkpoint of this label (module doc); returns at
-        once."""
+        """Worker: ask the server to write a checkpoint of this label
+        (docs/design/ps.md#loop-checkpoints); returns at once."""
         opt = self.opt
         msg = {"directory": str(directory), "keep": int(keep), "label": (int(epoch), int(step)),
                "header": dict(header), "part": self.worker_part(epoch, step, extra)}
@@ -188,7 +178,8 @@ class LoopCheckpoints:
 
 
 class Collector:
-    """Server: the workers' checkpoint requests, written when a label is complete (module doc)."""
+    """Server: the workers' checkpoint requests, written when a label is complete
+    (docs/design/ps.md#loop-checkpoints)."""
 
     def __init__(self, checkpoints: LoopCheckpoints, server):
         self.checkpoints, self.opt, self.server = checkpoints, checkpoints.opt, server

@@ -9,46 +9,14 @@ workers, the PS rank holds (bytes)::
     buffers   = N · e · 4                         each worker's latest float buffers, which the
                                                   server averages (ParameterServer)
 
-    kind      PS side                          each worker     before issue 13 (PS side)
-    rma       N·(n+e)·4                        0               N·(n+e)·4 + N·n·4
-    rma-put   N·(n+e)·4                        n·4             N·(n+e)·4
-    p2p       (n+e)·4 + R·n·4,  0 ≤ R ≤ N      0               N·(n+e)·4 + N·n·4
-
-* ``rma``: one slot ``[gradient | buffers]`` per worker in the PS's window, because any number of
-  workers may Put at once. The reply to worker i is written into slot i (its gradient there has
-  been consumed; the worker Gets the reply before it Puts its next gradient), so replies cost no
-  memory of their own.
-* ``rma-put``: the same slots; the PS Puts each reply into a window of the worker's (n·4 there).
-* ``p2p``: the PS receives one gradient at a time into one buffer; each reply is sent from a copy
-  of θ that lives only while its ``Isend`` is in flight, and replies with the same version and the
-  same bits (the initial θ sent to every worker, peeks, rejected pushes) share one copy
-  (``p2p.ReplyPool``). R, the copies alive, is at most N (one reply in flight per worker) and
-  small in practice (a send completes when its worker posts its receive, which a worker waiting
-  for its reply does at once): 1 in a ResNet-20 training run, 1–3 in ``hpcasync bench ps`` with 3
-  workers on an overloaded 2-core box (descheduled workers post late). The reported
-  transport figure is the bound (R = N), the MPI run also reports the measured peak.
-
-Rule state per algorithm, in model copies (``rule_state_bytes``, measured from the rules): asgd,
-lcasgd and the shat family 1 (+1 with ``--ps-momentum``), nag 2, smega2 3 for any N, dana N + 2,
-dcasgd N + 1, dcasgd-a 2N + 1. SMEGA2's and DANA's reply is a freshly computed θ̂: one more
-transient copy while a reply is made (not counted).
-
-Records (``memory_record``; every epoch and the summary of ``hpcasync train`` and ``hpcasync sim``):
-``ps_state_bytes`` (rule), ``ps_transport_bytes`` (the bound above, R = N for p2p),
-``ps_buffers_bytes``, ``ps_total_bytes`` (their sum); the MPI run adds
-``ps_transport_peak_bytes``, the most its transport held (for p2p: the receive buffer plus the
-most reply copies alive at once). The simulator reports the transport of ``--ps-transport`` from
-the same functions, without MPI.
-
-The spec's "SMEGA2: 3 model copies for any N" is the rule's state; the transport adds its own
-(N slots for rma/rma-put, 1 + R copies for p2p). Example, ResNet-50 (25.6 M parameters, 53 120
-float buffers) at N = 64: SMEGA2's rule 307 MB, rma's slots 6.56 GB, p2p's 0.10 GB + 0.10 GB per
-reply in flight (bound 6.6 GB)::
+Example::
 
     python -m hpcasync.ps.memory --params 25557032 --buffers 53120 --workers 4 16 64
 
 Differences from the papers: the papers count the optimizer's state only (SMEGA2's "single
 momentum buffer"); the message buffers are an implementation's, so they are counted here.
+
+Design: docs/design/ps.md#memory (per transport, per rule, the records, ResNet-50 at N = 64).
 """
 from __future__ import annotations
 
@@ -69,8 +37,8 @@ def _check(kind: str, num_workers: int, numel: int, extra: int) -> None:
 
 def transport_bytes(kind: str, num_workers: int, numel: int, extra: int = 0, *,
                     reply_buffers: int | None = None) -> int:
-    """Bytes the PS side of transport ``kind`` holds (module table). ``reply_buffers``: p2p's
-    reply copies alive (default: the bound, ``num_workers``); ignored by rma and rma-put."""
+    """Bytes the PS side of transport ``kind`` holds (docs/design/ps.md#memory). ``reply_buffers``:
+    p2p's reply copies alive (default: the bound, ``num_workers``); ignored by rma and rma-put."""
     _check(kind, num_workers, numel, extra)
     slot = (numel + extra) * 4
     if kind in ("rma", "rma-put"):

@@ -19,29 +19,8 @@ server's θ (and the mean of the workers' latest buffers)::
         opt.finish()
     # here every rank's model holds the server's final θ
 
-Construction is collective (it broadcasts the server's parameters and allocates the RMA windows).
-A worker takes the server's first reply (θ as the server has it) at its first forward pass or
-``step()``; the server sends it in ``serve()``, so the script may do anything (collectives too) in
-between; a worker that waits over 30 s for it says so in the log.
-
-Defaults that the CLI applies apply here too, each a keyword: the rule's paper schedule
-(``warmup_epochs``: SMEGA2/DANA/NAG warm the lr up from lr/N over 5 epochs, so they need
-``steps_per_epoch``; ``warmup_epochs=0`` turns it off); ``average_buffers=True`` (the server keeps
-the mean of the workers' latest float buffers). The hyperparameters are the workers': each push
-carries every param group's ``lr`` and ``weight_decay`` and the (one) ``momentum``, so an LR
-scheduler on a worker's optimizer (OneCycleLR's momentum too) drives the server's values for that
-worker's pushes (lr times the warm-up factor). ``param_groups=`` (``hpcasync.optimizer`` passes a
-torch SGD's) gives each group its own lr and weight decay on its slice of θ; parameters in no
-group or with ``requires_grad=False`` stay bitwise untouched on every rank.
-
-Checkpoints (:func:`hpcasync.save_checkpoint`): the server's holds θ and the rule's state. With
-shat, shat-root and ensemble a worker's model is its own (``keeps_local``): a worker that calls
-``save_checkpoint`` too writes it beside the server's (``worker-<i>/``), and ``load_checkpoint``
-on that worker hands it to :meth:`resume_local`, applied after the first reply; without it the
-worker restarts from θ.
-
-Misuse is an error, not a hang (``step()`` on a server, ``serve()`` on a worker; a server exiting
-without ``serve()`` ends the job). ``ps_ranks=K`` shards θ over K servers (:mod:`.shards`).
+Design: docs/design/ps.md#parameterserver (collective construction, the first reply, defaults,
+param groups, checkpoints, misuse; ``ps_ranks=K``: :mod:`.shards`).
 """
 from __future__ import annotations
 

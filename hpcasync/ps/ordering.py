@@ -1,31 +1,15 @@
 """One global order of pushes for a sharded parameter server (``ps_ranks`` K > 1).
 
-Each shard server runs the same rule on its slice of θ. The rules are elementwise except for a
-few scalars that depend on the ORDER of pushes: SHAT's α (updates by others since a worker's last
-push), LC-ASGD's loss prediction, SMEGA2's cycle counter, the warm-up factor's push clock, and the
-float rounding of θ itself (θ − η·g₁ − η·g₂ ≠ θ − η·g₂ − η·g₁ bitwise). Workers push to all K
-servers at once, so each server sees its own arrival order, and left alone the model would become
-a patchwork of slices updated in different orders (the same push getting α = 0 on one slice and
-α = 1 on another).
-
-So shard 0's server is the sequencer: for every push header it receives it tells servers
-1..K-1 which worker's push comes next (one 8-byte message each, sent before it applies the push),
-and they apply pushes in exactly that order. A server s > 0 receives headers as they arrive and
-keeps the push headers that are not yet due (a worker has at most one push in flight per shard:
-it waits for every reply before its next push, and its data stays in its RMA slot or in MPI's
-queue until :meth:`complete_push` takes it); other messages (peek, finish, stop) are handled as
-they come, as with one server. Every shard then computes the same scalars from the same history,
-and K shards give bitwise the single server's θ for that global order
-(``tests/mpi/test_ps_shard_order.py``)::
+Shard 0's server is the sequencer: for every push header it receives it tells servers 1..K-1
+which worker's push comes next (one 8-byte message each, sent before it applies the push), and
+they apply pushes in exactly that order, so every shard computes the order-dependent scalars
+(SHAT's α, LC-ASGD's prediction, SMEGA2's cycle, the warm-up clock) from the same history and K
+shards give bitwise the single server's θ (``tests/mpi/test_ps_shard_order.py``)::
 
     transport = ordered(opt.transport, opt.layout)    # what ParameterServer.make_server does
     PSServer(transport, rule, ...)                    # the server loop is unchanged
 
-Cost: servers s > 0 apply a push only once shard 0's announcement has arrived (one small message
-on the same node or across the network, sent before shard 0 applies the push), so they lag shard 0
-by at most that latency; stragglers are not waited for (the order is arrival order at shard 0).
-Not ordered: the stop (preemption) decision, which each shard still takes when a stop request
-reaches it (a preempted sharded run resumes through :func:`~.shards.align_resume`).
+Design: docs/design/ps.md#push-order (why, how a server s > 0 waits, cost, what is not ordered).
 """
 from __future__ import annotations
 
@@ -42,7 +26,8 @@ _TAG_ORDER = 4192          # server 0 -> server s > 0: the worker whose push com
 
 
 def ordered(transport, layout):
-    """``transport`` itself with one server; else the ordered view of it (module docstring)."""
+    """``transport`` itself with one server; else the ordered view of it
+    (docs/design/ps.md#push-order)."""
     if layout.K == 1 or layout.shard < 0:
         return transport
     cls = OrderLeader if layout.shard == 0 else OrderFollower
@@ -104,7 +89,7 @@ class OrderLeader(_Ordered):
 
 
 class OrderFollower(_Ordered):
-    """Server s > 0: applies pushes in shard 0's order (module docstring)."""
+    """Server s > 0: applies pushes in shard 0's order (docs/design/ps.md#push-order)."""
 
     def __init__(self, transport, layout):
         super().__init__(transport, layout)

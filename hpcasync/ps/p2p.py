@@ -4,16 +4,7 @@ A push is a header ``Isend`` followed by the gradient (and float buffers) ``Isen
 ``Recv``s the gradient, after its header, into ONE buffer (it handles one push at a time, and a
 push's gradient is used only until that worker is answered). A reply is a header and θ ``Isend``;
 θ is sent from a copy (the rule's θ changes at the next push while the send may still be in
-flight) taken from a :class:`ReplyPool`:
-
-* a copy lives while an ``Isend`` from it is in flight and goes back to the pool (one spare is
-  kept, the rest freed) when every send from it has completed (``Request.Get_status``, which
-  leaves the request to the per-worker wait that reports a dead worker);
-* a reply with the same version and the same bits as a copy in flight shares that copy (MPI-3
-  lets several pending sends read one buffer): the initial θ sent to every worker, peeks and
-  rejected pushes answered at one version cost one copy. Same bits is decided by identity (the
-  same tensor object, not modified since: its in-place version counter) or else by a bitwise
-  comparison, never by the version number alone (DANA's θ̂ depends on the lr of the push).
+flight) taken from a :class:`ReplyPool`, where equal replies share one copy.
 
 So the PS holds (n + e)·4 + R·n·4 bytes, R the copies alive (at most one reply in flight per
 worker, so R ≤ N; measured 1–3 with 3 workers). ``peak_bytes`` records the most it held.
@@ -25,6 +16,8 @@ Example (tests/test_ps_memory.py): ``t = P2PTransport(comm, 0, numel)``; the PS'
 Differences from a textbook two-sided PS (e.g. the parameter servers of Li et al., OSDI 2014): one
 receive buffer and pooled reply copies instead of per-worker buffers, since this PS serves pushes
 one at a time.
+
+Design: docs/design/ps.md#two-sided-transport (the reply pool).
 """
 from __future__ import annotations
 
@@ -48,7 +41,8 @@ class _Copy:
 
 
 class ReplyPool:
-    """Copies of θ for replies in flight, shared by equal replies (module docstring)."""
+    """Copies of θ for replies in flight, shared by equal replies
+    (docs/design/ps.md#two-sided-transport)."""
 
     def __init__(self, numel: int, *, spares: int = 1):
         self.numel, self.spares = numel, spares
@@ -122,7 +116,7 @@ class ReplyPool:
 
 
 class P2PTransport(_Base):
-    """Two-sided baseline (see the module docstring and ``ps.transport``)."""
+    """Two-sided baseline (docs/design/ps.md#transports)."""
 
     name = "p2p"
 

@@ -5,52 +5,12 @@ windows with one slot per worker (``ps.transport``), applies the algorithm's upd
 push (``ps.server``) and answers that worker; workers train their shards (``ps.worker``). The
 rule objects are the same ones the simulator drives (``hpcasync.rules``, ``hpcasync.sim``).
 
-Per epoch (the PS crosses epoch e when e × W × batches pushes were accepted) the PS evaluates θ on
-its own (``eval_comm=COMM_SELF``) and records the staleness histogram, pushes, rejected pushes and
-bytes moved. At the end θ is broadcast, so every rank returns the final model. Metrics are written
-by the PS rank (``reporting_rank``).
-
 Example::
 
     mpiexec -n 4 hpcasync train --algorithm dcasgd-a --dataset fashion-mnist --epochs 2 --hetero HE1
 
-Options map to the rules' hyperparameters (``rules.rule_hyperparameters``): ``--lr`` and
-``--weight-decay`` always; ``--momentum`` for the momentum algorithms (smega2, dana, nag);
-``--ps-momentum`` for the optional shared momentum of asgd, dcasgd(-a), lcasgd and the SHAT family.
-
-Decisions (the papers assume a PS; these are ours):
-* Budget: every worker trains its own shard for ``--epochs`` epochs, so a slow worker keeps
-  pushing after the fast ones are done; epochs are counted at the PS in accepted pushes.
-* A rejected push is answered with ``rule.initial_reply(w)``: the worker resumes from θ.
-* LC-ASGD's oracle: before pushing, the worker fetches the current θ (a PEEK message, one extra
-  round trip) and reports the loss there on the same batch.
-* smega2, dana and nag use the SMEGA2 paper's schedule (warm-up from lr/N, ``--ps-warmup-epochs``).
-* Float buffers (BatchNorm statistics) travel with each push; the PS evaluates with the mean of
-  each worker's latest.
-* Checkpoints (``--checkpoint-dir``) are written by the PS alone, at epoch crossings and every
-  ``--checkpoint-every`` accepted pushes: the rule's state (θ and per-worker state), the PS's
-  counters and epoch progress, each worker's position (pushes answered) and latest buffers.
-  Preemption (SIGTERM/SIGUSR1 at any rank): the PS answers each worker's next push (applied as
-  usual) with a stop flag, writes the checkpoint once all are answered, and every rank exits 75
-  (protocol in ``ps.server``). On ``--resume`` each worker restarts at its position from the PS's θ
-  (a fresh ``initial_reply``: DC-ASGD's backup, SHAT's counts restart there), so a resumed run
-  is a valid async run with the same total work, not a replay of the interrupted one.
-* Worker-local models (shat, shat-root, ensemble: ``rule.keeps_local``; a worker's model is mixed
-  with θ by α < 1, ENSEMBLE's never reads θ): at a stop, after the end message, each worker sends
-  its model to the PS (``ps.worker.send_local``) and the stop checkpoint holds them all
-  (``worker_locals``, W model copies); a resumed worker takes the initial reply, then its own model
-  back. Epoch, periodic and SIGTERM checkpoints are written by the PS between pushes, when no
-  worker is at a known point, so they hold none: resuming from one, every worker restarts from θ
-  (the PS says so in the log) -- for ENSEMBLE that restarts the ensemble from one model.
-* Worker failure (``ft``): under ``mpirun --with-ft ulfm`` a dead worker is retired and the others
-  train on; its remaining batches are not trained; the end-of-run collectives run on the shrunk
-  communicator; the summary lists ``failed_workers`` and the job exits 0. Without ULFM the
-  launcher ends the job; the PS checkpoints on its SIGTERM and logs how to resume.
-* Server failure (``takeover``, ULFM, one server rank): the worker with the freshest θ becomes
-  the server, with a fresh rule; the others resume at the share of their budget the run had
-  done (``server_failures`` in the summary). A death while the server is set up starts the run
-  again on the survivors.
-* Divergence: the PS checks each accepted push's loss (``ctx.divergence``; DivergedError ends it).
+Design: docs/design/ps.md#cli-runtime (epochs, options, the decisions: budget, rejected pushes,
+LC-ASGD's oracle, warm-up, buffers, checkpoints, worker-local models, failures, divergence).
 """
 from __future__ import annotations
 

@@ -11,37 +11,8 @@ push -> reply. A push is rejected (counted, never applied) when its length is wr
 with ``rule.initial_reply(w)`` (it resumes from θ) and a flag telling it the push was not applied.
 A ``PEEK`` message (LC-ASGD's oracle) is answered with the current θ and changes nothing.
 
-Epochs: the PS crosses epoch e when the accepted pushes reach ``e · pushes_per_epoch``; it answers
-the push first, then calls ``on_epoch(e, record)``. Rejected pushes delay the crossing; any epoch
-not crossed when the last worker stops is recorded then, with the final θ.
-
-Checkpoints and preemption (workers are not in lockstep, so there is no agreed step; the consistent
-point is "the PS state after the pushes it answered, each worker at its next unpushed batch"):
-
-* ``on_checkpoint(kind)`` is called after an epoch crossing (``"epoch"``) and every
-  ``checkpoint_every`` accepted pushes (``"periodic"``). No worker takes part: a worker's position
-  is the number of its pushes the PS answered (``positions``), its weights are replaced by a fresh
-  ``initial_reply`` on resume. So a killed PS loses at most one interval.
-* Stop: when the PS's own ``stop_requested()`` turns true, or a push carries a worker's stop
-  request, or a finished worker sends ``KIND_STOP``, the PS stops accepting new work: it applies
-  (validates, as always) each worker's next push and answers it with the stop flag; that worker's
-  loop ends there. When every worker has been answered so (or had finished its budget), :meth:`serve`
-  returns with ``stopping`` set; the caller then runs :meth:`finish` and writes the checkpoint.
-  A stop request when every worker has already finished is ignored: the run completes.
-* :meth:`finish` (after :meth:`serve`): sends every worker the end message with the stop decision
-  and collects each worker's ``KIND_DONE`` (its step count, checked against ``positions``).
-
-Resume: :meth:`load_state_dict`; workers whose budget is spent (``finished``) get no initial reply
-and are not waited for.
-
-Worker failure (ULFM, ``ft``): a transport call that meets a dead worker raises ``WorkerFailed``;
-the PS retires it (``rule.retire``: its per-worker state goes, later pushes would be rejected),
-records it in ``failed`` (worker, rank, PS version, pushes answered), drops its in-flight push (a
-header or gradient that never arrived; a message it sent before dying is ignored), stops waiting
-for it and goes on with the others. Its remaining batches are not trained. Epochs stay
-``pushes_per_epoch`` accepted pushes (a data set's worth of gradients), so the last epoch is short
-and is recorded when the last worker stops. A stop (preemption) does not wait for dead workers;
-:meth:`finish` sends them nothing.
+Design: docs/design/ps.md#server-loop (epochs, checkpoints and the stop protocol, resume, worker
+failure).
 """
 from __future__ import annotations
 
@@ -85,7 +56,8 @@ class PSServer:
         on_buffers: ``on_buffers(worker, extra)`` with the float buffers of each accepted push.
         keep_log: keep every push in ``stats.log``.
         stop_requested: ``() -> bool``, polled between messages: the PS's own preemption flag.
-        on_checkpoint: ``on_checkpoint(kind)`` with kind ``"epoch"`` or ``"periodic"`` (module doc).
+        on_checkpoint: ``on_checkpoint(kind)`` with kind ``"epoch"`` or ``"periodic"``
+            (docs/design/ps.md#server-loop).
         checkpoint_every: accepted pushes between periodic checkpoints (0: epoch ends only).
         on_failure: ``on_failure(record)`` after a worker was found dead and retired.
         on_served: ``on_served()`` when :meth:`serve` has crossed its last epoch, before it
@@ -142,7 +114,8 @@ class PSServer:
         self._done = [False] * W
 
     def serve(self) -> PushStats:
-        """Serve until every worker has sent its last push, or until a stop (module doc)."""
+        """Serve until every worker has sent its last push, or until a stop
+        (docs/design/ps.md#server-loop)."""
         t = self.transport
         done = self._done
         for w in range(t.num_workers):

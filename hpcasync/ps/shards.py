@@ -1,57 +1,9 @@
 """A sharded parameter server (``--ps-ranks K``): θ cut into K contiguous shards, one per server.
 
-Layout (:class:`ShardLayout`): the server ranks are ``ps_rank, ps_rank + 1, ..., ps_rank + K - 1``
-(modulo the world size); every other rank is a worker, numbered in rank order as with one server.
-The flat parameter vector of n elements (``FlatModel.params``) is split by element ranges as evenly
-as possible: shard s holds ``[lo_s, hi_s)`` with ``hi_s - lo_s = n // K + (s < n % K)`` (the first
-``n % K`` shards one element longer). Shard s has its own communicator ``{server s} + workers``
-(server at rank 0 there, worker i at rank i + 1), its own transport (the float buffers travel with
-shard 0's pushes only) and its own rule instance built on its slice ``θ[lo_s:hi_s]``; the server
-loop (``ps.server``) runs unchanged on each shard. Every rule here is elementwise apart from a few
-scalars that depend on the order of pushes (SHAT's α, LC-ASGD's prediction, SMEGA2's cycle, the
-warm-up clock): shard 0's server sequences the pushes and every shard applies them in that one
-order (:mod:`.ordering`), so each shard computes the same scalars and K servers give bitwise the
-single server's θ for that order.
-
-A worker pushes slice s of its gradient to server s (all K pushes leave before it waits for any
-reply, so the servers work in parallel) and then takes each reply slice into ``params[lo_s:hi_s]``
-through shard s's worker-side rule (``rule.on_reply``). Versions are per shard: each shard counts
-the pushes it accepted.
-
-Bad pushes, consistently: a shard rejects what its rule rejects, and the decision must be the same
-on every shard. The scalars a rule validates (version, loss, the worker) are sent to every shard,
-so only a non-finite gradient element could be seen by one shard alone: with K > 1 a worker checks
-its gradient (``torch.isfinite(g).all()``, one pass over it) and, if any element is NaN/Inf, sends
-every shard an all-NaN slice, so every shard rejects the push; a gradient of the wrong length is
-sent as a zero-length slice to every shard (rejected everywhere). The worker's step is accepted
-only if every shard accepted it (they do or do not together; a disagreement is logged).
-
-Epoch records: shard 0's server (the reporting rank) evaluates θ at each epoch crossing; server
-s > 0 sends it a copy of its slice when it crosses the same epoch (each shard crosses epoch e at its
-own e·W·batches-th accepted push), so the evaluated θ is the concatenation of the shards' θ at
-their crossings. When server s > 0 closes it sends server 0 an empty message after its last slice:
-server 0, waiting for an epoch's slice, gets that instead if shard s ended without crossing the
-epoch, and at its own close it expects exactly that and nothing more. Shards that disagree on the
-epochs crossed (a bug, or a push one shard took and another did not) are then a one-line error on
-server 0 that ends the job, never a wait for a message that will not come. The final θ is
-broadcast slice by slice from each server.
-
-Checkpoints: every server writes its shard (shard 0 in ``--checkpoint-dir`` with ``ps_ranks`` and
-the bounds, server s > 0 in ``--checkpoint-dir/shard-<s>/`` under the same file name); resume reads
-shard 0's (every rank, as with one server) and each server s > 0 its own file beside it; a
-checkpoint written with another K is a one-line CheckpointError on every rank.
-
-Resume from a cut the shards took apart (:func:`align_resume`): since the shards apply one push
-order (:mod:`.ordering`), checkpoints written at the same N-th accepted push are one consistent cut,
-but a SIGTERM checkpoint is written by each shard at its own N (paired by epoch:
-:func:`load_shard_state`), and a shard may lag shard 0 by a few pushes, so shard 0 may hold worker
-0's 31st push that shard 1 has not yet applied. Refusing such
-a checkpoint would leave a crashed K > 1 run nothing to resume from; instead every worker resumes
-after the *latest* push any shard holds from it (elementwise max of the shards' positions), and
-a shard that had not yet applied some of those pushes never will: they are lost on that slice,
-as pushes in flight are lost when a server dies. Each shard counts them as taken (its push clock
-``accepted``, so every shard crosses the remaining epochs at the same push), not applied (its
-rule's version). The numbers are logged and reported (``resume_lost_pushes``, per shard).
+Shard s holds a contiguous slice of the flat θ with its own communicator, transport and rule; a
+worker pushes slice s of its gradient to server s and takes each reply slice through shard s's
+worker-side rule. Shard 0's server sequences the pushes (:mod:`.ordering`), so K servers give
+bitwise the single server's θ for that order.
 
 Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, workers 2 and 3)::
 
@@ -61,7 +13,11 @@ Example (what ``hpcasync train --ps-ranks 2`` does on 4 ranks: servers 0 and 1, 
 Differences from the reference design (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014, which shards key ranges over server nodes with consistent hashing and
 replicates them): contiguous ranges, no replication, and no server-to-server traffic beyond the
-push order and the epoch records; a resume from shards cut apart loses a few pushes on some slices (above).
+push order and the epoch records; a resume from shards cut apart loses a few pushes on some
+slices.
+
+Design: docs/design/ps.md#sharded-server (layout, bad pushes, epoch records, checkpoints, resume
+from shards cut apart).
 """
 from __future__ import annotations
 
@@ -112,8 +68,8 @@ def check_shards(shards, world_size: int, numel: int | None = None,
 
 
 class ShardLayout:
-    """Who serves which slice (module docstring). Attributes: ``servers`` (world ranks),
-    ``workers`` (world ranks), ``bounds``, ``shard`` (this rank's shard, -1 on a worker),
+    """Who serves which slice (docs/design/ps.md#sharded-server). Attributes: ``servers`` (world
+    ranks), ``workers`` (world ranks), ``bounds``, ``shard`` (this rank's shard, -1 on a worker),
     ``comms`` (shard s's communicator, None where this rank is not in it)."""
 
     def __init__(self, comm, ps_rank: int, shards: int, numel: int):
@@ -159,8 +115,8 @@ class ShardLayout:
 
 
 def worker_pieces(layout: ShardLayout, g: torch.Tensor, numel: int) -> list[torch.Tensor]:
-    """The K slices a worker pushes (module docstring: non-finite or wrong-length gradients are
-    sent so that every shard rejects them)."""
+    """The K slices a worker pushes (docs/design/ps.md#sharded-server: non-finite or wrong-length
+    gradients are sent so that every shard rejects them)."""
     if layout.K == 1:
         return [g]
     if g.numel() != numel:
@@ -200,9 +156,9 @@ def wait_ends(transports, request_stop=None) -> bool:
 
 
 class EpochExchange:
-    """Server side, K > 1: the shards' θ at each epoch crossing (module docstring), as the server
-    loop's ``on_epoch(epoch, record)``. Server 0 takes every other shard's slice into the model
-    (``opt``: the ParameterServer; its ``load_theta()`` gives its own slice), then calls
+    """Server side, K > 1: the shards' θ at each epoch crossing (docs/design/ps.md#sharded-server),
+    as the server loop's ``on_epoch(epoch, record)``. Server 0 takes every other shard's slice into
+    the model (``opt``: the ParameterServer; its ``load_theta()`` gives its own slice), then calls
     ``on_epoch``; server s > 0 sends its slice instead and calls nothing. :meth:`end` is server
     s > 0's empty end message, :meth:`finish` the close of the exchange."""
 
@@ -277,8 +233,8 @@ class EpochExchange:
 
 
 def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, header: dict):
-    """Server: write this shard's checkpoint (module docstring); returns its path. With K = 1 this
-    is ``manager.save`` of ``snapshot`` unchanged."""
+    """Server: write this shard's checkpoint (docs/design/ps.md#sharded-server); returns its path.
+    With K = 1 this is ``manager.save`` of ``snapshot`` unchanged."""
     from ..checkpoint import CheckpointManager, checkpoint_name
 
     L = opt.layout
@@ -329,11 +285,11 @@ def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
 
 
 def align_resume(opt, directory, state: dict, header: dict) -> dict:
-    """Every rank, K > 1 (collective over ``opt.comm``): the state this rank resumes from, with
-    the worker positions aligned over the shards (module docstring): a server gets its shard's
-    state (s > 0: its own file) with ``positions`` = the elementwise max over the shards,
-    ``stats`` counting the pushes it lost as taken, and ``resume_lost_pushes`` (per shard); a
-    worker gets shard 0's state with the aligned positions. With K = 1: ``state`` unchanged."""
+    """Every rank, K > 1 (collective over ``opt.comm``): the state this rank resumes from, with the
+    worker positions aligned over the shards (docs/design/ps.md#sharded-server): a server gets its
+    shard's state (s > 0: its own file) with ``positions`` = the elementwise max over the shards,
+    ``stats`` counting the pushes it lost as taken, and ``resume_lost_pushes`` (per shard); a worker
+    gets shard 0's state with the aligned positions. With K = 1: ``state`` unchanged."""
     import copy
 
     L = opt.layout

@@ -2,21 +2,8 @@
 
 Under ``mpirun --with-ft ulfm`` a worker waiting on a dead server gets ``MPI_ERR_PROC_FAILED``
 and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then calls
-:func:`take_over`:
-
-1. revoke the world and the transport's communicators, shrink the world to the survivors;
-2. agree on the new server: the worker whose last reply is the freshest (highest θ version in its
-   header; the lowest rank among equals) — it holds the newest copy of θ, so nothing is moved;
-3. agree on where training resumes: each survivor's share of its budget done (pushes answered /
-   epochs × batches), averaged; every worker of the new run starts at that share of its new
-   budget (the shards are re-cut over the W − 1 workers), and the new server's epoch clock
-   starts there too (:meth:`hpcasync.ps.server.PSServer.start_at`);
-4. the new server builds a fresh rule from that θ: the rule's per-worker state (DC-ASGD's
-   backups, SHAT's counts, SMEGA2's and DANA's momentum estimates, LC-ASGD's predictor) starts
-   afresh, as after a ``--resume`` (the rules' documented resume behaviour); SMEGA2's, DANA's
-   and NAG's replies are look-ahead parameters, not θ, so there the new θ is the freshest
-   look-ahead point. Lost: the pushes in flight and every push the dead server had applied after
-   the freshest reply; the metrics stream moves to the new server (appended).
+:func:`take_over`: the survivors shrink the world, the worker holding the freshest θ becomes the
+server with a fresh rule, and every worker resumes at the share of its budget the run had done.
 
 ``run`` then runs the parameter-server runtime again on the survivors. With ``--ps-ranks K > 1``
 (sharded θ) a server's death still ends the job (one line naming it): rebuilding one shard from
@@ -30,6 +17,8 @@ Example (``ps.runtime.run``)::
             return _run(ctx, takeover)
         except ServerLost as lost:
             takeover = take_over(ctx, lost)
+
+Design: docs/design/ps.md#server-takeover (the four steps, what is lost).
 """
 from __future__ import annotations
 
@@ -121,7 +110,8 @@ class Takeover:
 
 
 def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeover:
-    """Collective over the surviving workers (see the module doc); replaces ``ctx.topo``."""
+    """Collective over the surviving workers (docs/design/ps.md#server-takeover); replaces
+    ``ctx.topo``."""
     detected = time.time()
     t0 = time.perf_counter()
     opt, topo = lost.opt, ctx.topo

@@ -1,54 +1,12 @@
 """How pushes and replies travel between the parameter server and its workers.
 
 Two transports with one interface (the PS loop and the workers do not know which one they use):
-
-``RMATransport`` (default, ``--ps-transport rma``): MPI one-sided communication.
-  * The PS allocates (``MPI.Win.Allocate``; size 0 on the workers) a window with one slot per
-    worker, ``[gradient | float buffers]`` (flat float32). Worker i only ever touches slot i.
-  * Push: worker i ``Lock(ps, SHARED)`` / ``Put`` its gradient into slot i / ``Unlock`` (the data
-    is complete at the target when Unlock returns), then sends a small header message (kind,
-    version, loss, ...). Notification is two-sided: the header is what the PS waits on.
-  * Reply (``reply="get"``, default): the PS copies θ into slot i, over the gradient it has just
-    consumed, and sends a header; the worker ``Get``s the slot. The slot is never used for both at
-    once: the PS writes a reply only after taking the worker's push (or before its first), and the
-    worker Gets it (complete at its Unlock) before it Puts its next gradient. So replies need no
-    memory of their own (before issue 13 a second window held N reply slots).
-    With ``reply="put"`` each worker owns a reply window instead and the PS ``Put``s θ into it:
-    the copy then costs the PS's time instead of the worker's (``hpcasync bench ps`` compares).
-  * Memory model: Open MPI's ``osc/sm`` gives a unified window; the owner of a window holds a
-    ``Lock_all`` epoch for its lifetime and calls ``Win.Sync`` between its local accesses and the
-    messages that order them against remote ones.
-
-``P2PTransport`` (``--ps-transport p2p``, module ``ps.p2p``): the two-sided baseline: the header and
-the gradient are sent with ``Isend``, the PS ``Recv``s the gradient into one buffer and answers with
-an ``Isend`` of a copy of θ that lives while the send is in flight (equal replies share one).
-
-PS memory (``ps.memory``; n parameters, e float buffers, N workers): the rule's state
-(``rule.state_bytes()``) plus the transport's, ``transport_bytes(kind, N, n, e)``: rma and
-rma-put N·(n + e)·4 (rma-put also n·4 on each worker), p2p (n + e)·4 + R·n·4 with R ≤ N reply
-copies in flight (small in practice: ``ps.memory``). ``state_bytes()`` is what a transport holds now,
-``peak_bytes`` the most it held, ``bound_bytes()`` the formula's bound. The spec's "SMEGA2: 3 model
-copies for any N" is the rule's state only; the transport adds its own. The N gradient slots of
-rma are what one-sided pushes need (any number of workers may Put at once); a pool of fewer slots
-would make workers wait for each other, which is what an asynchronous PS avoids.
-
-Preemption (``ps.server``'s stop protocol): a push may carry a stop request; a reply carries a
-stop flag (the third reply-header field); ``KIND_STOP`` is a stop request from a worker that has
-finished its budget (header only), ``KIND_FINISH`` a worker saying it has no more pushes (header
-only: a user's loop ends with ``ParameterServer.finish()``; the CLI's worker flags its last push
-instead), ``KIND_DONE`` a worker's last message (header only; ``version`` is its step count), and
-:meth:`send_end` / :meth:`wait_end` the PS's "no more work" message with the stop decision (the same
-on both transports: a small two-sided message).
+``RMATransport`` (default, ``--ps-transport rma``: MPI one-sided communication, one slot per worker
+in the PS's window, the reply written into the slot the gradient came in) and ``P2PTransport``
+(``--ps-transport p2p``, module ``ps.p2p``: the two-sided baseline).
 
 Nobody spins: every wait is ``Test`` + sleep with exponential backoff (20 µs doubling to 1 ms),
 so an idle PS or a worker waiting for its reply leaves the core to the ranks that compute.
-
-Worker failure (``ft``): under ULFM a PS-side call that meets a dead worker raises
-:class:`~hpcasync.runtime.ft.WorkerFailed` (its header or gradient never arrives: the push is
-dropped; a reply or end message to it fails); the pending ``MPI_ANY_SOURCE`` header receive is kept
-and reused. ``idle_hook`` (PS) is called while waiting for a header (the SIGTERM checkpoint);
-``before_header`` (worker) after a push's data left and before its header (the kill hook).
-``close(collective=False)`` leaves the windows to ``MPI_Finalize`` (a dead rank cannot free them).
 
 Example::
 
@@ -59,6 +17,8 @@ Example::
 Differences from the reference PS designs (e.g. Li et al., "Scaling Distributed Machine Learning
 with the Parameter Server", OSDI 2014, two-sided messages): the default is one-sided, and the PS
 reuses each worker's gradient slot for its reply.
+
+Design: docs/design/ps.md#transports (the RMA protocol, memory, preemption messages, failures).
 """
 from __future__ import annotations
 
@@ -75,7 +35,7 @@ __all__ = ["KIND_DONE", "KIND_FINISH", "KIND_PEEK", "KIND_PUSH", "KIND_STOP", "P
 
 
 class RMATransport(_Base):
-    """One-sided transport (see the module docstring). Collective construction and ``close``."""
+    """One-sided transport (docs/design/ps.md#transports). Collective construction and ``close``."""
 
     name = "rma"
 
@@ -171,7 +131,7 @@ class RMATransport(_Base):
         MPI = self.MPI
         req = self.comm.Irecv([self._head_out, MPI.DOUBLE], source=self.ps_rank, tag=_TAG_REPLY)
         self.wait_time += wait(req, poll=poll)
-        if self.reply_mode == "get":                # from its own slot (module docstring)
+        if self.reply_mode == "get":                # from its own slot (design: ps.md#transports)
             self.win_in.Lock(self.ps_rank, MPI.LOCK_SHARED)
             self.win_in.Get([_np(out), MPI.FLOAT], self.ps_rank,
                             target=(self.worker * self.slot, self.numel, MPI.FLOAT))

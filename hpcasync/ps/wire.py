@@ -4,7 +4,7 @@ Message kinds and tags, the push and reply headers (:class:`Push`, :class:`Reply
 non-spinning waits (:func:`wait`: ``Test`` + sleep with exponential backoff), and :class:`_Base`,
 the bookkeeping every transport shares (communicator, worker numbering, headers, byte counters,
 the worker-failure mapping, the end message, the memory counters). The protocol itself is
-described in ``ps.transport``'s docstring.
+described in docs/design/ps.md#transports.
 
 Example::
 

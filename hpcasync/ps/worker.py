@@ -12,19 +12,11 @@ num_shards=W, seed, epoch)`` for each epoch. Per batch::
 The push and the reply are :meth:`hpcasync.ps.ParameterServer.push` — the same call a user's
 ``opt.step()`` makes; ``on_reply`` (SHAT mixes, the others copy) is the worker-side rule's.
 
-Preemption (``ps.server`` has the protocol): each push carries ``stop_requested()`` (this rank's
-signal flag); a reply with the stop flag ends the loop after that step. ``opt.finish()`` then
-waits for the PS's end message (asking it to stop if a signal arrives meanwhile) and reports the
-step count. A resumed worker starts at its saved position (``start_step`` = batches pushed so far,
-over all epochs) from the PS's current θ — or, for a rule whose workers keep their own model
-(SHAT, SHAT-root, ENSEMBLE: ``opt.keeps_local``), from its local model as the stop checkpoint saved
-it: after the PS has sent the end message of a stop, each such worker sends its model to the PS
-(:func:`send_local`, one message with its own tag), which puts all of them into the checkpoint
-(:func:`collect_locals`; ``ps.runtime``, Checkpoints).
-
 Example (inside a PS job, see ``hpcasync.ps.runtime.run``)::
 
     stats = run_worker(opt, model, train_set, epochs=2, batch_size=64, seed=0)
+
+Design: docs/design/ps.md#worker-loop (preemption, resume, worker-local models).
 """
 from __future__ import annotations
 
