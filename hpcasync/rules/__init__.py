@@ -6,23 +6,7 @@ the rule classes below); ``make_rule`` checks the hyperparameters and builds one
 
     rule = make_rule("dcasgd-a", theta0, num_workers=4, lr=0.1)
 
-=========== ==================================================================
-name        rule
-=========== ==================================================================
-asgd        ASGD (optional shared momentum)                  asgd.py
-dcasgd      DC-ASGD-c, constant λ                            dcasgd.py
-dcasgd-a    DC-ASGD-a, adaptive λ                            dcasgd.py
-lcasgd      LC-ASGD, loss-prediction compensation            lcasgd.py
-shat        SHAT, α = 1 − (n/c)/ln n                         shat.py
-shat-root   SHAT-root, α = 1 − (n/c)/√n                      shat.py
-ensemble    SHAT with α = 0 (independent workers)            shat.py
-asp         SHAT with α = 1 (= ASGD)                         shat.py
-smega2      SMEGA2, one momentum buffer, look-ahead reply    smega2.py
-dana        DANA-Zero, N momentum buffers, look-ahead reply  dana.py
-nag         NAG-ASGD, shared Nesterov buffer                 nag.py
-=========== ==================================================================
-
-OD-SGD is synchronous at the PS; its pure parts are functions in odsgd.py.
+Design: docs/design/rules.md#the-rules (the table of rules; each rule's section follows it).
 """
 from __future__ import annotations
 

@@ -16,11 +16,7 @@ Example::
     rule = ASGD(theta0, num_workers=4, lr=0.1, momentum=0.9, weight_decay=1e-4)
     reply = rule.on_push(0, grad, PushMeta(version=0))
 
-Sharding (``--ps-ranks K``, ``hpcasync.ps.shards``): elementwise; each shard server runs this rule
-on its slice of θ (and of the momentum buffer); the version is per shard (its accepted pushes).
-
-Differences from the paper: none (the spec's plain baseline). The momentum buffer is created lazily
-as zeros on the first push, like ``torch.optim.SGD``'s, so the first step is ``v = d``.
+Design: docs/design/rules.md#asgd (sharding). Differences from the paper: :class:`ASGD`.
 """
 from __future__ import annotations
 
@@ -53,6 +49,10 @@ class ASGD(Rule):
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         momentum: γ of the one shared buffer (default 0: none).
         nesterov: Nesterov form of the shared momentum (default False).
+
+    Differences from the paper: none (the spec's plain baseline). The momentum buffer is created
+    lazily as zeros on the first push, like ``torch.optim.SGD``'s, so the first step is ``v =
+    d``.
     """
 
     name = "asgd"

@@ -10,29 +10,8 @@ parameter server and the one-process simulator) drive the same object::
     reply = rule.on_push(w, grad, PushMeta(version=v))       # ... apply good ones
     rule.on_reply(local, reply, grad)                        # worker side, in place
 
-Contract shared by every rule:
-
-* Workers are numbered ``0 .. num_workers-1`` (not MPI ranks). All start alive. ``retire(w)`` drops
-  a dead worker's per-worker state and makes its later pushes invalid; ``initial_reply(w)`` (re)joins
-  a worker and records what it was sent. Call ``initial_reply(w)`` for each worker before its first
-  push: DC-ASGD's backup of the sent parameters is taken there.
-* ``version`` counts accepted pushes. ``PushMeta.version`` is the version of the parameters the
-  gradient was computed on; staleness ``τ = version - meta.version``.
-* ``on_push`` assumes ``validate`` returned ``None``; it never modifies ``grad``.
-* ``Reply.params`` may alias rule state (θ): the runtime copies it out before the next push.
-* ``on_reply`` depends only on the reply and the rule's hyperparameters, so a worker-side instance of a
-  rule never touches its own PS state. PS-side per-worker state is allocated lazily (on
-  ``initial_reply`` / first push), so a worker-side instance does not hold N model copies.
-* ``state_dict()`` returns clones (tensors, ints, lists, dicts) loadable with
-  ``torch.load(weights_only=True)``; loading it into a fresh rule built with the same arguments
-  continues bitwise identically.
-
-Param groups (:meth:`Rule.set_groups`): a per-element group index over θ (-1 where torch's
-optimizer would never move the element: ``requires_grad=False`` or in no group). Then ``lr`` and
-``weight_decay`` take one value per group; each coefficient is computed per group in float64 exactly
-as the one-group code computes it and spread over θ, so each group's slice gets bitwise what the
-rule gives with that group's scalars. Elements of no group stay bitwise unchanged (their gradient is
-taken as 0, their lr and weight decay are 0). Without groups the scalar code runs, unchanged.
+Design: docs/design/rules.md#rule-contract (worker numbering, versions, aliasing, the worker side,
+state dicts, param groups).
 """
 from __future__ import annotations
 
@@ -244,7 +223,8 @@ class Rule:
 
     def set_groups(self, index: Tensor | None, groups: int | None = None) -> None:
         """Param groups over θ: ``index[j]`` is element j's group (0..G-1), or -1 where torch's
-        optimizer never moves it (module doc); ``groups`` is G (default: ``max(index) + 1``).
+        optimizer never moves it (docs/design/rules.md#rule-contract); ``groups`` is G
+        (default: ``max(index) + 1``).
         ``lr`` and ``weight_decay`` then hold one value per group (the current ones are given
         to every group). ``None``: back to one group over every element."""
         if index is None:

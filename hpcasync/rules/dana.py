@@ -17,14 +17,7 @@ Example::
     rule = DANAZero(theta0, num_workers=8, lr=0.1, momentum=0.9)
     reply = rule.on_push(3, grad, PushMeta(version=17))       # reply.params is θ̂
 
-Sharding (``--ps-ranks K``): elementwise; each shard keeps its slices of the N per-worker buffers
-v_j and of their sum, and computes its slice of θ̂ (with the push's lr, which every shard gets).
-
-Differences from the paper:
-* Σ_j v_j is kept as a running sum updated by ``S ← S − v_i(old) + v_i(new)`` (O(model) per push
-  instead of O(N·model)); it equals the direct sum up to float rounding.
-* A worker's buffer is created as zeros on its first push; retiring a worker removes its buffer and
-  its share of S (its momentum is no longer applied by anyone).
+Design: docs/design/rules.md#dana-zero (sharding). Differences from the paper: :class:`DANAZero`.
 """
 from __future__ import annotations
 
@@ -61,6 +54,12 @@ class DANAZero(Rule):
     Args:
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         momentum: γ (default 0.9).
+
+    Differences from the paper:
+    * Σ_j v_j is kept as a running sum updated by ``S ← S − v_i(old) + v_i(new)`` (O(model) per
+      push instead of O(N·model)); it equals the direct sum up to float rounding.
+    * A worker's buffer is created as zeros on its first push; retiring a worker removes its
+      buffer and its share of S (its momentum is no longer applied by anyone).
     """
 
     name = "dana"

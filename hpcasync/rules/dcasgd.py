@@ -13,25 +13,14 @@ The PS keeps, per worker i, a backup θ_bak(i) = the parameters last sent to wor
 
     MS(i) ← m·MS(i) + (1 − m)·g ⊙ g ;   λ = λ₀ / √(MS(i) + ε)      (λ₀ = 2, m = 0.95, ε = 1e-7)
 
-Memory: N extra model copies on the PS (the backups), 2N with ``mode="adaptive"`` (the MS);
-``state_bytes()`` reports it.
-
 Example::
 
     rule = DCASGD(theta0, num_workers=4, lr=0.1, mode="adaptive")
     w0 = rule.initial_reply(0).params.clone()        # records θ_bak(0)
     reply = rule.on_push(0, grad, PushMeta(version=0))
 
-Sharding (``--ps-ranks K``): elementwise; each shard keeps its slice of the backups θ_bak(i) (and
-of MS(i) for DC-ASGD-a), so λ ⊙ g ⊙ g ⊙ (θ − θ_bak) is computed per slice; versions are per shard.
-
-Differences from the paper:
-* Decision (spec): MS is kept per worker, as Multiverso does (the paper's formula has one MS).
-  MS is updated with the current g before λ is computed; it starts at zero.
-* Weight decay enters as ``+ wd·θ`` after compensation (MXNet's form); the compensation uses the
-  raw gradient g.
-* Backups are created by ``initial_reply`` (what was sent). A push from a worker that never got an
-  ``initial_reply`` is applied without compensation (logged once) and starts its backup.
+Design: docs/design/rules.md#dc-asgd (memory, sharding). Differences from the paper:
+:class:`DCASGD`.
 """
 from __future__ import annotations
 
@@ -82,6 +71,15 @@ class DCASGD(Rule):
         ms_momentum: m of the mean square (adaptive; default 0.95).
         eps: ε under the square root (adaptive; default 1e-7).
         momentum: γ of one shared momentum buffer (default 0: none, as in the paper).
+
+    Differences from the paper:
+    * Decision (spec): MS is kept per worker, as Multiverso does (the paper's formula has one
+      MS). MS is updated with the current g before λ is computed; it starts at zero.
+    * Weight decay enters as ``+ wd·θ`` after compensation (MXNet's form); the compensation uses
+      the raw gradient g.
+    * Backups are created by ``initial_reply`` (what was sent). A push from a worker that never
+      got an ``initial_reply`` is applied without compensation (logged once) and starts its
+      backup.
     """
 
     name = "dcasgd"

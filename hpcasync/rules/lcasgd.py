@@ -11,39 +11,14 @@ t_now = the PS version. First-order Taylor, gᵀ(θ_now − θ_old) ≈ L(θ_now
     g̃ ← g · clamp(1 + λ·(L̂ − L), 0, F)    (λ default 1.0, F = ``max_factor`` default 1)
     then the ASGD step: θ ← θ − η·(g̃ + wd·θ)  (optional shared momentum) ; reply θ
 
-The upper bound F = 1 means compensation only ever *damps* a stale gradient (when the worker's loss
-is predicted to have fallen since its parameters were read: the gradient points downhill from a
-place the model has left). Without it (F = inf: ``max(0, ·)``, the first version) a rising loss
-amplifies stale gradients, which raises the loss further — a positive feedback that took the
-oracle to chance accuracy at 64 simulated workers (experiments/README.md, delay compensation).
-
-Forecast L̂ (``anchor``):
-* ``"push"`` (default): L̂ = L + f_i(t_now) − f_i(v), f_i the predictor's curve after it has observed
-  (v, L). The worker's own loss is the anchor and only the predicted *change* over the τ = t_now − v
-  steps is added, so batch-to-batch loss noise cancels (as it does for the oracle, which measures
-  both losses on the same batch) and τ = 0 gives exactly no compensation.
-* ``"fit"``: L̂ = f_i(t_now), the spec's literal reading (the fitted level, batch noise included).
-* predictor ``"oracle"``: L̂ = the worker-reported true loss at θ_now on the same batch
-  (``PushMeta.oracle_loss``). An upper bound for experiments, not for production.
-
-The LSTM predictor measures time in units of N global steps (``time_scale = N``, the typical gap
-between two pushes of one worker).
-
-No backup copies: PS memory is θ (+ momentum) + N·K history points (+ the LSTM), independent of
-model size × N.
-
 Example::
 
     rule = LCASGD(theta0, num_workers=4, lr=0.1, predictor="linear")
     reply = rule.on_push(2, grad, PushMeta(version=5, loss=1.37))
     rule.last_factor                  # the multiplier applied to that gradient
 
-Sharding (``--ps-ranks K``): each shard runs its own loss predictors on the SAME losses (every
-push carries L, and L_oracle, to every shard) and the same versions (shards accept together), so
-every shard computes the same factor and scales its slice of g by it; θ and momentum are sliced.
-
-Differences from the paper: the whole compensation scheme (the formula, predictors, anchoring) is
-our design; see above. Decision: a push's (v, L) point is observed before predicting.
+Design: docs/design/rules.md#lc-asgd (the bound F, the forecast's anchor, the LSTM's clock,
+memory, sharding). Differences from the paper: :class:`LCASGD`.
 """
 from __future__ import annotations
 
@@ -79,12 +54,16 @@ class LCASGD(Rule):
         lam: λ of the compensation (default 1.0).
         max_factor: upper bound F of the factor (default 1.0: only damping; ``math.inf`` gives
             the unbounded first version).
-        anchor: ``"push"`` (default) or ``"fit"``; see the module docstring.
+        anchor: ``"push"`` (default) or ``"fit"``; see docs/design/rules.md#lc-asgd.
         window: K, history points per worker (linear, lstm; default 32).
         ema_beta: smoothing weight on the old estimate (ema; default 0.9).
         lstm_hidden, lstm_lr: LSTM size (16) and Adam learning rate (1e-2).
         seed: LSTM initialisation seed (default 0).
         momentum: γ of one shared momentum buffer (default 0).
+
+    Differences from the paper: the whole compensation scheme (the formula, predictors,
+    anchoring) is our design (docs/design/rules.md#lc-asgd). Decision: a push's (v, L) point is
+    observed before predicting.
     """
 
     name = "lcasgd"

@@ -13,12 +13,7 @@ Example::
 
     rule = NAG(theta0, num_workers=8, lr=0.1, momentum=0.9)
 
-Sharding (``--ps-ranks K``): elementwise (as asgd.py); each shard keeps its slice of θ and of the
-momentum buffer and its own version; the look-ahead reply is computed per slice.
-
-Differences from the paper: the papers name the baseline without fixing the Nesterov formulation;
-we use PyTorch's (Sutskever) form above, so NAG-ASGD with one worker equals ``torch.optim.SGD(...,
-nesterov=True)`` step for step.
+Design: docs/design/rules.md#nag-asgd (sharding). Differences from the paper: :class:`NAG`.
 """
 from __future__ import annotations
 
@@ -29,8 +24,12 @@ from ..errors import ConfigError
 
 
 class NAG(ASGD):
-    """ASGD with a shared Nesterov momentum buffer (default γ 0.9)."""
+    """ASGD with a shared Nesterov momentum buffer (default γ 0.9).
 
+    Differences from the paper: the papers name the baseline without fixing the Nesterov
+    formulation; we use PyTorch's (Sutskever) form (the module's math), so NAG-ASGD with one
+    worker equals ``torch.optim.SGD(..., nesterov=True)`` step for step.
+    """
     name = "nag"
 
     def __init__(self, theta0: Tensor, num_workers: int, *, lr: float, weight_decay: float = 0.0,

@@ -1,17 +1,6 @@
 """Loss predictors for LC-ASGD (see lcasgd.py): from a worker's history of (global step, loss) points
 they forecast a loss curve f_i(t) for that worker.
 
-* ``linear``: least-squares line of loss vs step over the worker's last K points (K = 32).
-* ``ema``: double exponential smoothing (Holt: a smoothed level and a smoothed slope per step),
-  weight ``beta`` on the old estimate; f(t) = level + slope·(t − t_last).
-* ``lstm``: one small LSTM (hidden 16) shared by all workers, trained online on the PS: for the
-  sequence of a worker's last K points (features: loss and step relative to the newest point, steps
-  divided by ``time_scale``) it outputs a rate r, and f(t) = L_last + r·(t − t_last)/time_scale.
-  Each new point of a worker is first used as a training target (one Adam step on the squared
-  error of the predicted change from the worker's previous newest point), then appended.
-  Weights are initialised from ``seed`` without touching the global RNG; all of it is
-  deterministic on a fixed machine and thread count.
-
 Interface: ``observe(worker, step, loss)``, ``predict(worker, step) -> float`` (needs at least one
 observed point), ``retire(worker)``, ``state_dict()`` / ``load_state_dict(d)``, ``state_bytes()``.
 
@@ -24,6 +13,8 @@ Example::
 Differences from the paper: LC-ASGD's predictor models are not described beyond "models that
 predict each worker's loss from its loss history" (Li et al., ICPP 2020); these three are our design.
 The LSTM is shared by all workers (it sees N times the data of per-worker models).
+
+Design: docs/design/rules.md#loss-predictors (linear, ema, lstm).
 """
 from __future__ import annotations
 

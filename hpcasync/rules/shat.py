@@ -12,38 +12,14 @@ Worker i, on the reply (its gradient g, its copy w)::
     w ← w − η·g                      (local step)
     w ← (1 − α_i)·w + α_i·θ,   α_i = 1 − s_i / log n,   s_i = n / c_i
 
-A worker that falls far behind (large c_i) takes the global model; a fast one keeps its own.
-``alpha_mode``: ``"log"`` (default, natural log), ``"root"`` (SHAT-root: √n instead of log n),
-``"ensemble"`` (α = 0: workers never read θ after the start) and ``"asp"`` (α = 1: exactly ASGD).
-
-Reply scalars (``reply_scalars = 3``): ``(c_i, n, η)`` — the counter, the number of active workers
-and the learning rate of the update, so the worker side needs nothing but the reply (with G param
-groups ``(c_i, n, η_0, .., η_{G-1})``; elements of no group are left out of the mix).
-
 Example::
 
     rule = SHAT(theta0, num_workers=4, lr=0.1)
     reply = rule.on_push(1, grad, PushMeta(version=3))
     rule.on_reply(local, reply, grad)           # worker 1, in place
 
-Sharding (``--ps-ranks K``; shat, shat-root, ensemble, asp): elementwise; every shard keeps its
-own counters c_k (each counts the same pushes, so they agree) and sends them in its reply; a worker
-mixes each slice of its model with that shard's θ slice using that shard's scalars.
-
-Differences from the paper (Decisions of the spec, each an option or a documented guard):
-* momentum / weight decay are applied on the server side only (the local step is ``w − η·g``);
-* the worker does a local step before mixing (the paper's derivation implies it);
-* natural log; α clamped to [0, 1]; c_i = 0 → α = 1; n = 1 → α = 1 (plain SGD);
-  ``"root"`` uses √n. The guards apply to ``log``/``root``; ``ensemble`` and ``asp`` are fixed α.
-* n is the number of active (not retired) workers; a retired worker's counter is dropped.
-* With α = 1 the worker copies θ exactly (no arithmetic), with α = 0 it never reads θ; the initial
-  reply (``grad=None``) always copies θ, so every worker starts from the PS's model.
-
-Checkpoints: a worker's local model is state the PS cannot rebuild from θ (``keeps_local``: true
-for ``log``, ``root`` and ``ensemble``; ``asp`` copies θ on every reply). The PS runtime puts every
-worker's local model into its stop (preemption) checkpoint and a resumed worker continues from it
-(after the initial reply, which re-joins it with c_i = 0); see ``hpcasync.ps.runtime`` (Checkpoints)
-for the checkpoints that cannot hold them. The counters c_k are saved with the rule's state.
+Design: docs/design/rules.md#shat (the α modes, reply scalars, sharding, checkpoints of the
+workers' own models). Differences from the paper: :class:`SHAT`.
 """
 from __future__ import annotations
 
@@ -103,6 +79,16 @@ class SHAT(Rule):
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         alpha_mode: ``"log"`` (default), ``"root"``, ``"ensemble"`` or ``"asp"``.
         momentum: γ of one shared server-side momentum buffer (default 0).
+
+    Differences from the paper (Decisions of the spec, each an option or a documented guard):
+    * momentum / weight decay are applied on the server side only (the local step is ``w −
+      η·g``);
+    * the worker does a local step before mixing (the paper's derivation implies it);
+    * natural log; α clamped to [0, 1]; c_i = 0 → α = 1; n = 1 → α = 1 (plain SGD); ``"root"``
+      uses √n. The guards apply to ``log``/``root``; ``ensemble`` and ``asp`` are fixed α.
+    * n is the number of active (not retired) workers; a retired worker's counter is dropped.
+    * With α = 1 the worker copies θ exactly (no arithmetic), with α = 0 it never reads θ; the
+      initial reply (``grad=None``) always copies θ, so every worker starts from the PS's model.
     """
 
     name = "shat"
@@ -121,7 +107,7 @@ class SHAT(Rule):
     @property
     def keeps_local(self) -> bool:
         """True when a worker's model is its own (mixed with θ by α < 1), not a copy of a reply:
-        checkpoints must carry it (module doc)."""
+        checkpoints must carry it (docs/design/rules.md#shat)."""
         return self.alpha_mode != "asp"
 
     @property

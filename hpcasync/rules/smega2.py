@@ -17,31 +17,14 @@ The reply is not θ but an estimate of θ N updates ahead, future gradients take
 The worker sets its copy to θ̂ and computes its next gradient there; evaluate on θ, not θ̂.
 PS memory: 3 model copies (θ, v, a) for any N.
 
-Properties (tests/test_rules_smega2.py):
-* Starting a cycle (c = 0), N pushes g_1..g_N with wd = 0 equal ONE synchronous momentum-SGD step
-  (PyTorch ``SGD``, dampening 0) with learning rate N·η on the mean gradient ḡ::
-
-      v' = γ·v + ḡ ;  θ' = θ − N·η·v'
-
-  because θ − η·Σ_k (g_k + γ·v) = θ − N·η·(γ·v + ḡ). (With wd > 0 each push decays a different θ, so
-  the equality is approximate.)
-* The advanced θ̂ equals θ after N further pushes of zero gradient (wd = 0), for every c.
-
 Example::
 
     rule = SMEGA2(theta0, num_workers=8, lr=0.1, momentum=0.9, weight_decay=1e-4)
     rule.lr = smega2_lr(epoch + b / nb, base_lr=0.1, num_workers=8)   # schedule, each batch
     reply = rule.on_push(3, grad, PushMeta(version=17))                  # reply.params is θ̂
 
-Sharding (``--ps-ranks K``): elementwise; each shard keeps its slices of θ, v and a and its OWN
-cycle counter c (mod N): a shard counts the pushes it accepted, so the counters agree while the
-shards accept the same pushes; the θ̂ reply is computed per slice with that shard's c.
-
-Differences from the paper / reference code:
-* Retiring a worker shrinks N (never below 1). If the current cycle already holds c ≥ N_new pushes,
-  it is closed at once with the mean of what it holds, v ← γ·v + a/c; otherwise it continues and
-  closes after N_new pushes. A rejoining worker grows N again.
-* No dampening option (the reference code's default, 0).
+Design: docs/design/rules.md#smega2 (properties, sharding). Differences from the paper:
+:class:`SMEGA2`.
 """
 from __future__ import annotations
 
@@ -103,6 +86,12 @@ class SMEGA2(Rule):
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         momentum: γ (default 0.9).
         estimate: ``"advanced"`` (default) or ``"naive"`` reply θ̂.
+
+    Differences from the paper / reference code:
+    * Retiring a worker shrinks N (never below 1). If the current cycle already holds c ≥ N_new
+      pushes, it is closed at once with the mean of what it holds, v ← γ·v + a/c; otherwise it
+      continues and closes after N_new pushes. A rejoining worker grows N again.
+    * No dampening option (the reference code's default, 0).
     """
 
     name = "smega2"
