@@ -10,11 +10,6 @@ its dc-adaptive mean square). One round t, given each worker's g_t^k computed on
     global:  ḡ_t = (1/N) Σ_k g_t^k ;  W_{t−1} ← W_t ;  v ← γ·v + ḡ_t + wd·W_t ;  W_{t+1} = W_t − η·v
                                                     (global_update)
 
-Worker k's next gradient g_{t+1}^k is computed on W^l_{t+1,k} (while round t is in flight), and is
-applied in round t+1 to W_{t+1}: staleness exactly one round. In a warm-up round there is no local
-step: every worker computes its next gradient on W_{t+1} itself (plain SSGD). LocalOpt and the
-global step are :func:`hpcasync.odsgd.steps.local_step` / ``global_step``.
-
 Example (the simulator's loop, N virtual workers)::
 
     hp = ODSGDHyper(lr=0.05, momentum=0.9, local_opt="dc-adaptive", lr_local=0.5)
@@ -25,13 +20,8 @@ Example (the simulator's loop, N virtual workers)::
         simulate_round(glob, workers, grads, hp=hp, warmup=t < hp.warmup_iters)
     # glob.W is the model to evaluate
 
-Param groups: ``groups`` (:func:`group_ranges`) lists θ as ``(start, end, hp or None)`` ranges; each
-range steps with its group's lr / momentum / weight decay / lr_local (the one-group run passes
-None: one step over all of θ, as before), and a None range (``requires_grad=False``, outside every
-group, or lr 0) is left bitwise alone: W, W^l, v and the mean square.
-
-Differences from the paper: Δ = ``last-step`` by default, as in the authors' code; the ``dc-adaptive``
-mean square starts at zero and is updated only by local steps (not in warm-up rounds).
+Design: docs/design/odsgd.md#round-as-pure-functions (staleness, warm-up rounds, param groups).
+Differences from the paper: :class:`~hpcasync.odsgd.ODSGD`.
 """
 from __future__ import annotations
 

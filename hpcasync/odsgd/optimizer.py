@@ -59,8 +59,14 @@ class ODSGD(AlgorithmOptimizer):
             warm-up covers all of it (OD-SGD would then be SSGD throughout).
         comm: the communicator (default: the job's world).
         progress: how the round in flight progresses: ``"thread"`` (default), ``"hooks"``,
-            ``"none"`` (:mod:`hpcasync.odsgd.runtime` has the measurements).
+            ``"none"`` (docs/design/odsgd.md#runtime has the measurements).
         broadcast: start every rank from rank 0's parameters (default True).
+
+    Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
+    ``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during
+    warm-up); epoch ends complete the round in flight (needed to evaluate one model) without
+    changing the sequence of global updates; the round is an allreduce, not a PS push/pull
+    (reason: docs/design/odsgd.md#runtime).
     """
 
     algorithm = "odsgd"

@@ -57,7 +57,7 @@ class ODSGDWorker:
         hp: :class:`ODSGDHyper`.
         groups: None (``hp`` over all of θ) or the ranges of :func:`~.core.group_ranges` (param
             groups; held parameters). Set by :class:`~hpcasync.odsgd.ODSGD` before each step.
-        progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (module doc).
+        progress: ``"thread"`` (default), ``"hooks"`` or ``"none"`` (docs/design/odsgd.md#runtime).
 
     Attributes: ``glob`` (:class:`GlobalState`), ``ws`` (:class:`WorkerState`), ``steps`` (step
     calls), ``rounds`` (rounds applied = t of W_t), ``times`` (:class:`StepTimes`), ``bytes_sent``.

@@ -1,62 +1,13 @@
 """OD-SGD runtime: one synchronous global round in flight while every worker computes ahead
 (Xu et al., "OD-SGD: One-step Delay Stochastic Gradient Descent for Distributed Training",
 arXiv 2005.06728). LocalOpt and the global step are in :mod:`hpcasync.odsgd.steps`, one round as
-pure functions (shared with the simulator) in :mod:`.core`; the MPI pipeline in :mod:`.pipeline`; the CLI loop is here.
+pure functions (shared with the simulator) in :mod:`.core`; the MPI pipeline in :mod:`.pipeline`;
+the CLI loop is here.
 
 Every rank is a worker. Round t is an allreduce-average of the N gradients g_t^k followed by the same
 momentum-SGD step on every rank, so the global model stays bitwise identical everywhere::
 
     ḡ_t = (1/N) Σ_k g_t^k ;   v ← γ·v + ḡ_t + wd·W_t ;   W_{t+1} = W_t − η·v
-
-Worker k does not wait for round t: it builds local weights from the last global weights it has and
-its own gradient, W^l_{t+1} = LocalOpt(W_t, g_t^k) (``sgd``, ``dc``, ``dc-adaptive``; Δ = ``last-step``
-W_t − W_{t−1} or ``gap`` W_t − W^l_t), and computes g_{t+1}^k there while the round is in flight.
-Per step: backward → wait for round t−1 (→ W_t) → start round t with g_t (nonblocking) → W^l_{t+1}
-→ forward/backward on W^l_{t+1} overlapping round t → ...
-
-Staleness (tested): the gradient applied in round t (t ≥ warm-up + 1) was computed on
-LocalOpt(W_{t−1}, g_{t−1}^k) — local weights built from the global model exactly one round older than
-W_t, to which it is applied. The first ``warmup_iters`` steps are plain SSGD (blocking average,
-then the same step; bitwise equal to :class:`~hpcasync.ssgd.runtime.DistributedOptimizer` with
-``torch.optim.SGD``). Epochs end by completing the round in flight and evaluating on W; the
-next epoch resumes on the local weights, so staleness stays exactly one across epochs.
-
-Collectives, not the PS (measured, 61.7 k floats = LeNet, medians of 5×100 rounds): our allreduce
-0.28 ms vs a PS-style round (gather to one rank, average, broadcast) 0.29 ms on 4 ranks; 0.07 vs
-0.13 ms on 2 ranks — and a real PS also takes a rank away from training. So the round is an allreduce,
-on a private duplicate of the communicator.
-
-Progress of the round while Python computes (``--odsgd-progress``): a nonblocking reduction moves only
-inside MPI calls of this process (:mod:`hpcasync.comm.handle`), so something must test it.
-``thread`` (default) drives it from a helper thread that tests it every 0.2 ms and sleeps between
-(MPI is initialised THREAD_MULTIPLE); ``hooks`` tests it from forward pre-hooks of every leaf module
-and post-accumulate-grad hooks of every parameter; ``none`` leaves it until the wait. Measured on a
-2-core box shared with other jobs, 4 ranks, LeNet, batch 64, the modes interleaved, 60 steps × 5
-repetitions, medians of the per-rank means, ms per step (compute = forward+backward)::
-
-    mode     compute   wait   update   step   overlap        (SSGD: the same loop, blocking rounds)
-    ssgd       20.2    14.8     0.1    35.3    0
-    none       20.8    14.4     0.8    35.5    0.60
-    hooks      33.6     0.8     1.9    36.4    0.97
-    thread     18.0     7.5     3.4    29.6    0.69
-
-(two earlier repetitions of the benchmark: ssgd 55.1 / 50.4, thread 40.0 / 30.3 ms per step.)
-``hooks`` hides nearly all the wait but pays for it in compute: each ``test()`` enters MPI progress,
-which yields the core (``mpi_yield_when_idle``) on an oversubscribed node; ``none`` waits as long as
-SSGD; ``thread`` was fastest in every 4-rank repetition, hence the default. Most of the wait here is
-waiting for ranks that are descheduled (each rank gets ~6 ms of CPU per 30-35 ms step), which no
-overlap can hide. Full runs (``hpcasync train --algorithm odsgd --dataset fashion-mnist --model
-lenet --epochs 2``, batch 32, 4 ranks; 200 of the 468 steps of epoch 1 are warm-up): test accuracy
-83.2 % / 86.5 % after epochs 1 / 2 in every mode (SSGD 85.7 % / 87.3 %); epoch 2 (all OD steps)
-compute / wait per step: thread 5.3 / 9.5 and 6.2 / 5.4 ms, hooks 14.8 / 0.1 and 13.3 / 2.7 ms,
-none 5.7 / 17.2 and 5.8 / 9.6 ms; epoch-2 time thread 7.9 / 6.9 s vs SSGD 6.9 / 11.9 s (two runs each).
-
-Metrics per epoch (means over ranks): ``compute_time_s``, ``wait_time_s`` (blocked on a round;
-warm-up rounds count whole), ``update_time_s`` (local/global steps, starting rounds),
-``round_time_s`` (rounds' start-to-completion time), ``overlap_fraction`` = 1 − wait/round time
-(the share of the rounds' time this rank spent computing rather than blocked; with ``none`` a round
-does not progress while computing, so there it is only an upper bound), ``wait_time_max_s``,
-``compute_ms_per_step``, ``wait_ms_per_step``, ``warmup_steps``.
 
 Example (a user's own loop; :class:`~hpcasync.odsgd.ODSGD`, also ``hpcasync.optimizer("odsgd", ...)``)::
 
@@ -66,26 +17,8 @@ Example (a user's own loop; :class:`~hpcasync.odsgd.ODSGD`, also ``hpcasync.opti
         opt.step()                        # params now hold W^l_{t+1}
     opt.finish()                          # params hold the global model W
 
-The simulator drives the same math for N virtual workers with :func:`simulate_round`.
-
-Defaults: the authors' local rule — ``dc-adaptive`` on g/N with η_l 0.5 and mean-square momentum 0
-(:mod:`.steps` has the conversion from the earlier η_l·g). LeNet / Fashion-MNIST, 4 ranks, global
---lr 0.05 --momentum 0.9, seed 0, 2 epochs: η_l 0.25 → 85.7 %, 0.5 → 87.6 %, 1.0 → 86.4 %; η_l 2.0
-(= the earlier 0.5 at 4 ranks) diverged at step 207, right after the 200 SSGD warm-up steps — the earlier record
-"η_l 0.5 diverged" was the missing 1/N. The spec's ResNet-20 / CIFAR reference: --lr 0.1
---momentum 0.95 --odsgd-local-lr 0.5.
-
-Checkpoints and preemption (:mod:`.checkpoint`): the ranks agree on a stop every
-``ctx.check_every`` steps (one allreduce, as SSGD); a checkpoint completes the round in flight (the
-same operands, only earlier: the trajectory is unchanged, mid-epoch as at epoch ends) and gathers
-every rank's local weights, mean square and buffers to rank 0, which writes them with the global
-state; a resumed run ends bitwise equal to an uninterrupted one. Heterogeneity options act as in
-SSGD (:class:`~hpcasync.ssgd.runtime.StepDelay`: the straggler sleeps after its compute).
-
-Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
-``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during warm-up);
-epoch ends complete the round in flight (needed to evaluate one model) without changing the sequence
-of global updates; the round is an allreduce, not a PS push/pull (reason above).
+Design: docs/design/odsgd.md#runtime (the pipeline, staleness, why an allreduce, progress modes
+measured, metrics, defaults measured, checkpoints). Differences from the paper: :class:`ODSGD`.
 """
 from __future__ import annotations
 

@@ -15,26 +15,6 @@ global weights W_t it holds and its own gradient g_t, which enters scaled to ĝ 
     dc-adaptive:  MS ← m·MS + (1−m)·ĝ⊙ĝ ;  W^l = W_t − η_l·(ĝ + wd·W_t + λ₀/√(MS+ε)·ĝ⊙ĝ⊙Δ)
                                                             (λ₀ default 2, m 0, ε 1e-7)
 
-The 1/N is the authors': their MXNet local optimizer rescales every worker's gradient by
-1/(batch·N), like the global one, so one worker's gradient moves its local weights by 1/N of what
-the whole round's mean would. With m = 0 (the authors' CADCASGD local rule) the mean square is the
-current ĝ⊙ĝ alone, so the adaptive term is λ₀·|ĝ|·ĝ⊙Δ/√(ĝ⊙ĝ+ε) ≈ λ₀·|ĝ|⊙Δ.
-
-Converting from versions before this rescale (hpcasync ≤ the issue-13 fix): they applied η_l·g,
-so an old ``--odsgd-local-lr x`` at N workers is the new ``x·N`` (the old default 0.1 at 4 workers
-= 0.4 now; the new default 0.5 is the authors' reference value); ``--odsgd-ms-momentum 0.95``
-reproduces the old mean square.
-
-Δ, the delay the compensation corrects, is computed by the runtime; two options:
-* ``last-step`` (default, what the authors' code does): Δ = W_t − W_{t−1}, the last global move
-  (``delta_last_step``);
-* ``gap``: Δ = W_t − W^l_t, the distance between the global weights and the worker's previous local
-  weights (``delta_gap``).
-
-Reference settings (authors' CIFAR script): 8 workers, global lr 0.1 momentum 0.95, local optimizer
-``dc-adaptive`` with η_l = 0.5 (on ĝ = g/N); the first 200 iterations plain SSGD. These are the
-defaults here (η_l 0.5, m 0).
-
 Example (N = 8 workers)::
 
     W_local = local_step(W, g, mode="dc-adaptive", lr_local=0.5, grad_scale=1 / 8,
@@ -43,6 +23,9 @@ Example (N = 8 workers)::
 
 Differences from the paper: the dc-adaptive MS is updated with the current gradient before λ is
 computed and starts at zero (as in DC-ASGD-a, dcasgd.py).
+
+Design: docs/design/odsgd.md#local-and-global-steps (the 1/N, converting older settings, Δ, the
+reference settings).
 """
 from __future__ import annotations
 
@@ -73,7 +56,7 @@ def local_step(W: Tensor, g: Tensor, *, mode: str = "sgd", lr_local: float, grad
         grad_scale: ĝ = grad_scale·g (OD-SGD passes 1/N; 1 leaves g as it is).
         wd: weight decay (on W, not scaled).
         lam: λ (dc, default 0.04) or λ₀ (dc-adaptive, default 2.0).
-        delta: Δ (dc modes; see the module docstring).
+        delta: Δ (dc modes; docs/design/odsgd.md#local-and-global-steps).
         ms: the worker's mean-square buffer (dc-adaptive; zeros at the start).
         ms_momentum, eps: m (default 0, the authors') and ε of dc-adaptive.
         out: optional destination tensor (may not alias ``W``, ``g`` or ``delta``).
