@@ -10,40 +10,14 @@ For ranks i = 0 … N-1 and each bucket b the reduction is the same as for the w
 g_b ← (1/N)·Σ_i g_b^(i) — cutting only changes which elements travel together, never how one element
 is summed, so every bucket is one ``allreduce(comm, grads[lo:hi], average=True, compress=…)``.
 
-Overlap (:class:`BucketReducer`): a ``register_post_accumulate_grad_hook`` on every parameter
-counts, per bucket, the parameters whose gradient of this step is complete; on the last backward pass
-of a step (``backward_passes_per_step``) a bucket whose count reaches zero is *ready*. Buckets are
-started strictly in index order (bucket b only after b-1), so every rank issues the same collectives
-in the same order whatever order its backward fires the hooks in. A started bucket is handed to a
-communication thread that runs the blocking allreduce (Open MPI's tuned blocking algorithms; MPI
-runs with ``THREAD_MULTIPLE``), so communication makes progress while the main thread computes the
-rest of the backward pass. ``finish()`` starts every bucket not started yet (parameters that got no
-gradient this step: their slot is zeroed first), waits for the thread, and re-raises any error the
-thread met. Without overlap, ``finish()`` reduces the *same* buckets in the same order on the calling
-thread: the same MPI calls on the same data, so the two modes are bitwise identical by construction.
-
-``progress="test"`` is the other way to make progress: no thread; a hook starts the ready buckets'
-``MPI_Iallreduce`` and calls ``test()`` on those in flight at every later hook. It spends no core on
-a spinning communication thread, but a reduction advances only when a hook fires (few times for a
-model of few large tensors) and Open MPI's nonblocking algorithms (libnbc) are slower than its tuned
-blocking ones; which wins depends on the model and machine (``hpcasync bench ssgd`` times both).
-
 Example::
 
     red = BucketReducer(flat, comm, bucket_bytes=256 * 1024, overlap=True)
     loss.backward()                  # buckets start as their gradients complete
     red.finish()                     # all buckets averaged; flat.grads is the mean gradient
 
-Differences from the references: PyTorch DDP's ``Reducer`` (Li et al., "PyTorch Distributed",
-VLDB 2020) copies gradients into separate bucket buffers, sizes the first bucket 1 MiB and the rest
-25 MiB, and can rebuild buckets from the order observed in the first step; here buckets are views of
-the flat buffer (no copy), of one size, fixed by the reverse parameter order. Horovod's
-``DistributedOptimizer`` (Sergeev & Del Balso 2018) starts one allreduce per parameter from a hook
-and fuses them in a background thread on a timer (``HOROVOD_CYCLE_TIME``); here the fusion is the
-fixed bucket and the thread starts a bucket as soon as it is complete. Unused parameters are not
-searched for in the graph (DDP's ``find_unused_parameters``): their buckets simply start at
-``finish()``; which parameters got a gradient on some rank (DDP's "locally used" map, allreduced)
-travels with the last bucket (``presence``), so SSGD can leave globally unused ones as torch does.
+Design: docs/design/ssgd.md#buckets (overlap with a communication thread or with ``test()``
+from the hooks, differences from DDP's and Horovod's reducers).
 """
 from __future__ import annotations
 

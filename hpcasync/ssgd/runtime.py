@@ -8,14 +8,6 @@ the user's ``optimizer.step()`` reads the averaged ``p.grad`` views. The buffer 
 buckets started during backward (``--ssgd-overlap``, default on a GPU; ``--no-ssgd-overlap``, the CPU default, reduces the same
 buckets after it, bitwise the same result; ``--ssgd-bucket-mb``): :mod:`hpcasync.ssgd.buckets`.
 
-Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``; see
-:mod:`hpcasync.hetero`; the worker index is the rank): :class:`StepDelay` makes a slow rank sleep
-after its forward/backward, before the allreduce, so every rank waits for it — the cost a
-synchronous algorithm pays for a straggler. OD-SGD uses it the same way.
-
-``--backend horovod`` runs the same loop with Horovod's ``DistributedOptimizer`` instead (it must be
-installed: ``scripts/install-horovod.sh``), for side-by-side comparisons.
-
 Example (a user's own loop)::
 
     flat = FlatModel(model)
@@ -25,6 +17,8 @@ Example (a user's own loop)::
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
+Design: docs/design/ssgd.md#runtime (heterogeneity, the Horovod backend).
 """
 from __future__ import annotations
 
