@@ -6,8 +6,11 @@ Built once, outside every algorithm, and passed in (style anchor 8).
   ``ranks_per_node=K`` (``--ranks-per-node`` / ``HPCASYNC_RANKS_PER_NODE``) the ranks of each physical
   node are regrouped into *virtual nodes* of K consecutive ranks, so the whole hierarchy runs and is
   tested on one machine.
-* ``glob``: for local index j, the ranks with local index j on every node (DASO's global groups and
-  the middle stage of the hierarchical allreduce).
+* ``glob``: for local index j, the ranks with local index j on every node (the middle stage of the
+  hierarchical allreduce, which needs equal nodes); a node with fewer ranks is absent from the
+  higher indices' communicators.
+* :meth:`Topology.global_groups`: DASO's global groups, which also hold on uneven nodes (after a
+  death): group j is, on every node p, its rank with local index ``j mod L_p`` (:func:`regroup`).
 * ``device``: local rank r uses ``cuda:r`` when CUDA is available and ``device`` is ``auto``/``cuda``,
   else the CPU (the single-node multi-GPU mode is ``mpirun -n <gpus> hpcasync train ...``).
 * ``ps_rank``: the world rank that serves the asynchronous algorithms (it does no training compute).
@@ -101,6 +104,13 @@ class Topology:
     device: str              # torch device string, "cpu" or "cuda:r"
     ps_rank: int
     ps_ranks: int = 1        # parameter-server ranks (shard servers): ps_rank and those after it
+    node_sizes: tuple = ()   # ranks of every node, by node number (() where not known)
+
+    @property
+    def max_local_size(self) -> int:
+        """The largest node's rank count (``local_size`` on uniform nodes): DASO's number of
+        global groups."""
+        return max(self.node_sizes) if self.node_sizes else self.local_size
 
     @property
     def is_ps(self) -> bool:
@@ -158,45 +168,59 @@ class Topology:
         node_leaders = sorted(r for r in leaders if r >= 0)
         my_leader = local.bcast(rank, root=0)
         node = node_leaders.index(my_leader)
-        sizes = world.allgather(local_size)
-        uniform = len(set(sizes)) == 1
+        nodes, _ = regroup(world.allgather(node))
+        node_sizes = tuple(len(n) for n in nodes)
         glob = world.Split(color=local_rank, key=rank)
         return cls(world=world, local=local, glob=glob, rank=rank, size=size,
                    local_rank=local_rank, local_size=local_size, node=node,
-                   num_nodes=len(node_leaders), uniform=uniform,
+                   num_nodes=len(node_leaders), uniform=len(set(node_sizes)) == 1,
                    virtual_nodes=ranks_per_node is not None,
-                   device=pick_device(device, local_rank), ps_rank=ps_rank)
+                   device=pick_device(device, local_rank), ps_rank=ps_rank,
+                   node_sizes=node_sizes)
 
-    def shrunk(self, world, *, uniform: bool = False) -> "Topology":
+    def shrunk(self, world) -> "Topology":
         """The topology of ``world``, the survivors of this topology's world after a death
-        (``MPI_Comm_shrink``; collective over it): every survivor stays on its (virtual) node,
-        nodes that lost every rank are gone, nodes are renumbered in order. A node that lost some
-        ranks makes the topology non-uniform — unless ``uniform``: then every node is cut into
-        virtual nodes of g ranks, g the greatest common divisor of the surviving nodes' sizes
-        (2 + 1 survivors: three nodes of one). The world rank of the parameter server is kept
-        where it survived (else 0)."""
-        import math
-
+        (``MPI_Comm_shrink``; collective over it): every survivor stays on its (virtual) node with
+        the survivors of that node (:func:`regroup`), nodes that lost every rank are gone, nodes
+        are renumbered in order. A node that lost some ranks keeps the others together — 3 nodes
+        of 2 minus one rank are nodes of 2, 1 and 2, not 5 nodes of 1 — and makes the topology
+        non-uniform (``uniform`` False: the hierarchical allreduce refuses it; DASO runs on uneven
+        nodes, see :meth:`global_groups`). The world rank of the parameter server is kept where it
+        survived (else 0)."""
         from .runtime.ft import translate
 
         rank, size = world.Get_rank(), world.Get_size()
-        node = world.Split(color=self.node, key=rank)
-        node_size = node.Get_size()
-        g = math.gcd(*world.allgather(node_size)) if uniform else node_size
-        local = node.Split(color=node.Get_rank() // g, key=rank)
-        node.Free()
-        leaders = sorted(r for r in world.allgather(rank if local.Get_rank() == 0 else -1)
-                         if r >= 0)
-        my_leader = local.bcast(rank, root=0)
+        nodes, _ = regroup(world.allgather(self.node))
+        node = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+        local = world.Split(color=node, key=rank)
         glob = world.Split(color=local.Get_rank(), key=rank)
-        sizes = world.allgather(local.Get_size())
+        node_sizes = tuple(len(n) for n in nodes)
         ps = translate(self.ps_rank, self.world, world) if self.ps_rank < self.size else -1
         return Topology(world=world, local=local, glob=glob, rank=rank, size=size,
                         local_rank=local.Get_rank(), local_size=local.Get_size(),
-                        node=leaders.index(my_leader), num_nodes=len(leaders),
-                        uniform=len(set(sizes)) == 1,
-                        virtual_nodes=self.virtual_nodes or g != node_size,
-                        device=self.device, ps_rank=max(ps, 0), ps_ranks=self.ps_ranks)
+                        node=node, num_nodes=len(nodes), uniform=len(set(node_sizes)) == 1,
+                        virtual_nodes=self.virtual_nodes, device=self.device,
+                        ps_rank=max(ps, 0), ps_ranks=self.ps_ranks, node_sizes=node_sizes)
+
+    def global_groups(self) -> dict:
+        """DASO's global groups this rank belongs to, ``{j: communicator}`` for j < the largest
+        node's size (:func:`regroup`): group j holds, on every node, the rank with local index
+        ``j mod L_p`` — every node takes part in every group. On uniform nodes that is ``glob``
+        (returned, no new communicator: ``{local_rank: glob}``); on uneven nodes a rank of a
+        smaller node is in several groups and one new communicator per group is made here (the
+        caller's). Collective over ``world``."""
+        if self.uniform:
+            return {self.local_rank: self.glob}
+        from mpi4py import MPI
+
+        _, groups = regroup(self.world.allgather(self.node))
+        out = {}
+        for j, members in enumerate(groups):
+            member = self.rank in members
+            comm = self.world.Split(color=0 if member else MPI.UNDEFINED, key=self.rank)
+            if member:
+                out[j] = comm
+        return out
 
     def require_uniform(self, what: str) -> None:
         """Raise unless every node has the same number of ranks (``what`` names the caller)."""
@@ -206,7 +230,9 @@ class Topology:
 
     def describe(self) -> str:
         kind = "virtual" if self.virtual_nodes else "physical"
-        return (f"{self.size} ranks on {self.num_nodes} {kind} node(s) of {self.local_size}, "
+        of = (str(self.local_size) if self.uniform or not self.node_sizes
+              else "+".join(map(str, self.node_sizes)))
+        return (f"{self.size} ranks on {self.num_nodes} {kind} node(s) of {of}, "
                 f"device {self.device}, ps rank {self.ps_rank}")
 
     def free(self) -> None:
@@ -215,6 +241,30 @@ class Topology:
                 comm.Free()
             except Exception:  # pragma: no cover - already freed or MPI finalised
                 pass
+
+
+def regroup(node_of) -> tuple[list[list[int]], list[list[int]]]:
+    """Nodes and DASO global groups from the node of every rank (pure; no MPI).
+
+    ``node_of[r]`` is the node (any hashable id) of rank r — after a death, each survivor's node
+    in the old topology. Returns ``(nodes, groups)``: ``nodes`` the ranks of each node, nodes
+    ordered by their lowest rank, ranks ascending (so every survivor stays with the survivors of
+    its node, whatever their number); ``groups[j]`` for j < L = the largest node's size: on every
+    node p (in node order) its rank with local index ``j mod L_p``. On uniform nodes group j is
+    local index j on every node (DASO's groups); on uneven ones every node is still in every
+    group — a node of one rank sends that rank in all of them — so each global merge averages
+    over all P nodes, as DASO's formula (2B·x + S)/(2B + P) takes.
+
+    Example: ``regroup([0, 0, 1, 2, 2])`` (3 nodes of 2, rank 3 dead) →
+    ``([[0, 1], [2], [3, 4]], [[0, 2, 3], [1, 2, 4]])``.
+    """
+    by_node: dict = {}
+    for rank, node in enumerate(node_of):
+        by_node.setdefault(node, []).append(rank)
+    nodes = sorted(by_node.values(), key=lambda ranks: ranks[0])
+    width = max((len(n) for n in nodes), default=0)
+    groups = [[n[j % len(n)] for n in nodes] for j in range(width)]
+    return nodes, groups
 
 
 def server_ranks(ps_rank: int, ps_ranks: int, size: int) -> list[int]:

@@ -3,13 +3,25 @@ blocking global averages, and an emulated slow inter-node link. Built on :mod:`h
 
 * node-local: ``allreduce(topo.local, grads, average=True)`` (the shared-memory window), or
   Horovod initialised on ``topo.local`` (``local_backend="horovod"``);
-* global send: global group j (``topo.glob`` of the ranks with local index j) copies its parameters
-  and float buffers into a fresh snapshot and starts ``iallreduce(..., compress=cast,
-  chunk_elems=DASO_CHUNK_ELEMS, algorithm="mpi")``; the record of the message is an
-  :class:`InFlight`; :meth:`DasoComm.complete` waits for it and returns the sum S;
-* node broadcast: ``broadcast(topo.local, state, root=j)``;
+* global send: global group j copies its parameters and float buffers into a fresh snapshot and
+  starts ``iallreduce(..., compress=cast, chunk_elems=DASO_CHUNK_ELEMS, algorithm="mpi")``; the
+  record of the message is an :class:`InFlight`; :meth:`DasoComm.complete` waits for it and
+  returns the sum S;
+* node broadcast: ``broadcast(topo.local, state, root=j mod L_p)``;
 * blocking global average (all ranks): ``hierarchical_allreduce(topo, t, average=True)`` — node
   reduce-scatter, across-node allreduce, node allgather — in float32.
+
+Uneven nodes (after a death, :meth:`~hpcasync.topology.Topology.shrunk`: 3 nodes of 2 minus one
+rank are nodes of 2, 1, 2). Global group j is, on every node p of L_p ranks, its local rank
+``j mod L_p`` (:meth:`~hpcasync.topology.Topology.global_groups`; on equal nodes that is local
+rank j, ``topo.glob``), for j < L = the largest node's size: every node is in every group, so S
+always holds one copy per node and the merge's P is the number of nodes, as on equal nodes; a
+rank of a smaller node is in several groups (and sends for each). The blocking average stays an
+average over all ranks (sum / world size, each rank weighing 1, a node weighing its rank count):
+the node sums (``allreduce(topo.local)``), the sum of the node sums over the node leaders (local
+rank 0, group 0), divided by the world size there and broadcast inside each node — identical on
+every rank. (The hierarchical allreduce cuts the node reduce-scatter into L_p pieces and needs
+equal nodes.)
 
 The cast (``"bf16"`` default, ``"fp16"``, or None) applies only on the wire of the nonblocking
 global sends (whose sum is merged with weight P/(2B+P) anyway). Blocking averages — warm-up and
@@ -92,7 +104,8 @@ class DasoComm:
     """DASO's collectives over a :class:`~hpcasync.topology.Topology`, with time and byte counters.
 
     Args:
-        topo: uniform topology (``topo.require_uniform``); P = ``topo.num_nodes``.
+        topo: a :class:`~hpcasync.topology.Topology`, nodes even or not (module doc);
+            P = ``topo.num_nodes``, L = ``topo.max_local_size`` global groups.
         cast: wire format of the nonblocking global sends: ``"bf16"`` (default), ``"fp16"`` or
             None/"none" (blocking averages are always float32).
         chunk_elems: largest piece of a global send (default :data:`DASO_CHUNK_ELEMS`, 10 M).
@@ -107,7 +120,6 @@ class DasoComm:
 
     def __init__(self, topo, *, cast: str | None = "bf16", chunk_elems: int = DASO_CHUNK_ELEMS,
                  local_backend: str = "mpi", link_delay_us_per_mb: float = 0.0):
-        topo.require_uniform("DASO")
         if cast not in COMPRESS:
             raise ConfigError(f"DASO cast must be none, bf16 or fp16; got {cast!r}")
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
@@ -120,7 +132,21 @@ class DasoComm:
         self.delay = LinkDelay(link_delay_us_per_mb)
         self.local_backend = local_backend
         self._hvd = _horovod_on(topo.local) if local_backend == "horovod" else None
+        # this rank's global groups {j: communicator} (collective over the world)
+        self.groups = topo.global_groups()
         self.reset_counters()
+
+    def member(self, group: int) -> bool:
+        """True when this rank is in global group ``group`` (sends and merges for it)."""
+        return group in self.groups
+
+    def root_of(self, group: int) -> int:
+        """The local rank of this node that is in global group ``group`` (``group mod L_p``)."""
+        return group % self.topo.local_size
+
+    def group_comms(self) -> tuple:
+        """The communicators of this rank's global groups (to revoke after a death)."""
+        return tuple(self.groups.values())
 
     def reset_counters(self) -> None:
         self.global_wait_s = self.blocking_global_s = self.local_s = 0.0
@@ -156,22 +182,42 @@ class DasoComm:
         if not tensor.numel():
             return
         t0 = time.perf_counter()
-        hierarchical_allreduce(self.topo, tensor, average=True)
+        topo = self.topo
         nbytes = tensor.numel() * wire_itemsize(None)
-        if self.topo.num_nodes > 1:
+        if topo.uniform:
+            hierarchical_allreduce(topo, tensor, average=True)
+            share = nbytes // topo.local_size
+        else:
+            self._uneven_average(tensor)
+            share = nbytes if topo.local_rank == 0 else 0
+        if topo.num_nodes > 1:
             self.delay.block(nbytes)
-            self.global_bytes += nbytes // self.topo.local_size
+            self.global_bytes += share
         self.blocking_global_s += time.perf_counter() - t0
+
+    def _uneven_average(self, tensor: torch.Tensor) -> None:
+        """Average over all ranks on uneven nodes: node sum, sum over the node leaders (group 0),
+        / world size, node broadcast from the leader (module doc)."""
+        topo = self.topo
+        if topo.local_size > 1:
+            allreduce(topo.local, tensor)
+        if topo.local_rank == 0:
+            if topo.num_nodes > 1:
+                allreduce(self.groups[0], tensor, algorithm="mpi")
+            tensor.div_(topo.size)
+        if topo.local_size > 1:
+            broadcast(topo.local, tensor, root=0)
 
     def start(self, snapshot: torch.Tensor, *, group: int, batch: int, due: int
               ) -> InFlight | None:
         """Group ``group`` starts summing ``snapshot`` (a tensor of its own, which receives S and
         must not be touched until :meth:`complete`); returns None on ranks outside the group."""
-        if self.topo.local_rank != group:
+        comm = self.groups.get(group)
+        if comm is None:
             return None
         nbytes = snapshot.numel() * wire_itemsize(self.cast)
         t_start = time.perf_counter()
-        handle = iallreduce(self.topo.glob, snapshot, compress=self.cast,
+        handle = iallreduce(comm, snapshot, compress=self.cast,
                             chunk_elems=self.chunk_elems, algorithm="mpi",
                             name=f"daso.global.g{group}", step=batch)
         if self.topo.num_nodes > 1:

@@ -22,7 +22,8 @@ Which batch does what is :mod:`.schedule`; the collectives are :mod:`.comm`; the
 Args:
     optimizer: the user's optimizer over the parameters of ``flat``'s module (any torch optimizer).
     flat: the :class:`~hpcasync.comm.FlatModel` of the model (build it before the optimizer).
-    topo: a uniform :class:`~hpcasync.topology.Topology`.
+    topo: a :class:`~hpcasync.topology.Topology`; nodes may be uneven (after a death: global
+        group j is local rank j mod L_p of every node p, see :mod:`.comm`).
     total_epochs: epochs of the run (the cool-down counts back from it).
     batches_per_epoch: batches (``step()`` calls) per epoch, a count.
     warmup_epochs=4, cooldown_epochs=4, global_skip=4, local_skip=1, batches_to_wait=1,
@@ -112,10 +113,9 @@ class DASO(AlgorithmOptimizer):
         self._wrap(as_flat(flat), optimizer)
         flat = self.flat
         self.topo = topo = default_topology() if topo is None else topo
-        topo.require_uniform("DASO")
         self.batches_per_epoch = batches_per_epoch
         self.schedule = DasoSchedule(
-            total_epochs=total_epochs, num_groups=topo.local_size, warmup_epochs=warmup_epochs,
+            total_epochs=total_epochs, num_groups=topo.max_local_size, warmup_epochs=warmup_epochs,
             cooldown_epochs=cooldown_epochs, global_skip=global_skip, local_skip=local_skip,
             batches_to_wait=batches_to_wait, max_global_skips=max_global_skips,
             plateau_patience=plateau_patience, plateau_threshold=plateau_threshold)
@@ -213,7 +213,7 @@ class DASO(AlgorithmOptimizer):
         group, state = plan.receive_group, self._scratch
         if plan.batch - self.schedule.knobs.batches_to_wait < self._lost_before:
             return           # its message was sent before a recovery, and dropped there
-        if self.topo.local_rank == group:
+        if self.comm.member(group):
             if not self.inflight or self.inflight[0].due_batch != plan.batch:
                 raise RuntimeError(f"DASO: no global message due at batch {plan.batch} "
                                    f"(in flight: {list(m.due_batch for m in self.inflight)})")
@@ -222,26 +222,25 @@ class DASO(AlgorithmOptimizer):
             pack_state(self.flat.params, self.flat.buffers, out=state)
             merge_(state, total, batches_to_wait=msg.due_batch - msg.sent_batch,
                    num_nodes=self.topo.num_nodes, keep=self._keep.pop(msg.sent_batch, ()))
-        self.comm.node_broadcast(state, root=group)
+        self.comm.node_broadcast(state, root=self.comm.root_of(group))
         unpack_state(state, self.flat.params, self.flat.buffers)
 
     def set_topology(self, topo, *, average: bool) -> None:
         """Run on ``topo`` from now on: the survivors after dead ranks were shrunk out (ULFM,
-        :class:`~hpcasync.runtime.recovery.SyncRecovery`; uniform,
-        ``Topology.shrunk(uniform=True)``). The global messages in flight are dropped (their
-        receives in this epoch are skipped), the collectives are rebuilt on the new
-        communicators, the schedule cycles over the new node size; the epoch, its batch and the
-        knobs are kept. ``average``: average every replica's parameters, buffers and optimizer
-        state over the survivors (what a cycling epoch's end does), so that nodes that had
-        drifted apart go on from one state. Collective over ``topo.world``."""
-        topo.require_uniform("DASO")
+        :class:`~hpcasync.runtime.recovery.SyncRecovery`, ``Topology.shrunk``: a node that lost a
+        rank keeps its other ranks, nodes may be uneven). The global messages in flight are
+        dropped (their receives in this epoch are skipped), the collectives are rebuilt on the
+        new communicators, the schedule cycles over the largest node's size; the epoch, its
+        batch and the knobs are kept. ``average``: average every replica's parameters, buffers
+        and optimizer state over the survivors (what a cycling epoch's end does), so that nodes
+        that had drifted apart go on from one state. Collective over ``topo.world``."""
         self.topo = topo
         self.inflight.clear()
         self._keep.clear()
         self._lost_before = self.schedule.batch
         self._synced_plan = None
         self.comm = DasoComm(topo, **self._comm_args)
-        self.schedule.num_groups = topo.local_size
+        self.schedule.num_groups = topo.max_local_size
         self.global_phase = topo.num_nodes > 1
         if average:
             with torch.no_grad():

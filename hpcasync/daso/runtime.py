@@ -106,7 +106,6 @@ def validate(cfg) -> None:
 
 def run(ctx: RunContext) -> RunResult:
     cfg, topo = ctx.cfg, ctx.topo
-    topo.require_uniform("DASO")
     model = ctx.make_model()
     flat = FlatModel(model)
     nbatches = len(ctx.train) // topo.size // cfg.batch_size
@@ -121,9 +120,10 @@ def run(ctx: RunContext) -> RunResult:
         log.info("daso: heterogeneity: %s", delay.model.describe())
     start_epoch = 1
     state = ctx.resume_state()
-    # a dead rank (ULFM): the survivors regroup into equal nodes, adopt the most advanced
-    # position; in a blocking epoch they adopt its replica, in a cycling one they average theirs
-    rec = SyncRecovery(ctx, enabled=cfg.backend != "horovod" and ulfm_enabled(), uniform=True)
+    # a dead rank (ULFM): the survivors stay on their nodes (a node that lost a rank goes on
+    # smaller: uneven nodes), adopt the most advanced position; in a blocking epoch they adopt
+    # its replica, in a cycling one they average theirs
+    rec = SyncRecovery(ctx, enabled=cfg.backend != "horovod" and ulfm_enabled())
     if state is not None:
         model.load_state_dict(state["model"])        # copies into the FlatModel views
         opt.load_state_dict(state["optimizer"])
@@ -202,7 +202,8 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            revoke = tuple(c for c in (topo.local, topo.glob) if c is not None)
+            revoke = tuple(c for c in (topo.local, topo.glob, *opt.comm.group_comms())
+                           if c is not None)
             cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
                                   revoke=revoke), keep=rec.last_kept)
     return RunResult(model=model, summary={**summary, **rec.summary()})
@@ -218,6 +219,7 @@ def _final(opt, topo, cfg, schedule, totals, delay) -> dict:
     return {"backend": cfg.backend, "steps": opt.steps, "replicas_identical": identical,
             "replica_checksum": checksum[:16], "replica_sha256": checksums,
             "daso_schedule": schedule,
+            "daso_node_sizes": list(topo.node_sizes),
             "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
             "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
             "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"]),

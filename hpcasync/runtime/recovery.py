@@ -16,8 +16,8 @@ called on every survivor from the ``except`` of its step:
    succeeded holds a correct step (MPI: a call that returns success left correct results on that
    rank), so nothing computed is thrown away but the step nobody finished, which is redone;
 4. **rebuild the topology** on the shrunk world (:meth:`hpcasync.topology.Topology.shrunk`: each
-   survivor stays on its node) and re-shard the rest of the epoch over the survivors
-   (:class:`~hpcasync.data.sharding.EpochShards`);
+   survivor stays on its node with that node's other survivors; nodes may become uneven) and
+   re-shard the rest of the epoch over the survivors (:class:`~hpcasync.data.sharding.EpochShards`);
 5. hand the metrics stream over when its writer died (the new rank 0 appends to ``.partial``) and
    write a ``rank_failed`` record: who died (original world ranks), when, what the recovery cost.
 
@@ -55,15 +55,13 @@ class SyncRecovery:
         ctx: the run's :class:`~hpcasync.runtime.context.RunContext` (its ``topo`` is replaced
             after a recovery; ``metrics``, ``history`` and ``steps`` are kept consistent).
         enabled: ULFM is on (otherwise :meth:`handles` is always False and errors propagate).
-        uniform: the rebuilt topology must have equal nodes (DASO; see
-            :meth:`~hpcasync.topology.Topology.shrunk`).
 
     Attributes: ``failures`` (one dict per recovery, as in the ``rank_failed`` records),
     ``original`` (the original world rank of each rank of the current world).
     """
 
-    def __init__(self, ctx, *, enabled: bool, uniform: bool = False):
-        self.ctx, self.enabled, self.uniform = ctx, bool(enabled), uniform
+    def __init__(self, ctx, *, enabled: bool):
+        self.ctx, self.enabled = ctx, bool(enabled)
         self.last_kept: list[int] = []      # the survivors' ranks in the world before a recovery
         self.original = list(range(ctx.topo.size))
         self.failures: list[dict[str, Any]] = []
@@ -128,7 +126,7 @@ class SyncRecovery:
                 failed_ranks(new, exc)
                 world = new
         self.last_kept = index
-        self.ctx.topo = topo.shrunk(new, uniform=self.uniform)
+        self.ctx.topo = topo.shrunk(new)
         load(blob)
         self.ctx.history.extend(history[len(self.ctx.history):])   # epoch ends it had finished
         took = time.perf_counter() - t0

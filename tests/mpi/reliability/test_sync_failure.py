@@ -231,10 +231,11 @@ DASO = ["--ranks-per-node", "2", "--daso-warmup-epochs", "0", "--daso-cooldown-e
 @pytest.mark.parametrize("kill,phase", [("3:step:30", "cycling"), ("1:step:60", "cooldown")])
 def test_daso_survives_a_rank_sigkilled_on_two_virtual_nodes(tmp_path, kill, phase):
     """2 virtual nodes of 2, epoch 1 cycling, epoch 2 blocking (cool-down). A death leaves nodes
-    of 2 and 1: the survivors regroup into 3 nodes of 1 (uniform), drop the global messages in
-    flight, finish the epoch on their own shards (DASO's schedule keeps the epoch's batch count)
-    and go on: exit 0, replicas bitwise equal at the end, accuracy within 5 points of the
-    undisturbed run on this slice (its seed-to-seed spread is about 4)."""
+    of 2 and 1, and the survivors keep them (uneven nodes; the node-local groups in detail:
+    test_daso_after_death.py), drop the global messages in flight, finish the epoch on their own
+    shards (DASO's schedule keeps the epoch's batch count) and go on: exit 0, replicas bitwise
+    equal at the end, accuracy within 5 points of the undisturbed run on this slice (its
+    seed-to-seed spread is about 4)."""
     need_ulfm()
     base, mbase, _ = _run(tmp_path, "daso", extra=DASO)
     assert base.returncode == 0, base.stderr[-3000:]
@@ -242,6 +243,7 @@ def test_daso_survives_a_rank_sigkilled_on_two_virtual_nodes(tmp_path, kill, pha
     dead = int(kill.split(":")[0])
     s = _survived(out, metrics, [dead], params_digest=False)
     assert s["replicas_identical"]
+    assert s["daso_node_sizes"] == ([2, 1] if dead == 3 else [1, 2])
     assert [row[1] for row in s["daso_schedule"]] == ["cycling", "cooldown"]
     per_epoch = TRAIN // 4 // 32
     assert s["steps"] == per_epoch + (TRAIN // 3 // 32 if phase == "cycling" else per_epoch)
