@@ -1,6 +1,6 @@
 """The front door: every algorithm in a user's own loop, through ``import hpcasync``.
 
-::
+Example::
 
     import hpcasync, torch, torch.nn.functional as F
 
@@ -14,26 +14,8 @@
         sched.step()
         hpcasync.save_checkpoint("ckpt", model, opt, epoch=epoch)
 
-Changing algorithm is changing the name and its hyperparameters:
-
-=========================== =========================================================================
-``ssgd``                    :class:`hpcasync.ssgd.DistributedOptimizer` (wraps your optimizer)
-``daso``                    :class:`hpcasync.daso.DASO` (wraps your optimizer; needs ``epochs``,
-                            ``steps_per_epoch``; call ``opt.epoch_end(loss)`` after each epoch)
-``odsgd``                   :class:`hpcasync.odsgd.ODSGD` (its own global momentum SGD)
-asgd, dcasgd, dcasgd-a,     :class:`hpcasync.ps.ParameterServer` (the rule runs on the server rank:
-lcasgd, shat, shat-root,    ``if ctx.is_server: opt.serve()`` else the loop, then ``opt.finish()``)
-ensemble, asp, smega2,
-dana, nag
-=========================== =========================================================================
-
-Where an algorithm runs your optimizer (ssgd, daso) pass it; where it runs its own update (odsgd,
-the PS rules) you may still pass a ``torch.optim.SGD``: its lr, weight decay and (for odsgd, smega2,
-dana, nag) momentum become the algorithm's, so one loop serves every name. Keywords override.
-
-Errors are one line on every rank within seconds: :func:`init` installs an exception hook that
-prints the failing rank's error and ends the whole job (``MPI_Abort``) instead of leaving the other
-ranks waiting in a collective.
+Design: docs/design/front-door.md#front-door (which object each algorithm gives, passing a
+``torch.optim.SGD`` to an algorithm that owns its update, fail-fast errors).
 """
 from __future__ import annotations
 
@@ -122,7 +104,8 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
             ``is_server`` is true on all K (``ParameterServer`` takes K from here by default).
         threads: torch threads per rank (default: the cores of this process / ranks per node).
         seed: seed Python, numpy and torch identically on every rank.
-        fail_fast: install the exception hook that ends the job on any rank's error (module doc).
+        fail_fast: install the exception hook that ends the job on any rank's error
+            (docs/design/front-door.md#front-door).
     """
     from .topology import Topology, set_default_topology
 
@@ -243,7 +226,7 @@ def _agree_at_exit(comm) -> None:
 
 def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
               **hyper: Any):
-    """The optimizer-shaped object of ``algorithm`` over ``model`` (module doc).
+    """The optimizer-shaped object of ``algorithm`` over ``model`` (docs/design/front-door.md).
 
     It is a ``torch.optim.Optimizer``: LR schedulers, ``state_dict``/``load_state_dict`` and
     ``zero_grad`` work on it. Collective: call it on every rank. Initial parameters are made equal

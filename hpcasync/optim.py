@@ -6,24 +6,13 @@ Each family has one class (:class:`hpcasync.ssgd.DistributedOptimizer`, :class:`
 accepts it: LR schedulers (they write ``param_groups[i]["lr"]``, which the algorithm reads at every
 step), ``register_step_pre_hook``/``post_hook``, ``state_dict``/``load_state_dict``.
 
-Two shapes:
+Example::
 
-* **wrapping** the user's optimizer (SSGD, DASO): ``param_groups`` and ``state`` *are* the user
-  optimizer's (the same objects), so a scheduler on either drives both;
-* **owning** its hyperparameters (OD-SGD, the parameter-server rules): one param group over the
-  model's parameters with the algorithm's ``lr`` (and momentum, ...); the algorithm reads
-  ``param_groups[0]["lr"]`` at every step (PS: each push carries it to the server).
+    opt = hpcasync.optimizer("odsgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    isinstance(opt, torch.optim.Optimizer)              # True
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)    # drives param_groups[i]["lr"]
 
-State dicts are a plain torch optimizer's plus one key: ``{"state", "param_groups", "hpcasync":
-{"algorithm": name, ...}}``. So :meth:`AlgorithmOptimizer.load_state_dict` takes a plain torch
-optimizer's state dict (e.g. from a single-process run: its momentum buffers and lr continue), and a
-plain torch optimizer takes ours (torch ignores the extra key).
-
-Gradients: every algorithm reads the flat gradient buffer of :class:`~hpcasync.comm.FlatModel`;
-before it does, :meth:`AlgorithmOptimizer._collect` re-binds gradients that a ``zero_grad(
-set_to_none=True)`` on the model or on any optimizer detached (one pointer check per tensor when
-nothing was detached), so communication never silently stops; and stops with one line when
-``model.to(...)``/``.half()``/channels_last after the optimizer moved a parameter off the buffer.
+Design: docs/design/front-door.md#optimizer-base (wrapping and owning, state dicts, gradients).
 """
 from __future__ import annotations
 
@@ -72,7 +61,7 @@ def group_index(flat: FlatModel, param_groups) -> list[int]:
 
 
 class AlgorithmOptimizer(torch.optim.Optimizer):
-    """Base of the optimizer-shaped object of every algorithm (module doc).
+    """Base of the optimizer-shaped object of every algorithm (docs/design/front-door.md).
 
     Subclasses call :meth:`_wrap` or :meth:`_own` in ``__init__``, and may extend
     :meth:`_extra_state` / :meth:`_load_extra` (their counters) and :meth:`_load_plain` (how a

@@ -1,45 +1,8 @@
 """User code for ``hpcasync train``: models, data sets, losses and optimizers named by a spec.
 
-A *spec* is ``MODULE:FACTORY``. ``MODULE`` is a dotted module name (``pkg.module``), imported with
-the current working directory first on ``sys.path`` (as ``python -m`` would), or the path of a
-``.py`` file (anything ending in ``.py`` or holding a ``/``), relative to the working directory;
-the file's directory is appended to ``sys.path`` so it can import its siblings. ``FACTORY`` is a
-callable attribute of the module (dotted for a nested one: ``Nets.small``). The zoo names
-(``mlp``, ``lenet``, ``resnet20``; ``fashion-mnist``, ``fashion-mnist-mini``, ``mnist``,
-``cifar10``) stay as shortcuts.
-
-The contract:
-
-``--model SPEC``
-    ``factory(input_shape, num_classes) -> torch.nn.Module``. ``input_shape`` is the shape of one
-    item of the training data (a tuple, any rank), ``num_classes`` = largest label + 1. On a batch
-    of B items the model must return a tensor of shape (B, num_classes) (logits, or log
-    probabilities with ``--loss nll``). Weights must come from torch's global generator only, so
-    every rank builds the same model from the same seed.
-``--dataset SPEC``
-    ``factory() -> (train, test)``: two map-style ``torch.utils.data.Dataset`` objects whose items
-    are ``(x, y)``, ``x`` a floating tensor (one shape for all items of both sets), ``y`` an int
-    label >= 0 (a Python int, a numpy integer or a 0-d integer tensor). They are read once, at
-    load, into in-memory :class:`~hpcasync.data.ArrayDataset` pairs (float32), so sharding,
-    batching and evaluation are the zoo's; ``--train-limit`` / ``--test-limit`` keep the first N
-    items (and only those are read). Every rank calls the factory: it must return the same data.
-``--loss NAME|SPEC``
-    ``cross_entropy`` (default), ``nll`` (for a model ending in ``log_softmax``) or a spec whose
-    ``factory()`` returns ``loss(output, target) -> scalar tensor`` (the mean over the batch).
-``--optimizer NAME|SPEC`` (ssgd and daso only)
-    ``sgd`` (default), ``adam``, ``adamw``, ``rmsprop`` (each given those of ``--lr``,
-    ``--momentum``, ``--weight-decay`` it accepts) or a spec whose factory is called as
-    ``factory(params, lr=..., momentum=..., weight_decay=...)`` and returns a
-    ``torch.optim.Optimizer``.
-
-Every problem -- a spec that does not import (no module, no file, a syntax error, no such
-attribute, not callable), a factory that raises or returns the wrong thing, data items that are not
-``(floating tensor, int >= 0)`` of one shape, an empty set, a model whose output on two training
-items is not (2, num_classes), a loss that is not a differentiable scalar -- is a one-line
-:class:`~hpcasync.errors.ConfigError` (or :class:`~hpcasync.errors.DataError` for the data's
-contents) naming the spec, raised by ``hpcasync train`` before MPI starts
-(:func:`hpcasync.train.precheck` imports the factories, :func:`check_run` tries the model on the
-data).
+A *spec* is ``MODULE:FACTORY``: a dotted module name or the path of a ``.py`` file, then a callable
+attribute of it; the zoo names stay as shortcuts. Every problem is a one-line ConfigError naming
+the spec, before MPI starts.
 
 Example, ``my_models.py`` in the working directory::
 
@@ -57,8 +20,7 @@ and then::
     mpiexec -n 4 hpcasync train --model my_models:wide_mlp --dataset fashion-mnist
     mpiexec -n 4 hpcasync train --model path/to/my_models.py:wide_mlp --optimizer adam --lr 1e-3
 
-See ``examples/plugins/`` for a GRU and a BatchNorm conv net (``my_models.py``) and a data set
-factory (``my_data.py``).
+Design: docs/design/plugins.md#plugins (the spec, each option's contract, the errors).
 """
 from __future__ import annotations
 

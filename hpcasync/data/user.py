@@ -1,5 +1,5 @@
 """User data sets for ``hpcasync train --dataset MODULE:factory`` (the contract is in
-:mod:`hpcasync.plugins`): the factory's ``(train, test)`` map-style Datasets read once into
+docs/design/plugins.md): the factory's ``(train, test)`` map-style Datasets read once into
 in-memory :class:`~hpcasync.data.ArrayDataset` pairs, every problem a one-line error."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 
 A name holding ``:`` is user code, ``MODULE:FACTORY`` (``pkg.module:factory`` or
 ``path/file.py:factory``), built by :func:`hpcasync.plugins.user_model` as
-``factory(input_shape, num_classes)``; see :mod:`hpcasync.plugins` for the contract.
+``factory(input_shape, num_classes)``; the contract: docs/design/plugins.md.
 
 Models draw their initial weights from torch's global generator only, so ``torch.manual_seed(s)``
 before ``build_model`` gives bitwise-identical models on every rank. No MPI here.
