@@ -8,16 +8,6 @@ loading never runs code from the file. Its top level is::
                 "world_size": …, "epoch": …, "step": …, "created": …, "torch": …, …},
      "sha256": "<hex>", "payload": <the state dict>}
 
-``sha256`` hashes a canonical encoding of header and payload (structure, keys, scalar values,
-tensor dtype/shape and bytes), so a truncated file, a flipped byte or a header that no longer fits
-its payload is reported as :class:`~hpcasync.errors.CheckpointError` (one line naming the file),
-never as a crash deep inside torch.
-
-Writing is atomic (invariant 5): a temp file in the same directory, ``fsync``, ``os.replace``, then
-``fsync`` of the directory. Files are named ``ckpt-e{epoch:04d}-s{step:08d}.pt``;
-:func:`latest_checkpoint` picks the newest one that validates, skipping temp files and (with a
-warning) damaged ones.
-
 Example::
 
     mgr = CheckpointManager("runs/ckpt", keep=3)
@@ -28,6 +18,8 @@ Example::
         if step % 20 == 0 and flag.agree(comm):      # every rank stops at the same step
             mgr.save(state, epoch=e, step=step, algorithm="ssgd", world_size=4)
             sys.exit(EXIT_PREEMPTED)
+
+Design: docs/design/checkpoints.md#checkpoint-files (the checksum, atomic writes, names).
 """
 from __future__ import annotations
 

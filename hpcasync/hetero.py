@@ -8,30 +8,14 @@ time, and how long does its push travel?"::
     step time    = natural · factor(w, s)
     push delay   = d  (a fixed extra latency per push, in ms)
 
-``m`` is drawn from a generator seeded with (seed, w, s), so it depends on nothing else: the same
-configuration gives the same delays in any order of evaluation, in any runtime.
-
-In a real run a worker *sleeps* for the extra time ``natural · (factor − 1)`` after its measured
-compute (never less than 0: a factor below 1 cannot make a step faster), and for ``d`` before each
-push, so wall-clock effects are real. The simulator adds the same quantities to its clock, with a
-nominal natural step time.
-
-Command-line forms (one flag each, validated with a one-line ConfigError):
-
-* ``--hetero HO|HE0|HE1|HE2``: SHAT's settings (Ko & Kim 2022): homogeneous, or ONE worker
-  2× / 10× / 100× slower. Decision: the slow worker is the last one (highest rank).
-* ``--straggler RANK:FACTOR[,RANK:FACTOR...]``: rank RANK's steps take FACTOR × their natural time.
-  RANK is a world rank of a real job; the simulator numbers its virtual ranks as a real job of the
-  same shape would (PS algorithms: the PS is ``--ps-rank``, the workers are the other ranks).
-* ``--compute-time gamma:SHAPE``: per-step multiplier ~ Gamma(SHAPE, mean 1) (SMEGA2's simulator
-  uses shape 100: nearly homogeneous). ``--compute-time fixed`` (default): always 1.
-* ``--push-delay MS``: fixed extra latency per push.
-
 Example::
 
     delay = DelayModel.from_options({"hetero": "HE1"}, worker_ranks=[1, 2, 3], seed=0)
     delay.factor(2, step=0)        # 10.0: the last worker is 10x slower
     delay.sleep_extra(2, 0, natural=0.01)    # sleeps 0.09 s
+
+Design: docs/design/hetero.md#delay-models (seeding, sleeping in a real run, the command-line
+forms).
 """
 from __future__ import annotations
 

@@ -1,34 +1,15 @@
 """CIFAR-10 readers for both official layouts, without ever executing pickled code.
 
-Layouts (Krizhevsky, "Learning Multiple Layers of Features from Tiny Images", 2009; the files of
-the CIFAR-10 page):
-
-* ``cifar-10-batches-py``: ``data_batch_1`` .. ``data_batch_5`` and ``test_batch``, each a pickle
-  written by Python 2's cPickle (protocol 2) of a dict ``{"batch_label": str, "labels": [int]*N,
-  "data": uint8 ndarray N×3072, "filenames": [str]*N}``.
-* ``cifar-10-batches-bin``: ``data_batch_1.bin`` .. ``data_batch_5.bin`` and ``test_batch.bin``,
-  N records of 3073 bytes: one label byte, then 3072 pixel bytes.
-
-In both, the 3072 bytes of one image are the 1024 red, then 1024 green, then 1024 blue values of a
-32×32 image in row-major order, so ``reshape(N, 3, 32, 32)`` is the C×H×W image.
-
-**Pickles.** ``pickle.load`` would run whatever callable a file names, so a downloaded batch could
-run ``os.system``. :class:`CifarUnpickler` resolves globals from a fixed table instead of importing
-anything. A real batch references exactly three: ``numpy.core.multiarray._reconstruct``,
-``numpy.ndarray`` and ``numpy.dtype`` (NumPy's array pickling); we also accept the same names under
-NumPy 2's ``numpy._core`` spelling, ``numpy._core.numeric._frombuffer`` (arrays pickled with
-protocol 5) and ``_codecs.encode`` restricted to str -> latin-1 bytes (how Python 3 writes ``bytes``
-into a protocol-2 pickle). These names map to local stand-ins, not to NumPy: an array is rebuilt by
-``numpy.frombuffer`` from a checked (shape, plain numeric dtype, byte string), so object or
-structured dtypes cannot be smuggled in through NumPy's own ``__setstate__``. Every other global is
-refused with "refusing to load <file>: executable pickle". The stream is decoded with
-``encoding="latin1"``, NumPy's documented way to read Python 2 arrays; dict keys may then be ``str``
-or ``bytes`` and both are accepted.
+Both official layouts (``cifar-10-batches-py``, ``cifar-10-batches-bin``) give ``(N, 3, 32, 32)``
+uint8 images. A python batch is unpickled by :class:`CifarUnpickler`, which resolves globals from a
+fixed table of stand-ins instead of importing anything: an executable pickle is refused.
 
 Example::
 
     (x, y), (x_test, y_test) = read_cifar10_dir("/data/cifar-10-batches-py")
     x.shape, y.shape                       # (50000, 3, 32, 32) uint8, (50000,) uint8
+
+Design: docs/design/data.md#cifar-10 (the layouts, which pickle globals are accepted and why).
 """
 from __future__ import annotations
 
@@ -136,7 +117,8 @@ _ALLOWED: dict[tuple[str, str], object] = {
 
 
 class CifarUnpickler(pickle.Unpickler):
-    """An unpickler whose ``find_class`` knows only what a CIFAR batch needs (see module doc).
+    """An unpickler whose ``find_class`` knows only what a CIFAR batch needs
+    (docs/design/data.md#cifar-10).
 
     Allowed names resolve to local stand-ins, not to NumPy: the arrays are rebuilt with
     ``numpy.frombuffer`` from validated (shape, plain numeric dtype, bytes) after loading. Any other

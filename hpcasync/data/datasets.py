@@ -8,31 +8,14 @@ Names (:data:`DATASETS`):
 * ``mnist`` -- LeCun's MNIST, 60000/10000 1×28×28 (same IDX file names as Fashion-MNIST).
 * ``cifar10`` -- Krizhevsky's CIFAR-10, 50000/10000 3×32×32, python or binary batches.
 
-Where the files are looked for, in order (the files may sit in the directory itself or in the
-data set's sub-directory: ``fashion-mnist/``, ``mnist/``, ``cifar-10-batches-py/``,
-``cifar-10-batches-bin/``, ``cifar10/`` and ``cifar10/cifar-10-batches-{py,bin}/``):
-
-1. ``data_dir`` when given -- and only there: a missing set is a DataError;
-2. else ``$HPCASYNC_DATA_DIR``, then ``/usr/share/datasets/<name>`` (Debian's
-   ``dataset-fashion-mnist`` package installs Fashion-MNIST there).
-
-A name holding ``:`` is user code, ``MODULE:FACTORY`` (``pkg.module:factory`` or
-``path/file.py:factory``): ``factory()`` returns ``(train, test)`` torch Datasets of
-``(tensor, int label)`` items, converted once into :class:`ArrayDataset` s by
-:func:`hpcasync.data.user.user_dataset` (the contract is in :mod:`hpcasync.plugins`).
-
-If Fashion-MNIST is found in neither place of step 2, the built-in mini set is used and a warning
-says so and how to get the full set. Data is never made up: no random fallback.
-
-Normalisation: x = (pixel / 255 - mean_c) / std_c with the per-channel constants of
-:data:`NORMALIZATION`, computed over each training set (Fashion-MNIST's were checked against the
-Debian files: mean 0.28604, std 0.35302).
-
 Example::
 
     train, test = load_dataset("fashion-mnist", train_limit=6000)
     train.images.shape, train.labels.dtype, train.input_shape   # (6000,1,28,28), int64, (1,28,28)
     train, test = load_dataset("my_data:rows")                  # my_data.py in the working dir
+
+Design: docs/design/data.md#data-sets (where the files are looked for, user data, the built-in
+mini set, normalisation).
 """
 from __future__ import annotations
 

@@ -6,27 +6,15 @@ contiguous parts of ``m = ⌊L / S⌋`` indices; shard s gets ``π_e[s·m : (s+1
 
     shard(s, e) = π_e[s·m : (s+1)·m],   m = ⌊L / S⌋
 
-The last ``L mod S`` entries of π_e are dropped, so every shard has exactly m examples and hence
-every rank the same number of batches (no rank runs out while the others still wait for it in a
-collective); as π_e changes each epoch, a different few examples are left out each time. Shards of
-one epoch are disjoint and together hold ``S·m`` distinct indices.
-
-Shards are numbered, not tied to MPI ranks: a parameter-server runtime passes the worker's index
-among the workers (``shard_index``) and the number of workers (``num_shards``), leaving the PS rank
-out. This module imports no MPI.
-
-Batches are consecutive slices of a shard; ``start_batch`` resumes an interrupted epoch at batch k
-and yields exactly the batches k, k+1, ... an uninterrupted pass would have yielded.
-
-The permutation depends only on (L, seed, epoch) and the torch version; all ranks of a job run the
-same installation.
-
 Example::
 
     sharder = Sharder(len(train), shard_index=rank, num_shards=world, seed=42)
     for epoch in range(epochs):
         for x, y in sharder.batches(train, epoch, batch_size=128):
             ...
+
+Design: docs/design/data.md#sharding (dropped examples, shard numbering, resuming an epoch,
+reproducibility).
 """
 from __future__ import annotations
 

@@ -1,29 +1,17 @@
 """Run an experiment's matrix as subprocesses, resuming where a previous invocation stopped.
 
-Each run is ``python -m hpcasync sim ...`` (mode ``sim``) or ``mpiexec -n RANKS python -m
-hpcasync train ...`` (mode ``mpi``; the launcher of this Python's MPI from
-:func:`hpcasync.launch.mpiexec_command`: ``--oversubscribe --bind-to none`` added under Open MPI,
-plain ``-n`` under MPICH) with ``--metrics OUT/runs/<id>.jsonl``. The metrics writer keeps a
-run's stream at ``<id>.jsonl.partial`` until the run ends, so a ``<id>.jsonl`` whose last record
-is the ``summary`` is a finished run:
-
-* finished runs are skipped — not rerun, their stream not touched (and checked to have been made
-  with the options the file now gives, else a one-line error); a ``.log`` a killed runner left
-  beside one is removed;
-* anything else of an unfinished run (``.partial``, ``.log``, ``.failed``) is removed and the run
-  starts again;
-* a run that exits non-zero or passes its timeout is recorded as ``<id>.failed`` (exit status,
-  command, the tail of its output) and the matrix goes on; a later invocation leaves it failed
-  (a divergence is a result, not an accident) unless ``retry_failed``.
-
-Children die with the runner (``PR_SET_PDEATHSIG``: SIGKILL for a simulation, SIGTERM for
-``mpiexec``, which then ends its ranks), so a killed runner leaves no orphan that could finish a run
-behind the back of the next invocation. One runner per output directory (``flock`` on ``.lock``).
+Each run is ``python -m hpcasync sim ...`` or ``mpiexec -n RANKS python -m hpcasync train ...``
+with ``--metrics OUT/runs/<id>.jsonl``; a stream whose last record is the ``summary`` is a
+finished run and is skipped, an unfinished run starts again, a failed one is recorded as
+``<id>.failed`` and the matrix goes on. Children die with the runner.
 
 Example::
 
     spec = load_spec("experiments/shat.toml", mini=True)
     result = run_experiment(spec, "/tmp/shat", jobs=2)     # result.ran, .skipped, .failed
+
+Design: docs/design/experiments.md#runner (the launcher, what is removed or kept on a rerun,
+children, the lock).
 """
 from __future__ import annotations
 
@@ -197,7 +185,8 @@ class _Lock:
 def run_experiment(spec: Spec, out: str | Path, *, only=(), timeout: float | None = None,
                    jobs: int | None = None, retry_failed: bool = False,
                    poll_s: float = 0.2) -> RunnerResult:
-    """Run the runs of ``spec`` (those matching ``only``) into ``out``; see the module docstring.
+    """Run the runs of ``spec`` (those matching ``only``) into ``out``; see
+    docs/design/experiments.md#runner.
 
     Args:
         timeout: seconds per run (default: the file's ``timeout``).

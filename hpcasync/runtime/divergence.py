@@ -9,22 +9,6 @@ loss ℓ_1:
 
     diverged(t)  ⇔  ℓ_t ∉ ℝ  ∨  ( m_t > factor · min_{s ≤ t} m_s  ∧  m_t > ℓ_1 )
 
-The second condition keeps a well-trained run whose loss rises from 0.01 to 0.2 (20× its best, but
-far below where it started) running; a learning rate that blows the weights up passes both bounds
-within a step or two. Weights are checked too (:func:`first_nonfinite`): at every epoch end and
-before every checkpoint, so a checkpoint never holds NaN weights.
-
-Args (:class:`DivergenceGuard`):
-    factor: the ratio above which a smoothed loss counts as diverged (default 10; 0 disables the
-        ratio test, non-finite losses and weights still stop the run).
-    window: the number of recent losses averaged (default 20).
-    advice: the end of the message, what to change (default: lower ``--lr``).
-
-Every rank checks its own losses: no collective is added. A rank that finds divergence raises
-:class:`~hpcasync.errors.DivergedError`; the driver's last-resort handler
-(:func:`hpcasync.errors.fail_fast`) prints one line and aborts the whole job, so no rank is left
-waiting in a collective. ``check`` costs a few float operations.
-
 Example::
 
     guard = DivergenceGuard(factor=10.0, window=20)
@@ -34,10 +18,8 @@ Example::
         ...
     guard.check_weights(model, where="epoch 3")
 
-Differences from the literature: frameworks stop on a non-finite loss (Keras' ``TerminateOnNaN``)
-or skip the step (mixed-precision loss scaling). We stop, because an asynchronous or synchronous
-data-parallel run that produced one NaN has already spread it to every replica, and add the ratio
-test so a run that explodes without overflowing ends too.
+Design: docs/design/divergence.md#divergence (why the second condition, where weights are
+checked, no collective). Args and differences from the literature: :class:`DivergenceGuard`.
 """
 from __future__ import annotations
 
@@ -97,7 +79,19 @@ def first_nonfinite(obj: Any, where: str = "") -> str | None:
 
 
 class DivergenceGuard:
-    """Watches one stream of losses (see the module doc); :meth:`check` raises DivergedError."""
+    """Watches one stream of losses (see the module doc); :meth:`check` raises DivergedError.
+
+    Args:
+        factor: the ratio above which a smoothed loss counts as diverged (default 10; 0 disables
+            the ratio test, non-finite losses and weights still stop the run).
+        window: the number of recent losses averaged (default 20).
+        advice: the end of the message, what to change (default: lower ``--lr``).
+
+    Differences from the literature: frameworks stop on a non-finite loss (Keras'
+    ``TerminateOnNaN``) or skip the step (mixed-precision loss scaling). We stop, because an
+    asynchronous or synchronous data-parallel run that produced one NaN has already spread it to
+    every replica, and add the ratio test so a run that explodes without overflowing ends too.
+    """
 
     def __init__(self, *, factor: float = DEFAULT_FACTOR, window: int = DEFAULT_WINDOW,
                  advice: str = ADVICE):

@@ -1,15 +1,5 @@
 """glibc's allocator tuned for training loops: no page-fault churn on every step.
 
-What it fixes: glibc ``malloc`` serves big blocks (above a threshold that starts at 128 KiB and
-moves up as blocks are freed) with a fresh ``mmap``, and gives memory at the top of the heap back
-to the OS (``M_TRIM_THRESHOLD``). A CPU training step allocates and frees the same activations and
-gradients every step, so each step can page-fault its big tensors in again. Measured on the 2-core
-machine with ``experiments/probes/flat_step.py resnet20 [--tune]`` (batch 32, one thread): a plain
-model 86-97 -> 82-85 ms/step, and a model whose gradients live in one flat buffer
-(:class:`~hpcasync.comm.flat.FlatModel`, as every algorithm here) 1.005-1.11x -> 1.007-1.02x of the
-plain one; SSGD at 2 ranks went from 1.11x to 1.03x of compute-only on resnet20
-(``experiments/results/ssgd.md``).
-
 What it does: ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` (glibc's maximum: blocks below it come from
 the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 1 GiB)`` (freed memory stays mapped up
 to 1 GiB), once per process, before MPI starts (:func:`hpcasync.topology.init_mpi`). The price: a
@@ -21,6 +11,8 @@ Example::
 
     from hpcasync.runtime.malloc import tune_malloc
     tune_malloc()          # True where it applied the settings (glibc), once per process
+
+Design: docs/design/malloc.md#malloc-tuning (what it fixes, measured).
 """
 from __future__ import annotations
 

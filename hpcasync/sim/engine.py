@@ -8,19 +8,6 @@ not matter: only the simulated order does. The PS side is the very same rule obj
 drives; the per-push bookkeeping is the same ``PushStats``. Ties are broken by worker index, so
 homogeneous workers push round robin and a run is bit-reproducible.
 
-Server service time (``service_time`` s, ``shards`` K): the PS is not instantaneous. A push that
-arrives at t (the worker's step plus its push delay) is served first-come first-served by each of
-the K shard servers, each needing ``service_time / K`` (its 1/K of the model; K = 1 is one
-server); the reply arrives when the last shard is done, and the worker's next step starts then:
-
-    start = max(t, free);  free = start + service_time / K;  reply at free
-
-The arithmetic is the rule's, applied in arrival order (which FIFO service keeps), so only time
-changes: ``service_time = 0`` (the default) is the old instantaneous server, bit for bit. The
-epoch records get ``ps_busy`` (the share of simulated time a shard server was serving) and
-``ps_wait_s`` (mean seconds a push waited for a busy server) -- where one server saturates and what
-K buys. The model assumes every shard is equally fast and a push's K slices arrive together.
-
 Synchronous algorithms (:class:`SyncSim`, ``ssgd``): rounds; every worker computes a gradient on the
 shared parameters, the mean is applied with the SSGD optimizer (momentum SGD), and the round takes
 as long as its slowest worker.
@@ -30,6 +17,8 @@ Example::
     sim = AsyncSim(rule, worker_rule, model, train, delay, num_workers=32, epochs=2,
                    batch_size=64, seed=0, step_time=0.01, on_epoch=cb)
     stats = sim.run()
+
+Design: docs/design/sim.md#engines (the server's service time and K shard servers).
 """
 from __future__ import annotations
 
@@ -69,7 +58,8 @@ class AsyncSim:
             warm-up), the same arithmetic as the MPI server's (a worker's lr is the base lr).
         oracle: LC-ASGD's oracle: also compute the loss at the current θ on the same batch.
         on_push: ``on_push(worker, staleness, loss, sim_time)`` after every push (progress).
-        service_time: simulated seconds one server needs per push (module doc; default 0).
+        service_time: simulated seconds one server needs per push (default 0;
+            docs/design/sim.md#engines).
         shards: K shard servers serving in parallel (default 1).
     """
 
