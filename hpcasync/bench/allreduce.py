@@ -1,33 +1,18 @@
-"""``hpcasync bench allreduce``: MPI_Allreduce vs ours (flat, hierarchical) vs Horovod, with memcpy.
+"""``hpcasync bench allreduce``: MPI_Allreduce vs ours (auto, window, persistent, hierarchical) vs
+Horovod, beside a memory-bandwidth bound, in µs and as bus bandwidth.
 
-Run with several ranks (the committed table uses 4)::
+Per message size m (float32 sum, in place, n ranks), µs of one allreduce (slowest rank, median of
+``--iters``; the methods take turns inside every iteration): ``MPI`` (``MPI_Allreduce``), ``ours``
+(:func:`hpcasync.comm.allreduce`, ``auto``), ``window`` (the shared-memory window forced),
+``persistent`` (``MPI_Allreduce_init`` once, then Start/Wait: :mod:`hpcasync.comm.persistent`),
+``hier`` (2 virtual nodes), ``hvd`` (Horovod, when it imports). The bound column is
+``(3 + 1/n)·m / (2B)``: an in-place allreduce's memory traffic at the cold single-core copy
+bandwidth B measured in the same run ("of bound" = bound / time). ``busbw = (m / t)·2(n−1)/n``
+(nccl-tests' bus bandwidth). The derivation and the timing rules: docs/design/comm.md.
+
+Example (the committed tables use 4 ranks)::
 
     mpiexec -n 4 hpcasync bench allreduce [--sizes 4K 64K 1M 64M] [--iters 50] [--out FILE]
-
-Per message size m (float32 elements, sum, in place) it measures:
-
-* ``copy``: one process copying m bytes (``torch.Tensor.copy_``) from and to *cold* buffers (a
-  rotation through buffers totalling >= 256 MiB, far more than any cache) while the other ranks
-  sleep: this machine's single-core copy bandwidth B, in the same run;
-* ``MPI``: ``MPI_Allreduce`` through mpi4py;
-* ``ours``: :func:`hpcasync.comm.allreduce` with its default ``algorithm="auto"`` (MPI unless the
-  window was measured >= 1.2x faster for the size class: :mod:`hpcasync.comm.tune`); the column
-  ``auto`` says which it chose;
-* ``window``: the same with ``algorithm="shm"`` (the shared-memory window forced);
-* ``hier``: :func:`hpcasync.comm.hierarchical_allreduce` on 2 virtual nodes of size/2 ranks;
-* ``hvd``: ``horovod.torch.allreduce_`` (Sum), when ``import horovod.torch`` works.
-
-The physical bound: an in-place allreduce of m bytes over n ranks of one node must, per rank, at
-least read the n pieces of its 1/n share (m bytes), write its reduced share (m/n), read all
-reduced shares (m) and write them into its buffer (m): (3 + 1/n)·m bytes of memory traffic, while a
-copy of m bytes moves 2m. So ``bound = (3 + 1/n)·m / (2B)`` seconds; a method's ``of bound`` is
-bound / its time (1.00 = as fast as one core can move the bytes; ranks share the memory bus, so
-reaching it is not expected).
-
-Times are µs of one allreduce: an iteration's time is the slowest rank's (each iteration starts
-after a barrier); a cell is the median over ``--iters`` iterations after 3 warm-up ones, fewer for
-big messages (at most ``--budget-mb`` MiB moved per cell, and at least 5). Before timing, each
-method's result on random data is checked against MPI_Allreduce's. Torch runs single-threaded.
 """
 from __future__ import annotations
 
@@ -99,17 +84,20 @@ def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, 
     """
     from mpi4py import MPI
 
+    from ..comm import persistent
+
     items = list(methods.items())
-    tensors = [torch.zeros(nbytes // 4) for _ in items]              # zeros: no overflow
-    times = np.empty((len(items), WARMUP + iters))
-    for i in range(WARMUP + iters):
+    tensors = [persistent.register(torch.zeros(nbytes // 4)) for _ in items]   # zeros: no overflow
+    warmup = max(WARMUP, len(items))   # every method has met every buffer before timing
+    times = np.empty((len(items), warmup + iters))
+    for i in range(warmup + iters):
         for j in range(len(items)):    # rotate who goes first and which buffer each one gets:
             k = (i + j) % len(items)   # neither the position nor a buffer's pages favour anyone
             comm.Barrier()
             t0 = time.perf_counter()
             items[k][1](tensors[(k + i) % len(items)])
             times[k, i] = time.perf_counter() - t0
-    slowest = np.ascontiguousarray(times[:, WARMUP:])
+    slowest = np.ascontiguousarray(times[:, warmup:])
     comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     return {name: float(np.median(slowest[k])) for k, name in enumerate(methods)}
 
@@ -143,12 +131,14 @@ def verify(comm, methods: dict, numel: int) -> None:
     """Each method's sum of random data must equal MPI_Allreduce's in float64 (to rounding)."""
     from mpi4py import MPI
 
+    from ..comm import persistent
+
     data = torch.randn(numel, generator=torch.Generator().manual_seed(1234 + comm.Get_rank()))
     ref = data.double()
     comm.Allreduce(MPI.IN_PLACE, ref.numpy(), op=MPI.SUM)
     bad = []
     for name, fn in methods.items():
-        t = data.clone()
+        t = persistent.register(data.clone())          # (the persistent path needs it)
         fn(t)
         if not torch.allclose(t.double(), ref, rtol=1e-5, atol=1e-4):
             bad.append(name)
@@ -179,7 +169,7 @@ def measure(comm, sizes: list[int], *, iters: int, budget_bytes: int, hvd=None) 
     """
     from mpi4py import MPI
 
-    from ..comm import allreduce, hierarchical_allreduce
+    from ..comm import allreduce, hierarchical_allreduce, persistent
     from ..topology import Topology
 
     n = comm.Get_size()
@@ -191,6 +181,8 @@ def measure(comm, sizes: list[int], *, iters: int, budget_bytes: int, hvd=None) 
         "ours": lambda t: allreduce(comm, t),
         "shm": lambda t: allreduce(comm, t, algorithm="shm"),
     }
+    if persistent.supported():
+        methods["persistent"] = lambda t: persistent.allreduce(comm, t)
     if topo is not None:
         methods["hier"] = lambda t: hierarchical_allreduce(topo, t)
     layout = f"{topo.num_nodes}×{topo.local_size}" if topo is not None else ""
@@ -225,32 +217,61 @@ def _gbps(nbytes: int, seconds: float | None) -> float | None:
     return None if not seconds else nbytes / seconds / 1e9
 
 
-def format_table(rows: list[dict]) -> str:
-    """Markdown table: µs per method, bound, ratios to MPI_Allreduce and to the bound."""
-    has_hier = any("hier" in r for r in rows)
-    has_hvd = any("hvd" in r for r in rows)
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth in GB/s: message bytes / time (nccl-tests' ``algbw``)."""
+    return nbytes / seconds / 1e9
+
+
+def busbw(nbytes: int, seconds: float, ranks: int) -> float:
+    """Bus bandwidth in GB/s of an allreduce: algbw · 2(n-1)/n (nccl-tests' ``busbw``), the
+    rate each rank's link would need for a bandwidth-optimal ring; comparable across n."""
+    return algbw(nbytes, seconds) * 2 * (ranks - 1) / ranks
+
+
+def table_head(rows: list[dict]) -> list[str]:
+    """The column names of :func:`format_table` (optional methods only where measured)."""
+    has = {k: any(k in r for r in rows) for k in ("persistent", "hier", "hvd")}
     head = ["size", "iters", "cold copy GB/s", "bound µs", "MPI_Allreduce µs", "ours µs", "auto",
             "window µs"]
-    head += [f"hier {rows[0]['layout']} µs"] * has_hier + ["Horovod µs"] * has_hvd
-    head += ["ours/MPI", "window/MPI"] + ["hier/MPI"] * has_hier + ["ours/Horovod"] * has_hvd
-    head += ["MPI of bound", "ours of bound"]
+    head += ["persistent µs"] * has["persistent"]
+    head += [f"hier {rows[0]['layout']} µs"] * has["hier"] + ["Horovod µs"] * has["hvd"]
+    head += ["ours/MPI", "window/MPI"] + ["persistent/MPI"] * has["persistent"]
+    head += ["hier/MPI"] * has["hier"] + ["ours/Horovod"] * has["hvd"]
+    head += ["MPI of bound", "ours of bound", "MPI busbw GB/s", "ours busbw GB/s"]
+    return head + ["persistent busbw GB/s"] * has["persistent"]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: µs per method, bound, ratios to MPI_Allreduce and to the bound, busbw."""
+    has_pers = any("persistent" in r for r in rows)
+    has_hier = any("hier" in r for r in rows)
+    has_hvd = any("hvd" in r for r in rows)
+    head = table_head(rows)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        b = r["bytes"]
-        bound = bound_seconds(b, r["ranks"], r["memcpy"])
+        b, n = r["bytes"], r["ranks"]
+        bound = bound_seconds(b, n, r["memcpy"])
 
         def us(key):
             return "–" if r.get(key) is None else f"{r[key] * 1e6:.1f}"
 
+        def ratio(key):
+            return "–" if r.get(key) is None else f"{r['mpi'] / r[key]:.2f}"
+
+        def bus(key):
+            return "–" if r.get(key) is None else f"{busbw(b, r[key], n):.2f}"
+
         cells = [human(b), str(r["iters"]), f"{b / r['memcpy'] / 1e9:.2f}", f"{bound * 1e6:.1f}",
                  us("mpi"), us("ours"), r["auto"], us("shm")]
+        cells += [us("persistent")] * has_pers
         cells += [us("hier")] * has_hier + [us("hvd")] * has_hvd
-        cells += [f"{r['mpi'] / r['ours']:.2f}", f"{r['mpi'] / r['shm']:.2f}"]
+        cells += [ratio("ours"), ratio("shm")] + [ratio("persistent")] * has_pers
         if has_hier:
-            cells.append(f"{r['mpi'] / r['hier']:.2f}")
+            cells.append(ratio("hier"))
         if has_hvd:
             cells.append(f"{r['hvd'] / r['ours']:.2f}")
-        cells += [f"{bound / r['mpi']:.2f}", f"{bound / r['ours']:.2f}"]
+        cells += [f"{bound / r['mpi']:.2f}", f"{bound / r['ours']:.2f}", bus("mpi"), bus("ours")]
+        cells += [bus("persistent")] * has_pers
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -265,6 +286,13 @@ def summary(rows: list[dict]) -> str:
                    f"{worst['mpi'] / worst['ours']:.2f} at {human(worst['bytes'])}).")
         wins = [human(r["bytes"]) for r in rows if r["mpi"] / r["shm"] >= 1.2]
         out.append(f"window >= 1.2x MPI at: {', '.join(wins) or 'no size'}.")
+        pers = [r for r in rows if r.get("persistent")]
+        if pers:
+            lo = min(pers, key=lambda r: r["mpi"] / r["persistent"])
+            hi = max(pers, key=lambda r: r["mpi"] / r["persistent"])
+            out.append(f"persistent/MPI from {lo['mpi'] / lo['persistent']:.2f} "
+                       f"({human(lo['bytes'])}) to {hi['mpi'] / hi['persistent']:.2f} "
+                       f"({human(hi['bytes'])}).")
     hv = [r for r in rows if "hvd" in r]
     if hv:
         worst = min(hv, key=lambda r: r["hvd"] / r["ours"])
@@ -297,11 +325,13 @@ def report(comm, rows: list[dict], command: str, load: float | None = None,
         f"Command: `{command}`", "",
         f"Machine: {machine(comm)}.{busy}", "",
         "µs of one in-place float32 sum allreduce (slowest rank, median of the timed "
-        "iterations; MPI, ours, window and hier take turns inside every iteration, Horovod runs "
-        "in a pass of its own after them). bound = (3 + 1/n)·m bytes of traffic at the cold "
-        "single-core copy bandwidth measured in the same run (`hpcasync.bench.allreduce` doc); "
-        "'of bound' = bound / time. Ratios X/Y = time(Y) / time(X) (> 1: X is faster). auto = "
-        "what the default chose for the size (`hpcasync.comm.tune`).", "",
+        "iterations; MPI, ours, window, persistent (MPI_Allreduce_init once, then Start/Wait) "
+        "and hier take turns inside every iteration, Horovod runs in a pass of its own after "
+        "them). bound = (3 + 1/n)·m bytes of traffic at the cold single-core copy bandwidth "
+        "measured in the same run (`hpcasync.bench.allreduce` doc); 'of bound' = bound / time. "
+        "Ratios X/Y = time(Y) / time(X) (> 1: X is faster). busbw = (m / time)·2(n−1)/n GB/s "
+        "(nccl-tests' bus bandwidth). auto = what the default chose for the size "
+        "(`hpcasync.comm.tune`).", "",
         format_table(rows), "",
         summary(rows), ""])
 

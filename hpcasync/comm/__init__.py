@@ -8,6 +8,9 @@ allreduce, 16-bit reduction ops.
 * :mod:`.ops`          bf16/fp16 MPI sum ops (never ``MPI.SUM`` on raw 16-bit bytes), dtype maps
 * :mod:`.compress`     16-bit compression as encode/decode around a reduction
 * :mod:`.handle`       ``Handle`` — one reduction in flight (``wait``/``test``, ``name``, ``step``)
+* :mod:`.persistent`   ``MPI_Allreduce_init`` on fixed buffers (off unless ``HPCASYNC_PERSISTENT=1``)
+
+Design notes and measurements: docs/design/comm.md.
 """
 from .allreduce import DASO_CHUNK_ELEMS, allreduce, iallreduce
 from .flat import FlatModel, flatten, unflatten_into

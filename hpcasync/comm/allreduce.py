@@ -5,7 +5,8 @@ For ranks i = 0 … N-1 holding x_i, every rank ends with  Σ_i x_i  (``average=
 
 * ``"shm"``: :class:`~hpcasync.comm.shm.ShmAllreduce` — all ranks on one node reduce straight out
   of a shared-memory window (a reduce-scatter then an allgather through memory).
-* ``"mpi"``: ``MPI_Allreduce`` / ``MPI_Iallreduce`` in place.
+* ``"mpi"``: ``MPI_Allreduce`` / ``MPI_Iallreduce`` in place (with ``HPCASYNC_PERSISTENT=1``, a
+  persistent request Start()ed instead where the buffer is a registered one: :mod:`.persistent`).
 * ``"auto"`` (default): ``mpi``, except where the communicator lives on one node and the window
   was *measured* on this machine to be at least 1.2x faster for the message's size class
   (:mod:`.tune`: measured once per class, kept in a file so later runs choose the same). Deciding
@@ -40,9 +41,10 @@ import logging
 import torch
 
 from ..errors import ConfigError, TopologyError
+from . import persistent
 from .compress import decode, encode, wire_dtype
 from .direct import try_direct
-from .handle import Allreduce, Handle, run_blocking
+from .handle import Allreduce, Handle, Started, run_blocking
 from .ops import HALF_DTYPES, check_dtype, mpi_datatype, mpi_buffer, sum_op
 from .engine import ALGORITHMS, pick_engine  # noqa: F401 (ALGORITHMS re-exported)
 from .shm import ShmAllreduce
@@ -128,11 +130,14 @@ def mpi_steps(comm, flat: torch.Tensor, *, wire: torch.dtype, divisor: int = 1,
         if buf.numel():
             step = piece or buf.numel()
             pieces = [buf[s: s + step] for s in range(0, buf.numel(), step)]
-            if buf.device.type == "cpu":
-                bufs = [mpi_buffer(p) for p in pieces]
-            else:   # CUDA-aware MPI: device memory through DLPack / the CUDA array interface
-                bufs = [[p, mpi_datatype(wire)] for p in pieces]
-            yield tuple(Allreduce(comm, b, op) for b in bufs)
+            if buf.device.type != "cpu":   # CUDA-aware MPI: DLPack / the CUDA array interface
+                yield tuple(Allreduce(comm, [p, mpi_datatype(wire)], op) for p in pieces)
+            elif persistent.enabled():        # registered spans: their persistent requests
+                reqs = [persistent.request(comm, p, mpi_datatype(wire), op) for p in pieces]
+                yield tuple(Allreduce(comm, mpi_buffer(p), op) if r is None else Started(r)
+                            for p, r in zip(pieces, reqs))
+            else:
+                yield tuple(Allreduce(comm, mpi_buffer(p), op) for p in pieces)
 
     if cuda_aware and wire not in HALF_DTYPES:      # the 16-bit op runs on the host
         yield from reduce(w)

@@ -12,6 +12,9 @@ of about a microsecond, kept small by caching per communicator and per buffer:
   an address in the cache is never reused by another tensor; at most :data:`VIEW_SLOTS` views
   (``VIEW_SLOTS * VIEW_MAX_BYTES`` = 16 MiB) are held, the oldest dropped first.
 
+With ``HPCASYNC_PERSISTENT=1`` a span of a registered storage (a FlatModel's) is instead reduced by
+starting its persistent request (:mod:`.persistent`).
+
 Example::
 
     from hpcasync.comm.direct import try_direct
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import persistent
 from .cache import on_free
 from .ops import mpi_datatype, sum_op
 
@@ -52,16 +56,20 @@ def try_direct(comm, tensor: torch.Tensor, average: bool) -> bool:
         hit = _decide(comm, tensor, key)
     if hit is None or not tensor.is_cpu or tensor.requires_grad or not tensor.is_contiguous():
         return False
-    if key[0] <= VIEW_MAX_BYTES:
+    req = persistent.request(comm, tensor, *hit) if persistent.enabled() else None
+    if req is not None:              # a registered span, HPCASYNC_PERSISTENT=1 (:mod:`.persistent`)
+        req.Start()
+        req.Wait()
+    elif key[0] <= VIEW_MAX_BYTES:
         vkey = (tensor.data_ptr(), *key)
         buf = _views.get(vkey)
         if buf is None:
             if len(_views) >= VIEW_SLOTS:
                 del _views[next(iter(_views))]
             buf = _views[vkey] = [tensor.numpy(), hit[0]]
+        comm.Allreduce(_in_place, buf, op=hit[1])
     else:
-        buf = [tensor.numpy(), hit[0]]
-    comm.Allreduce(_in_place, buf, op=hit[1])
+        comm.Allreduce(_in_place, [tensor.numpy(), hit[0]], op=hit[1])
     if average:
         n = comm.Get_size()
         if n > 1:

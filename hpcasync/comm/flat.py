@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import persistent
 
 
 def flatten(tensors, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -126,6 +127,8 @@ class FlatModel:
             owner, attr = _owner(module, name)
             owner._buffers[attr] = self.buffers[off: off + buf.numel()].view(buf.shape)
             self._buffer_slots.append((name, owner, attr, owner._buffers[attr].data_ptr()))
+        for storage in (self.params, self._wire, self.buffers):   # fixed for the whole run:
+            persistent.register(storage)       # persistent allreduces may bind to their spans
         # where each parameter's data must stay (``unbound``: one pointer compare per tensor)
         self._param_ptrs = [p.data_ptr() for p in self._params]
         self.rebind_grads()

@@ -60,6 +60,18 @@ class Allreduce(NamedTuple):
         return self.comm.Iallreduce(in_place(), self.buf, op=self.op)
 
 
+class Started(NamedTuple):
+    req: object        # an inactive persistent request (:mod:`.persistent`), started again
+
+    def run(self):
+        self.req.Start()
+        self.req.Wait()
+
+    def start(self):
+        self.req.Start()
+        return self.req
+
+
 class ReduceScatter(NamedTuple):
     comm: object
     send: list         # [numpy view, MPI datatype] of the whole buffer
@@ -87,6 +99,17 @@ class Allgatherv(NamedTuple):
 
 
 Steps = Iterator[tuple]
+
+
+def _test_all(reqs: list) -> bool:
+    """``MPI_Testall``; over persistent requests ``MPI_Test`` on each instead: MPICH 5.0.2's
+    ``MPI_Testall`` raises MPI_ERR_IN_STATUS (every status MPI_SUCCESS) once a persistent
+    collective has completed, its ``MPI_Test`` does not."""
+    from mpi4py import MPI
+
+    if any(isinstance(r, MPI.Prequest) for r in reqs):
+        return all(r.Test() for r in reqs)
+    return MPI.Request.Testall(reqs)
 
 
 def run_blocking(steps: Steps) -> None:
@@ -134,9 +157,7 @@ class Handle:
 
     def test(self) -> bool:
         """Make progress without blocking; True once the result is in ``tensor``."""
-        from mpi4py import MPI
-
-        while not self.done and MPI.Request.Testall(self._reqs):
+        while not self.done and _test_all(self._reqs):
             self._advance()
         return self.done
 
