@@ -32,7 +32,17 @@ from ..errors import ConfigError
 
 log = logging.getLogger("hpcasync")
 
-DEFAULT_BUCKET_BYTES = 256 * 1024
+DEFAULT_BUCKET_BYTES = 256 * 1024     # with overlap: buckets start during backward
+#: without overlap: one bucket up to Horovod's default fusion threshold (HOROVOD_FUSION_THRESHOLD,
+#: 64 MiB). Reduced after backward, a bucket gains nothing from being small, and every extra
+#: collective costs a latency -- milliseconds when ranks share cores.
+FUSION_BYTES = 64 * 2**20
+
+
+def default_bucket_bytes(overlap: bool) -> int:
+    """The bucket size when none is given: small buckets to overlap, one fused bucket else."""
+    return DEFAULT_BUCKET_BYTES if overlap else FUSION_BYTES
+
 PROGRESS = ("thread", "test")
 #: the default ``progress``; to be settled by ``hpcasync bench ssgd`` on an idle machine (columns
 #: ``ours`` and ``ours-test``)

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat
 from ..passes import BackwardPasses
 from ..topology import init_mpi
-from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
+from .buckets import DEFAULT_PROGRESS, BucketReducer, default_bucket_bytes
 
 log = logging.getLogger("hpcasync")
 
@@ -56,11 +56,12 @@ class DistributedOptimizer(AlgorithmOptimizer):
             and overlapped resnet20 took 1.13x compute-only against 1.08x without overlap
             (lenet 1.14 vs 1.10, mlp 1.66 vs 1.37). On a GPU the CPU is free to drive MPI while
             the device computes, which is what overlap is for.
-        bucket_bytes: bucket size in bytes of float32 gradient (default 256 KiB). At DDP's
-            25 MiB the models here (lenet 0.24 MB, resnet20 1.1 MB of gradient) would be one
-            bucket, started only when backward ends: nothing overlapped. 256 KiB gives resnet20
-            ~5 buckets; each costs one more allreduce latency (µs on one node). A choice to
-            confirm with ``hpcasync bench ssgd --bucket-mb`` on an idle machine, not a measurement.
+        bucket_bytes: bucket size in bytes of float32 gradient. Default: 256 KiB with overlap
+            (buckets start during backward; resnet20's 1.1 MB of gradient makes ~5), one bucket
+            of up to 64 MiB without (Horovod's fusion threshold, as ``hpcasync.horovod``: after
+            backward a small bucket only adds an allreduce latency; issue 25 measured the 256 KiB
+            buckets at 1.08x compute-only against the facade's one bucket at 1.00x, resnet20 at 4
+            ranks on 2 cores).
         progress: ``"thread"`` (default: a communication thread runs the blocking allreduces) or
             ``"test"`` (nonblocking allreduces advanced from the gradient hooks); see
             :class:`~hpcasync.ssgd.buckets.BucketReducer`.
@@ -84,14 +85,15 @@ class DistributedOptimizer(AlgorithmOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  backward_passes_per_step: int = 1, compress: str | None = None,
                  average_buffers: bool = True, overlap: bool | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, progress: str = DEFAULT_PROGRESS):
+                 bucket_bytes: int | None = None, progress: str = DEFAULT_PROGRESS):
         if (not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool)
                 or backward_passes_per_step < 1):
             raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got "
                               f"{backward_passes_per_step!r}")
         if compress not in (None, "bf16", "fp16"):
             raise ConfigError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
-        if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 4:
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int)
+                                         or isinstance(bucket_bytes, bool) or bucket_bytes < 4):
             raise ConfigError(f"bucket_bytes must be an integer >= 4 (one float32), got "
                               f"{bucket_bytes!r}")
         self._wrap(as_flat(model), optimizer)
@@ -116,6 +118,8 @@ class DistributedOptimizer(AlgorithmOptimizer):
         if overlap is None:                     # auto: see the docstring (measured on CPU)
             overlap = self.flat.params.device.type == "cuda"
         overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(overlap)
         self.reducer = BucketReducer(
             self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=compress,
             progress=progress, last_pass=lambda: self._passes.last,

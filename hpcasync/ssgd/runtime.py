@@ -35,7 +35,7 @@ from ..runtime.context import RunContext, RunResult, max_over
 from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
 from ..train import params_digest
-from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, PROGRESS
+from .buckets import DEFAULT_PROGRESS, PROGRESS
 from .optimizer import DistributedOptimizer
 
 log = logging.getLogger("hpcasync")
@@ -53,8 +53,9 @@ def add_arguments(parser) -> None:
                             "(default: on with --device cuda, off on the CPU, where the "
                             "communication thread measured slower; --no-ssgd-overlap reduces the "
                             "same buckets after backward)")
-    group.add_argument("--ssgd-bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
-                       help="ssgd: gradient bucket size in MiB (default %(default)s)")
+    group.add_argument("--ssgd-bucket-mb", type=float, default=None,
+                       help="ssgd: gradient bucket size in MiB (default: 0.25 with overlap, one "
+                            "bucket of up to 64 without)")
     group.add_argument("--ssgd-progress", choices=PROGRESS, default=DEFAULT_PROGRESS,
                        help="ssgd: how overlapped buckets progress: a communication thread of "
                             "blocking allreduces, or nonblocking ones tested from the gradient "
@@ -66,8 +67,9 @@ def validate(cfg) -> None:
     d = cfg.options.get("link_delay_us_per_mb", 0.0)
     if not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
         raise ConfigError(f"--link-delay-us-per-mb must be a finite number >= 0, got {d!r}")
-    mb = cfg.options.get("ssgd_bucket_mb", DEFAULT_BUCKET_BYTES / 2**20)
-    if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not 4 / 2**20 <= mb < 2**20:
+    mb = cfg.options.get("ssgd_bucket_mb")
+    if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool)
+                           or not 4 / 2**20 <= mb < 2**20):
         raise ConfigError(f"--ssgd-bucket-mb must be a number of MiB >= 4 bytes, got {mb!r}")
     progress = cfg.options.get("ssgd_progress", DEFAULT_PROGRESS)
     if progress not in PROGRESS:
@@ -86,10 +88,11 @@ def run(ctx: RunContext) -> RunResult:
     else:
         flat = FlatModel(model)
         compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
-        bucket = int(cfg.options.get("ssgd_bucket_mb", DEFAULT_BUCKET_BYTES / 2**20) * 2**20)
+        mb = cfg.options.get("ssgd_bucket_mb")
+        bucket = None if mb is None else max(4, int(mb * 2**20))
         opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress,
                                    overlap=cfg.options.get("ssgd_overlap"),
-                                   bucket_bytes=max(4, bucket),
+                                   bucket_bytes=bucket,
                                    progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
     rec = SyncRecovery(ctx, enabled=flat is not None and ulfm_enabled())
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
