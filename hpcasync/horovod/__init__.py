@@ -19,8 +19,9 @@ Where each part lives: :mod:`.basics` (init, ranks, the PS carve-out), :mod:`.co
 (allreduce, allgather, broadcast, alltoall, reducescatter, barrier, join, handles),
 :mod:`.functions` (broadcast_parameters / _optimizer_state / _object, allgather_object),
 :mod:`.compression`, :mod:`.optimizer` (DistributedOptimizer), :mod:`.server` (the server rank of
-a PS algorithm). Each module's docstring lists where it differs from Horovod. Not supported, each
-raising ``NotImplementedError`` that names it: process sets, elastic training (``hvd.elastic``),
+a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``process_set=``).
+Each module's docstring lists where it differs from Horovod. Not supported, each
+raising ``NotImplementedError`` that names it: elastic training (``hvd.elastic``),
 the timeline, Adasum, sparse tensors, custom compressors in DistributedOptimizer, ``init(comm=)``
 with a sub-communicator.
 """
@@ -34,9 +35,11 @@ from .basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_s
 from .collectives import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum,
                           allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                           allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
-                          broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
-                          grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                          join, poll, reducescatter, reducescatter_async, synchronize)
+                          broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                          grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                          grouped_allreduce_async, grouped_allreduce_async_,
+                          grouped_reducescatter, grouped_reducescatter_async, join, poll,
+                          reducescatter, reducescatter_async, synchronize)
 from .compression import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
@@ -50,8 +53,6 @@ def __getattr__(name: str):
         raise NotImplementedError("hpcasync.horovod does not support elastic training "
                                   "(hvd.elastic); hpcasync's fault tolerance is ULFM's "
                                   "(mpirun --with-ft ulfm, see the README)")
-    if name in ("SyncBatchNorm", "sparse_allreduce_async", "grouped_allgather",
-                "grouped_reducescatter", "grouped_allgather_async",
-                "grouped_reducescatter_async"):
+    if name in ("SyncBatchNorm", "sparse_allreduce_async"):
         raise NotImplementedError(f"hpcasync.horovod does not support hvd.{name}")
     raise AttributeError(f"module 'hpcasync.horovod' has no attribute {name!r}")

@@ -18,6 +18,16 @@ alltoall, reducescatter and barrier raise Horovod's "... is not supported with J
 on the active ranks. When every rank is in ``join()`` it returns the last rank to join (ranks that
 join in the same exchange: the highest).
 
+Process sets: each set's collectives exchange on the set's communicator. Ranks that call the same
+collective with different sets (or a collective one member of its set never calls) wait for each
+other in a cycle; an exchange waiting longer than ``HPCASYNC_HOROVOD_PROBE_S`` seconds (1) sends
+a probe to its set's other members, a waiting rank passes it on to the members of the set it waits
+in, and a probe that comes back to its sender is a deadlock (the edge-chasing of Chandy, Misra and
+Haas; the exchanges are nonblocking, so a waiting rank reads probes): every rank then raises the
+same ``HorovodInternalError`` naming the cycle — at once where it waits, else at its next wait —
+and later collectives raise it again until ``hvd.shutdown()``, which completes the exchanges left
+behind (``hvd.init()`` then starts afresh).
+
 ``HPCASYNC_HOROVOD_AGREE=0`` switches the exchange off (the cost measurement; then ``join()`` is a
 plain collective again, as before).
 """
@@ -80,14 +90,24 @@ def digest(desc: Desc) -> int:
                           "little") & _MASK
 
 
-def _exchange(comm, mine: int | None, first: bool = False) -> np.ndarray:
+def _exchange(comm, mine: int | None, first: bool = False, label: str = "") -> np.ndarray:
     from mpi4py import MPI
 
+    if _W.aborted:
+        raise HorovodInternalError(_W.aborted)
     if mine is None:        # a joined rank: neutral digest
         v = np.array([BIG, BIG, -1, -comm.Get_rank() if first else BIG], dtype=np.int64)
     else:
         v = np.array([mine, -mine, 0, BIG], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MIN)
+    ch = _W.sets.get(comm.py2f()) if _W.comm is not None else None
+    if ch is None:                  # a communicator of no process set: a plain blocking exchange
+        comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MIN)
+        return v
+    uid = ch[1]
+    k = _W.counts[uid] = _W.counts.get(uid, 0) + 1
+    req = comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.MIN)
+    if not req.Test():
+        _wait(req, v, uid, k, label)
     return v
 
 
@@ -98,7 +118,7 @@ def agree(comm, desc: Desc, dig: int | None = None) -> None:
         if desc.problem:
             raise ValueError(desc.problem)
         return
-    v = _exchange(comm, digest(desc) if dig is None else dig)
+    v = _exchange(comm, digest(desc) if dig is None else dig, label=_label(desc))
     if v[2] == 0 and v[0] == -v[1]:
         if desc.problem:
             raise ValueError(desc.problem)          # the same problem on every rank
@@ -123,7 +143,7 @@ def join(comm) -> int:
         return max(comm.allgather((time.time_ns(), comm.Get_rank())))[1]
     first = True
     while True:
-        v = _exchange(comm, None, first)
+        v = _exchange(comm, None, first, "JOIN")
         first = False
         if v[0] == BIG:                             # every rank is in join()
             return int(-v[3])
@@ -133,6 +153,162 @@ def join(comm) -> int:
                 or live[0].problem):
             continue                                # the active ranks raise; nothing to serve
         SERVE[live[0].kind](live[0])
+
+
+# -- process sets: the wait-for probes -------------------------------------------------------------
+
+#: seconds an exchange waits before it asks whether the ranks wait for each other in a cycle
+PROBE_S = float(os.environ.get("HPCASYNC_HOROVOD_PROBE_S", "1"))
+_PROBE, _ABORT = 1, 2
+
+
+class _Watch:
+    """This rank's part in finding deadlocks between process sets (module doc)."""
+
+    def __init__(self):
+        self.comm = None        # a duplicate of the facade's world: probes and aborts travel here
+        self.me = 0
+        self.sets = {}          # communicator handle -> (communicator, uid, set id, members)
+        self.members = {}       # uid -> (set id, members: ranks of the facade's world)
+        self.counts = {}        # uid -> exchanges this rank has started on that set
+        self.blocked = None     # (uid, k, label) while this rank waits in its k-th exchange
+        self.forwarded = set()  # probes passed on during this wait
+        self.sends = []         # requests of probes and aborts sent
+        self.aborted = None     # the deadlock's text, once found: every later exchange raises it
+        self.dangling = []      # (request, buffer) of an exchange left when the deadlock was found
+
+
+_W = _Watch()
+
+
+def setup(world) -> None:
+    """Called by ``hvd.init`` (collective): the probes' communicator."""
+    _W.__init__()
+    _W.comm = world.Dup()
+    _W.me = _W.comm.Get_rank()
+
+
+def register(comm, uid: int, set_id: int, members) -> None:
+    """Exchanges on ``comm`` (this rank's communicator of a process set, or None outside it) count
+    as set ``uid``'s (a number that is the same on every rank and never reused)."""
+    _W.members[uid] = (set_id, list(members))
+    if comm is not None:
+        _W.sets[comm.py2f()] = (comm, uid, set_id, list(members))
+
+
+def unregister(comm) -> None:
+    _W.sets.pop(comm.py2f(), None)
+
+
+def teardown() -> None:
+    """Called by ``hvd.shutdown`` (collective over every rank), before the sets' communicators are
+    freed: after a deadlock, every set's exchanges are made whole (each rank posts neutral
+    exchanges up to the count of the set's furthest member), so no request is left pending."""
+    from mpi4py import MPI
+
+    if _W.comm is None:
+        return
+    every = _W.comm.allgather((bool(_W.aborted or _W.dangling), dict(_W.counts)))
+    if any(broken for broken, _ in every):
+        reqs = [r for r, _ in _W.dangling]
+        bufs = [b for _, b in _W.dangling]
+        for comm, uid, _, members in list(_W.sets.values()):
+            top = max(every[m][1].get(uid, 0) for m in members)
+            for _ in range(top - _W.counts.get(uid, 0)):
+                bufs.append(np.array([BIG, BIG, 0, BIG], dtype=np.int64))
+                reqs.append(comm.Iallreduce(MPI.IN_PLACE, bufs[-1], op=MPI.MIN))
+        MPI.Request.Waitall(reqs)
+    _W.comm.Barrier()
+    status = MPI.Status()
+    while _W.comm.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        _W.comm.recv(source=status.Get_source(), tag=status.Get_tag())
+    MPI.Request.Waitall(_W.sends)
+    _W.comm.Free()
+    _W.__init__()
+
+
+def _label(desc: Desc) -> str:
+    return desc.kind if desc.name is None else f"{desc.kind} {desc.name!r}"
+
+
+def _wait(req, buf, uid: int, k: int, label: str) -> None:
+    """Wait for this rank's ``k``-th exchange on set ``uid``; after ``PROBE_S`` seconds (and again
+    each ``PROBE_S``) send a probe to the set's other members. A rank that gets a probe while it
+    waits in an exchange the sender is not part of passes it on to its own set; a probe that comes
+    back to its sender, still in the same wait, is a cycle: a deadlock (Chandy-Misra-Haas)."""
+    import time
+
+    t0 = time.monotonic()
+    due, rnd = t0 + PROBE_S, 0
+    _W.blocked, _W.forwarded = (uid, k, label), set()
+    try:
+        while not req.Test():
+            now = time.monotonic()
+            if now - t0 < 0.002:
+                os.sched_yield()
+                continue
+            time.sleep(0.0002 if now - t0 < 0.05 else 0.001)
+            _service()
+            if now >= due:
+                rnd, due = rnd + 1, now + PROBE_S
+                _probe((_W.me, uid, k, rnd, uid, k, [(_W.me, _W.members[uid][0], label)]), uid)
+    except HorovodInternalError:
+        _W.dangling.append((req, buf))
+        raise
+    finally:
+        _W.blocked = None
+
+
+def _probe(msg, uid: int) -> None:
+    for m in _W.members[uid][1]:
+        if m != _W.me:
+            _W.sends.append(_W.comm.isend(msg, dest=m, tag=_PROBE))
+
+
+def _service() -> None:
+    """Read the probes and aborts that arrived; pass probes on (see :func:`_wait`)."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    while _W.comm.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        msg = _W.comm.recv(source=status.Get_source(), tag=status.Get_tag())
+        if status.Get_tag() == _ABORT:
+            _W.aborted = msg
+            raise HorovodInternalError(msg)
+        _on_probe(*msg)
+    _W.sends = [r for r in _W.sends if not r.Test()]
+
+
+def _on_probe(origin, ouid, ok, rnd, suid, sk, path) -> None:
+    if _W.blocked is None or _W.counts.get(suid, 0) >= sk:
+        return          # not waiting, or already in (or past) the sender's exchange: no edge
+    uid, k, label = _W.blocked
+    if origin == _W.me:
+        if (uid, k) == (ouid, ok):
+            _deadlock(path)
+        return
+    if (origin, ouid, ok, rnd) in _W.forwarded:
+        return
+    _W.forwarded.add((origin, ouid, ok, rnd))
+    _probe((origin, ouid, ok, rnd, uid, k, path + [(_W.me, _W.members[uid][0], label)]), uid)
+
+
+def _deadlock(path) -> None:
+    def where(sid):
+        return "the global process set" if sid == 0 else f"process set {sid}"
+
+    low = min(range(len(path)), key=lambda i: path[i][0])
+    path = path[low:] + path[:low]          # the same cycle found from two ranks: the same text
+    hops = [f"rank {r} waits in {label} on {where(sid)} for rank {nxt}"
+            for (r, sid, label), nxt in zip(path, [p[0] for p in path[1:]] + [path[0][0]])]
+    text = ("Deadlock: the ranks wait for each other in a cycle — " + "; ".join(hops) + " (every "
+            "rank of a process set must call the set's collectives, in the same order; the same "
+            "collective called with different process sets on different ranks never completes)")
+    _W.aborted = text
+    for m in range(_W.comm.Get_size()):
+        if m != _W.me:
+            _W.sends.append(_W.comm.isend(text, dest=m, tag=_ABORT))
+    raise HorovodInternalError(text)
 
 
 # -- the error text ----------------------------------------------------------------------------

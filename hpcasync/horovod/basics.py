@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
+                           remove_process_set)
 
 log = logging.getLogger("hpcasync")
 
@@ -33,6 +35,9 @@ class _State:
     algorithm: str | None
     homogeneous: bool
     spec_sent: bool = False
+    sets: dict = field(default_factory=dict)    # process_set_id -> ProcessSet (0: the global set)
+    dynamic: bool = False                       # add_process_set / remove_process_set allowed
+    serial: int = 0                             # process sets registered so far (their uids)
 
 
 _STATE: _State | None = None
@@ -48,8 +53,10 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
          ranks_per_node: int | None = None, ps_rank: int = 0, ps_ranks: int = 1) -> None:
     """Start MPI and the facade (collective; a second call does nothing).
 
-    Args (Horovod's): ``comm`` — only ``None`` or ``MPI.COMM_WORLD``; ``process_sets`` — not
-    supported (``NotImplementedError``).
+    Args (Horovod's): ``comm`` — only ``None`` or ``MPI.COMM_WORLD``; ``process_sets`` — a list of
+    :class:`ProcessSet` to register (ids 1, 2, ...), or ``"dynamic"`` to allow
+    ``add_process_set`` / ``remove_process_set`` later (so does ``HOROVOD_DYNAMIC_PROCESS_SETS=1``);
+    see :mod:`.process_sets`.
 
     hpcasync's keywords:
         algorithm: the algorithm ``DistributedOptimizer`` will run by default. A parameter-server
@@ -62,9 +69,9 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     global _STATE
     if _STATE is not None:
         return
-    if process_sets is not None:
-        raise NotImplementedError("hpcasync.horovod: process sets (init(process_sets=...)) are "
-                                  "not supported; use mpi4py communicators")
+    from . import process_sets as _ps
+
+    process_sets = _ps.check(process_sets, comm_given=comm is not None)
     import hpcasync
     from ..api import PS_ALGORITHMS
     from ..topology import init_mpi
@@ -101,6 +108,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     sizes = comm.allgather(local.Get_size())
     _STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
                     homogeneous=len(set(sizes)) == 1)
+    _ps.setup(_STATE, process_sets)
 
 
 def _no_optimizer_at_exit() -> None:
@@ -116,6 +124,9 @@ def shutdown() -> None:
     global _STATE
     if _STATE is None:
         return
+    from . import process_sets as _ps
+
+    _ps.teardown(_STATE)
     for c in (_STATE.local, _STATE.cross):
         c.Free()
     if _STATE.algorithm is None or _STATE.comm is not _STATE.roles.topology.world:
@@ -211,42 +222,12 @@ def _unsupported(what: str):
 
 start_timeline = _unsupported("start_timeline (the Horovod timeline)")
 stop_timeline = _unsupported("stop_timeline (the Horovod timeline)")
-add_process_set = _unsupported("add_process_set (process sets)")
-remove_process_set = _unsupported("remove_process_set (process sets)")
-
-
-class ProcessSet:
-    """Process sets are not supported: constructing one raises."""
-
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("hpcasync.horovod does not support process sets (ProcessSet)")
-
-
-class _GlobalProcessSet:
-    """``hvd.global_process_set``: the only process set (every rank of the facade)."""
-
-    process_set_id = 0
-
-    def size(self) -> int:
-        return size()
-
-    def rank(self) -> int:
-        return rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "ProcessSet(process_set_id=0, global)"
-
-
-global_process_set = _GlobalProcessSet()
 
 
 def check_process_set(process_set) -> None:
+    """For the parts that run on the global set only: any other set is NotImplementedError."""
     if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError("hpcasync.horovod does not support process sets other than "
-                                  "hvd.global_process_set")
+        raise NotImplementedError("hpcasync.horovod supports only hvd.global_process_set here")
 
 
 def require_algorithm(algorithm: str | None) -> str | None:

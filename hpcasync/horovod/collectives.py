@@ -18,6 +18,10 @@ Semantics follow ``horovod.torch`` 0.28.1 (the tests compare each call with real
   ``splits[i]`` rows to rank i (default: equal parts) and returns ``(output, received_splits)``
   when ``splits`` was given, else the output; ``reducescatter`` gives rank r rows
   ``[r·n/size …]`` of the reduced tensor, the first ``n mod size`` ranks one row more;
+* ``grouped_allgather`` / ``grouped_reducescatter`` (and ``_async``): the list agreed once, one
+  MPI call per tensor; ``synchronize`` of a grouped handle gives a tuple, as Horovod's;
+* ``process_set=`` (:mod:`.process_sets`): the collective runs on the set's communicator;
+  ``root_rank`` is a global rank; a rank outside the set gets Horovod's ValueError at once;
 * ``allreduce``, ``allgather``, ``broadcast``, ``alltoall`` and ``reducescatter`` (out-of-place)
   are differentiable with Horovod's backward passes, including its convention that the gradient
   of ``allgather`` is the *average* of the incoming gradients over ranks (not their sum), that of
@@ -41,8 +45,9 @@ import torch
 
 from . import agree as _agree
 from .agree import Desc, HorovodInternalError
-from .basics import _state, check_process_set
+from .basics import _state
 from .compression import Compression
+from .process_sets import resolve as _resolve
 
 # Horovod's op constants (horovod.common.basics: Average=0, Sum=1, Adasum=2, Min=3, Max=4,
 # Product=5)
@@ -79,8 +84,15 @@ _ids = itertools.count(1)
 _names: set = set()             # names of the collectives in flight (Horovod refuses a second)
 
 
+def _key(name, process_set=None):
+    """What names a collective in flight: its name, within its process set (as Horovod's)."""
+    sid = getattr(process_set, "process_set_id", 0)
+    return name if name is None or not sid else (sid, name)
+
+
 def _fresh(name) -> None:
-    """Horovod's check (local, before any exchange): one in-flight collective per name."""
+    """Horovod's check (local, before any exchange): one in-flight collective per name (a name
+    from :func:`_key`)."""
     if name is not None and name in _names:
         raise ValueError("Requested to allreduce, allgather, or broadcast a tensor with the same "
                          "name as another tensor that is currently being processed.  If you want "
@@ -124,9 +136,10 @@ def synchronize(handle: int):
 
 # -- helpers ----------------------------------------------------------------------------------------
 
-def _comm(process_set):
-    check_process_set(process_set)
-    return _state().comm
+def _comm(process_set, kind: str = "Allreduce"):
+    """This rank's communicator of ``process_set`` (None: the global set); a rank outside the set
+    gets Horovod's ValueError naming ``kind``."""
+    return _resolve(process_set, kind)[0]
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,10 +216,11 @@ def _deliver(result: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None)
 def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, check=True):
     from mpi4py import MPI
 
-    comm = _comm(process_set)
+    comm = _comm(process_set, "Allreduce")
     n = comm.Get_size()
+    key = _key(name, process_set)
     if check:
-        _fresh(name)
+        _fresh(key)
         _agree.agree(comm, Desc("ALLREDUCE", name, op,
                                 [(_dt(t), tuple(t.shape)) for t in tensors], None,
                                 (float(prescale), float(postscale)),
@@ -229,7 +243,7 @@ def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, 
             _scale(b, postscale / n if op == Average else postscale)
             results.append(_deliver(b, t, out))
         return results
-    return _Work(name, reqs, finish)
+    return _Work(key, reqs, finish)
 
 
 def _allreduce_one(tensor, out, average, name, op, prescale, postscale, process_set) -> int:
@@ -330,27 +344,41 @@ def _rows(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() else 1
 
 
-def allgather_async(tensor, name=None, process_set=None) -> int:
-    comm = _comm(process_set)
-    _fresh(name)
-    src = _host(tensor)
-    if src.dim() == 0:
-        src = src.reshape(1)
+def _start_allgather(tensors, name, process_set) -> _Work:
+    """One agreement for the list, then one Iallgatherv per tensor; finish() gives the list."""
+    comm = _comm(process_set, "Allgather")
+    key = _key(name, process_set)
+    _fresh(key)
+    srcs = [_host(t) for t in tensors]
+    srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
     _agree.agree(comm, Desc("ALLGATHER", name, None,
-                            [(_dt(src), src.dim(), tuple(src.shape[1:]))], device=_dev(tensor)))
-    rows = comm.allgather(src.shape[0])
-    row = max(1, src[0].numel()) if src.shape[0] else int(torch.Size(src.shape[1:]).numel())
-    out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
-    counts = [r * row for r in rows]
-    displs = [sum(counts[:i]) for i in range(len(counts))]
-    sendbuf, recvbuf = _buf(src), _buf(out)
-    if isinstance(recvbuf, list):
-        recvbuf = [recvbuf[0], (counts, displs), recvbuf[1]]
-    else:
-        recvbuf = [recvbuf, (counts, displs)]
-    req = comm.Iallgatherv(sendbuf, recvbuf)
-    return _handle(_Work(name, [req], lambda: _deliver(out, tensor, None),
-                         keep=(src, sendbuf, recvbuf)))
+                            [(_dt(s), s.dim(), tuple(s.shape[1:])) for s in srcs],
+                            device=_dev(tensors[0]) if tensors else "cpu"))
+    every = comm.allgather([s.shape[0] for s in srcs])
+    reqs, outs, keep = [], [], []
+    for i, src in enumerate(srcs):
+        rows = [e[i] for e in every]
+        row = max(1, src[0].numel()) if src.shape[0] else int(torch.Size(src.shape[1:]).numel())
+        out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
+        counts = [r * row for r in rows]
+        displs = [sum(counts[:i]) for i in range(len(counts))]
+        sendbuf, recvbuf = _buf(src), _buf(out)
+        if isinstance(recvbuf, list):
+            recvbuf = [recvbuf[0], (counts, displs), recvbuf[1]]
+        else:
+            recvbuf = [recvbuf, (counts, displs)]
+        reqs.append(comm.Iallgatherv(sendbuf, recvbuf))
+        outs.append(out)
+        keep.append((src, sendbuf, recvbuf))
+    return _Work(key, reqs, lambda: [_deliver(o, t, None) for o, t in zip(outs, tensors)],
+                 keep=keep)
+
+
+def allgather_async(tensor, name=None, process_set=None) -> int:
+    work = _start_allgather([tensor], name, process_set)
+    finish = work.finish
+    work.finish = lambda: finish()[0]
+    return _handle(work)
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -361,7 +389,7 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        comm = _comm(ctx.process_set)
+        comm = _comm(ctx.process_set, "Allgather")
         reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,   # as Horovod's
                                               process_set=ctx.process_set))
         rows = comm.allgather(ctx.rows)
@@ -374,20 +402,61 @@ def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
     return _AllgatherFn.apply(tensor, name, process_set)
 
 
+def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
+    """:func:`allgather` of each tensor of the list, agreed once; ``synchronize`` gives a tuple."""
+    work = _start_allgather(list(tensors), name, process_set)
+    finish = work.finish
+    work.finish = lambda: tuple(finish())
+    return _handle(work)
+
+
+class _GroupedAllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.process_set = [_rows(t) for t in tensors], process_set
+        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        comm = _comm(ctx.process_set, "Allgather")
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], op=Average,
+                                                      process_set=ctx.process_set))
+        every, me = comm.allgather(ctx.rows), comm.Get_rank()
+        starts = [sum(e[i] for e in every[:me]) for i in range(len(ctx.rows))]
+        return (None, None, *[g.narrow(0, s, n) for g, s, n in zip(reduced, starts, ctx.rows)])
+
+
+def grouped_allgather(tensors, name=None, process_set=None):
+    """:func:`allgather` of each tensor of the list (one agreement; differentiable); a tuple, as
+    Horovod's."""
+    return _GroupedAllgatherFn.apply(name, process_set, *tensors)
+
+
 # -- broadcast ----------------------------------------------------------------------------------------
 
+def _root(process_set, root_rank):
+    """``(communicator, root in it, problem)``: ``root_rank`` is a global rank (Horovod's rule)."""
+    comm, ps = _resolve(process_set, "Broadcast", root_rank)
+    if ps.process_set_id == 0:
+        if not 0 <= root_rank < comm.Get_size():
+            return comm, 0, f"broadcast: root_rank {root_rank} is not a rank of {comm.Get_size()}"
+        return comm, root_rank, None
+    if root_rank not in ps.ranks:
+        return comm, 0, (f"broadcast received invalid root rank {root_rank} for provided "
+                         "process set")
+    return comm, ps.ranks.index(root_rank), None
+
+
 def _start_broadcast(tensor, root_rank, name, process_set, out):
-    comm = _comm(process_set)
-    _fresh(name)
+    comm, root, problem = _root(process_set, root_rank)
+    key = _key(name, process_set)
+    _fresh(key)
     b = _host(tensor)
-    problem = None
-    if not 0 <= root_rank < comm.Get_size():
-        problem = f"broadcast: root_rank {root_rank} is not a rank of {comm.Get_size()}"
     _agree.agree(comm, Desc("BROADCAST", name, None, [(_dt(b), tuple(b.shape))],
                             root_rank, device=_dev(tensor), problem=problem))
     buf = _buf(b)
-    req = comm.Ibcast(buf, root=root_rank)
-    return _handle(_Work(name, [req], lambda: _deliver(b, tensor, out), keep=(b, buf)))
+    req = comm.Ibcast(buf, root=root)
+    return _handle(_Work(key, [req], lambda: _deliver(b, tensor, out), keep=(b, buf)))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
@@ -412,7 +481,7 @@ class _BroadcastFn(torch.autograd.Function):
     def backward(ctx, grad):
         reduced = synchronize(allreduce_async(grad.contiguous(), op=Average,
                                               process_set=ctx.process_set))
-        if _comm(ctx.process_set).Get_rank() != ctx.root:
+        if _state().comm.Get_rank() != ctx.root:          # a global rank, as Horovod's
             reduced = reduced * 0
         return reduced, None, None, None
 
@@ -425,9 +494,10 @@ def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 # -- alltoall ------------------------------------------------------------------------------------------
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
-    comm = _comm(process_set)
+    comm = _comm(process_set, "Alltoall")
     n = comm.Get_size()
-    _fresh(name)
+    key = _key(name, process_set)
+    _fresh(key)
     src = _host(tensor)
     send, problem = _splits(src, splits, n)
     _agree.agree(comm, Desc("ALLTOALL", name, None,
@@ -446,7 +516,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     bufs = (spec(src, send), spec(out, recv))
     req = comm.Ialltoallv(*bufs)
     received = torch.tensor(recv, dtype=torch.int32)
-    return _handle(_Work(name, [req], lambda: (_deliver(out, tensor, None), received),
+    return _handle(_Work(key, [req], lambda: (_deliver(out, tensor, None), received),
                          keep=(src, bufs)))
 
 
@@ -504,35 +574,52 @@ def _scatter_rows(rows: int, n: int) -> list[int]:
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
+    work = _start_reducescatter([tensor], name, op, process_set, prescale_factor,
+                                postscale_factor)
+    finish = work.finish
+    work.finish = lambda: finish()[0]
+    return _handle(work)
+
+
+def _start_reducescatter(tensors, name, op, process_set, prescale_factor, postscale_factor):
+    """One agreement for the list, then one Ireduce_scatter per tensor; finish() gives the
+    list."""
     from mpi4py import MPI
 
     op = _check_op(op, None)
-    comm = _comm(process_set)
+    comm = _comm(process_set, "Reducescatter")
     n = comm.Get_size()
-    _fresh(name)
+    key = _key(name, process_set)
+    _fresh(key)
     problem = None
     if op not in (Average, Sum):
         problem = "reducescatter supports op Average and Sum"
-    elif tensor.dim() == 0:
+    elif any(t.dim() == 0 for t in tensors):
         problem = "reducescatter needs a tensor with at least one dimension"
-    _agree.agree(comm, Desc("REDUCESCATTER", name, op, [(_dt(tensor), tuple(tensor.shape))],
-                            None, (float(prescale_factor), float(postscale_factor)),
-                            _dev(tensor), problem))
-    src = _scale(_host(tensor), prescale_factor)
-    rows = _scatter_rows(src.shape[0], n)
-    row = int(torch.Size(src.shape[1:]).numel())
-    out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
-    counts = [r * row for r in rows]
-    bufs = (_buf(src), _buf(out))
-    req = comm.Ireduce_scatter(*bufs, recvcounts=counts,
-                               op=_mpi_op(op, src.dtype)) if n > 1 else MPI.REQUEST_NULL
-    if n == 1:
-        out.copy_(src)
+    _agree.agree(comm, Desc("REDUCESCATTER", name, op,
+                            [(_dt(t), tuple(t.shape)) for t in tensors], None,
+                            (float(prescale_factor), float(postscale_factor)),
+                            _dev(tensors[0]) if tensors else "cpu", problem))
+    reqs, outs, keep = [], [], []
+    for tensor in tensors:
+        src = _scale(_host(tensor), prescale_factor)
+        rows = _scatter_rows(src.shape[0], n)
+        row = int(torch.Size(src.shape[1:]).numel())
+        out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
+        bufs = (_buf(src), _buf(out))
+        if n > 1:
+            reqs.append(comm.Ireduce_scatter(*bufs, recvcounts=[r * row for r in rows],
+                                             op=_mpi_op(op, src.dtype)))
+        else:
+            out.copy_(src)
+        outs.append(out)
+        keep.append((src, bufs))
 
     def finish():
-        _scale(out, postscale_factor / n if op == Average else postscale_factor)
-        return _deliver(out, tensor, None)
-    return _handle(_Work(name, [req], finish, keep=(src, bufs)))
+        for out in outs:
+            _scale(out, postscale_factor / n if op == Average else postscale_factor)
+        return [_deliver(o, t, None) for o, t in zip(outs, tensors)]
+    return _Work(key, reqs or [MPI.REQUEST_NULL], finish, keep=keep)
 
 
 class _ReducescatterFn(torch.autograd.Function):
@@ -546,7 +633,8 @@ class _ReducescatterFn(torch.autograd.Function):
     def backward(ctx, grad):
         # Horovod's convention (its allgather backward averages): Sum's gradient is the gathered
         # gradient times size, Average's the gathered gradient itself; times pre- and postscale
-        scale = ctx.scale * (_comm(ctx.process_set).Get_size() if ctx.op == Sum else 1)
+        scale = ctx.scale * (_comm(ctx.process_set, "Reducescatter").Get_size()
+                             if ctx.op == Sum else 1)
         g = allgather(grad.contiguous() * scale if scale != 1 else grad.contiguous(),
                       process_set=ctx.process_set)
         return g, None, None, None, None, None
@@ -560,10 +648,46 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     return compression.decompress(out, ctx)
 
 
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """:func:`reducescatter` of each tensor of the list, agreed once; ``synchronize`` gives a
+    tuple."""
+    work = _start_reducescatter(list(tensors), name, op, process_set, prescale_factor,
+                                postscale_factor)
+    finish = work.finish
+    work.finish = lambda: tuple(finish())
+    return _handle(work)
+
+
+class _GroupedReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
+        ctx.op, ctx.process_set, ctx.scale = op, process_set, prescale * postscale
+        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                       prescale, postscale))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # as reducescatter's: the gathered gradients, times size for Sum, times the scales
+        scale = ctx.scale * (_comm(ctx.process_set, "Reducescatter").Get_size()
+                             if ctx.op == Sum else 1)
+        grads = [g.contiguous() * scale if scale != 1 else g.contiguous() for g in grads]
+        return (None,) * 5 + tuple(grouped_allgather(grads, process_set=ctx.process_set))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=None, prescale_factor=1.0, postscale_factor=1.0) -> list:
+    """:func:`reducescatter` of each tensor of the list (one agreement; differentiable)."""
+    wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
+    outs = _GroupedReducescatterFn.apply(name, op, process_set, prescale_factor,
+                                         postscale_factor, *wires)
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
 # -- barrier, join ------------------------------------------------------------------------------------
 
 def barrier(process_set=None) -> None:
-    comm = _comm(process_set)
+    comm = _comm(process_set, "Barrier")
     _agree.agree(comm, Desc("BARRIER"))
     comm.Barrier()
 

@@ -10,6 +10,9 @@
   (Horovod's step with the real lr would move them under weight decay). ``model=`` is Horovod's
   keyword (it marks sparse embeddings, whose gradients the facade reduces dense: accepted);
 * :func:`broadcast_object` / :func:`allgather_object` — any picklable object.
+
+Each takes ``process_set=`` (Horovod 0.28.1's ``broadcast_object`` does; hpcasync's other three
+too): the set's ranks only, ``root_rank`` a global rank.
 """
 from __future__ import annotations
 
@@ -19,13 +22,13 @@ import torch
 
 from . import agree as _agree
 from .agree import Desc
-from .basics import _state, check_process_set
-from .collectives import _fresh, broadcast_
+from .basics import _state
+from .collectives import _comm, _fresh, _key, _root, broadcast_
 
 
 def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
     """Overwrite every rank's parameters (and buffers) with ``root_rank``'s, in place."""
-    check_process_set(process_set)
+    _root(process_set, root_rank)            # a rank outside the set: Horovod's error, at once
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, collections.abc.Iterable) and not torch.is_tensor(params):
@@ -42,12 +45,13 @@ def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name} is a {type(p).__name__}, not a tensor")
         with torch.no_grad():
-            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name)
+            broadcast_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank, name=name,
+                       process_set=process_set)
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set=None) -> None:
     """Make every rank's ``optimizer`` state (and hyperparameters) ``root_rank``'s."""
-    check_process_set(process_set)
+    _root(process_set, root_rank)            # a rank outside the set: Horovod's error, at once
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     del model          # Horovod's: it marks sparse embeddings (none here: see the module doc)
@@ -56,7 +60,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set
         _zero_step(optimizer)
         state = optimizer.state_dict()
     root_state = broadcast_object(state if _state().comm.Get_rank() == root_rank else None,
-                                  root_rank)
+                                  root_rank, process_set=process_set)
     own = state["state"]
     for key, entry in root_state["state"].items():
         for k, v in entry.items():
@@ -116,20 +120,15 @@ def _inner_step(optimizer) -> None:
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
     """``root_rank``'s ``obj`` (pickled) on every rank."""
-    check_process_set(process_set)
-    comm = _state().comm
-    _fresh(name)
-    problem = None
-    if not 0 <= root_rank < comm.Get_size():
-        problem = f"broadcast_object: root_rank {root_rank} is not a rank of {comm.Get_size()}"
+    comm, root, problem = _root(process_set, root_rank)
+    _fresh(_key(name, process_set))
     _agree.agree(comm, Desc("BROADCAST", name, None, (), root_rank, problem=problem))
-    return comm.bcast(obj, root=root_rank)
+    return comm.bcast(obj, root=root)
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
-    check_process_set(process_set)
-    comm = _state().comm
-    _fresh(name)
+    comm = _comm(process_set, "Allgather")
+    _fresh(_key(name, process_set))
     _agree.agree(comm, Desc("ALLGATHER", name))
     return comm.allgather(obj)

@@ -32,6 +32,11 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
   f/size after it (then ``overlap`` is off: the scaling needs the whole gradient);
 * ``op=Adasum``, custom compressors and sparse gradients raise ``NotImplementedError``.
 
+``process_set=`` (:mod:`.process_sets`): the gradients are averaged over the set's ranks, on its
+communicator; on a rank outside the set the optimizer reduces nothing and ``step()`` uses that
+rank's own gradients, as Horovod's does (SSGD only: another ``algorithm`` raises
+``NotImplementedError``).
+
 Other algorithms (``algorithm="daso"``, ``"odsgd"``, a PS rule; or named at ``hvd.init``): the
 object returned is the algorithm's optimizer from :func:`hpcasync.optimizer` (a
 ``torch.optim.Optimizer``, not the user's class) over the same parameters, hyperparameters taken
@@ -58,7 +63,7 @@ from ..errors import ConfigError
 from ..ssgd.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
 from . import agree as _agree
 from .agree import Desc
-from .basics import _state, check_process_set, require_algorithm
+from .basics import _state, require_algorithm
 from .collectives import Adasum, Average, Sum
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .server import ParamHolder, send_spec, spec_of
@@ -72,6 +77,7 @@ _WIRE = {NoneCompressor: None, FP16Compressor: "fp16", BF16Compressor: "bf16"}
 #: 256 KiB vs 1 of 45 MiB)
 FUSION_BYTES = 64 * 2**20
 _SEQ = itertools.count()
+_SEQS: dict = {}                # process set uid -> counter (the optimizers of a set, in order)
 _LIVE: dict = {}                # "DistributedOptimizer.<k>" -> weakref, for a joined rank's part
 
 
@@ -95,7 +101,7 @@ class _HorovodOptimizer:
     _hvd_facade = True
 
     def _hvd_setup(self, named, compression, passes, op, overlap, bucket_bytes, progress,
-                   predivide=1.0, groups=None):
+                   predivide=1.0, groups=None, process_set=None):
         from ..comm import FlatModel
 
         # frozen parameters of other dtypes (integer buffers registered as parameters) get no
@@ -109,7 +115,7 @@ class _HorovodOptimizer:
             raise NotImplementedError("hpcasync.horovod.DistributedOptimizer: parameters on "
                                       "more than one device")
         self._hvd_names = {id(p): n for n, p in named}
-        comm = _state().comm
+        comm = _state().comm if process_set is None else process_set._comm
         _agree.agree(comm, Desc("OPTIMIZER-INIT", "DistributedOptimizer", op,
                                 [(str(p.dtype)[6:], tuple(p.shape),
                                   self._hvd_names.get(id(p), f"parameter {k}"))
@@ -117,7 +123,11 @@ class _HorovodOptimizer:
                                 None, (float(predivide), float(passes)),
                                 params[0].device.type if params else "cpu"))
         self._hvd_comm, self._hvd_predivide = comm, float(predivide)
-        name = f"DistributedOptimizer.{next(_SEQ)}"
+        if process_set is None or process_set.process_set_id == 0:
+            name = f"DistributedOptimizer.{next(_SEQ)}"
+        else:           # numbered within the set: its members build the same ones, in order
+            seq = _SEQS.setdefault(process_set._uid, itertools.count())
+            name = f"DistributedOptimizer.ps{process_set.process_set_id}.{next(seq)}"
         self._hvd_desc = Desc("OPTIMIZER", name, op)
         self._hvd_digest = _agree.digest(self._hvd_desc)
         self._hvd_agreed = False
@@ -312,7 +322,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     for CUDA parameters), ``bucket_bytes`` (default 256 KiB with overlap, else 64 MiB),
     ``progress`` (SSGD's buckets), and the algorithm's hyperparameters."""
     st = _state()
-    check_process_set(process_set)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -331,13 +340,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                   f"Compression.none/fp16/bf16, not a custom compressor "
                                   f"({getattr(compression, '__name__', compression)!r})")
     algorithm = require_algorithm(algorithm)
+    pset, outside = _process_set(process_set)
     if algorithm not in (None, "ssgd"):
+        if pset.process_set_id != 0:
+            raise NotImplementedError(f"hpcasync.horovod: DistributedOptimizer(process_set=...) "
+                                      f"runs SSGD only, not algorithm={algorithm!r}")
         return _algorithm_optimizer(st, optimizer, algorithm, hyper)
     if hyper:
         raise TypeError(f"DistributedOptimizer got unexpected keyword(s) {', '.join(hyper)} "
                         "(hyperparameters go with algorithm=...)")
-    cls = type(type(optimizer).__name__, (_HorovodOptimizer, type(optimizer)),
-               {"__module__": __name__, "__doc__": _HorovodOptimizer.__doc__})
+    mixin = _OutsideOptimizer if outside else _HorovodOptimizer
+    cls = type(type(optimizer).__name__, (mixin, type(optimizer)),
+               {"__module__": __name__, "__doc__": mixin.__doc__})
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)        # the same param_groups, state and defaults
     for attr in ("step", "zero_grad"):             # instance patches of the wrapped optimizer
@@ -350,9 +364,41 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                    (isinstance(groups, int) and groups > 0)):
         raise ValueError("groups should be a non-negative integer or a list of list of "
                          "torch.Tensor.")
+    if outside:
+        opt.backward_passes_per_step = backward_passes_per_step
+        return opt
     opt._hvd_setup(named, compression, backward_passes_per_step, op, overlap, bucket_bytes,
-                   progress, gradient_predivide_factor, groups)
+                   progress, gradient_predivide_factor, groups, pset)
     return opt
+
+
+def _process_set(process_set):
+    """``(registered set, outside)``: a rank outside the set builds Horovod's inert optimizer."""
+    from .process_sets import ProcessSet, _registered, global_process_set, resolve
+
+    if (isinstance(process_set, ProcessSet) and process_set.process_set_id
+            and process_set.included() is False):
+        return _registered(process_set), True
+    if process_set is None:
+        return global_process_set, False
+    return resolve(process_set, "Allreduce")[1], False
+
+
+class _OutsideOptimizer:
+    """DistributedOptimizer on a rank outside its ``process_set`` (Horovod's): it reduces nothing;
+    ``step()`` is the optimizer's own, on this rank's gradients."""
+
+    _hvd_facade = True
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
 
 
 # -- the toolkit's other algorithms ----------------------------------------------------------------

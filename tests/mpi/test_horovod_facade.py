@@ -412,8 +412,6 @@ def test_unsupported_parts_raise_not_implemented():
                  lambda: fh.DistributedOptimizer(sgd, compression=type(
                      "Mine", (fh.Compressor,), {})),
                  lambda: fh.elastic, lambda: fh.start_timeline("t.json"),
-                 lambda: fh.ProcessSet([0, 1]), lambda: fh.add_process_set([0]),
-                 lambda: fh.allreduce(torch.ones(2), process_set=object()),
                  lambda: fh.DistributedOptimizer(torch.optim.SGD(
                      torch.nn.Linear(2, 2).double().parameters(), lr=0.1))):
         with pytest.raises(NotImplementedError):
