@@ -19,10 +19,12 @@ Where each part lives: :mod:`.basics` (init, ranks, the PS carve-out), :mod:`.co
 (allreduce, allgather, broadcast, alltoall, reducescatter, barrier, join, handles),
 :mod:`.functions` (broadcast_parameters / _optimizer_state / _object, allgather_object),
 :mod:`.compression`, :mod:`.optimizer` (DistributedOptimizer), :mod:`.server` (the server rank of
-a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``process_set=``).
+a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``process_set=``),
+:mod:`.adasum` (``op=hvd.Adasum``), :mod:`.sparse` (``sparse_allreduce_async``, sparse gradients),
+:mod:`.timeline` (``HOROVOD_TIMELINE``, ``start_timeline``).
 Each module's docstring lists where it differs from Horovod. Not supported, each
 raising ``NotImplementedError`` that names it: elastic training (``hvd.elastic``),
-the timeline, Adasum, sparse tensors, custom compressors in DistributedOptimizer, ``init(comm=)``
+``SyncBatchNorm``, custom compressors in DistributedOptimizer, ``init(comm=)``
 with a sub-communicator.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .compression import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .optimizer import DistributedOptimizer
+from .sparse import sparse_allreduce_async
 
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]
 
@@ -53,6 +56,6 @@ def __getattr__(name: str):
         raise NotImplementedError("hpcasync.horovod does not support elastic training "
                                   "(hvd.elastic); hpcasync's fault tolerance is ULFM's "
                                   "(mpirun --with-ft ulfm, see the README)")
-    if name in ("SyncBatchNorm", "sparse_allreduce_async"):
+    if name == "SyncBatchNorm":
         raise NotImplementedError(f"hpcasync.horovod does not support hvd.{name}")
     raise AttributeError(f"module 'hpcasync.horovod' has no attribute {name!r}")

@@ -38,6 +38,8 @@ import os
 
 import numpy as np
 
+from . import timeline as _timeline
+
 BIG = 1 << 62
 _MASK = BIG - 1
 
@@ -111,6 +113,7 @@ def _exchange(comm, mine: int | None, first: bool = False, label: str = "") -> n
     return v
 
 
+@_timeline.negotiates           # the exchange is the collective's NEGOTIATE phase
 def agree(comm, desc: Desc, dig: int | None = None) -> None:
     """Every rank's ``desc`` equal, or the same HorovodInternalError on every rank; with a
     joined rank, serve it (allreduce kinds) or raise Horovod's join error (the others)."""

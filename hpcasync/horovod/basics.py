@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from . import timeline as _timeline
 from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
                            remove_process_set)
 
@@ -109,6 +110,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     _STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
                     homogeneous=len(set(sizes)) == 1)
     _ps.setup(_STATE, process_sets)
+    _timeline.start_from_env(rank=rank())    # HOROVOD_TIMELINE=path: rank 0 records
 
 
 def _no_optimizer_at_exit() -> None:
@@ -213,15 +215,15 @@ def ccl_built() -> bool:
     return False
 
 
-def _unsupported(what: str):
-    def call(*args, **kwargs):
-        raise NotImplementedError(f"hpcasync.horovod does not support {what}")
-    call.__name__ = what.split("(")[0].split(" ")[0]
-    return call
+def start_timeline(file_path, mark_cycles: bool = False) -> None:
+    """Record Horovod's timeline to ``file_path`` (on rank 0; :mod:`.timeline`)."""
+    _timeline.start(file_path, mark_cycles, rank=rank())
 
 
-start_timeline = _unsupported("start_timeline (the Horovod timeline)")
-stop_timeline = _unsupported("stop_timeline (the Horovod timeline)")
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file."""
+    _state()
+    _timeline.stop()
 
 
 def check_process_set(process_set) -> None:

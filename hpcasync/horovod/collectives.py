@@ -9,7 +9,8 @@ leave the input alone.
 
 Semantics follow ``horovod.torch`` 0.28.1 (the tests compare each call with real Horovod):
 
-* reductions: ``op`` Average (default), Sum, Min, Max, Product; Average is the sum scaled by
+* reductions: ``op`` Average (default), Sum, Min, Max, Product, Adasum (:mod:`.adasum`: Horovod's
+  tree over a power-of-two number of ranks); Average is the sum scaled by
   ``postscale_factor / size`` after the reduction, ``prescale_factor`` scales each rank's input
   before it; integer tensors are scaled in float64 and truncated toward zero. float16/bfloat16 are
   summed with hpcasync's 16-bit MPI op (float32 arithmetic, one rounding per addition; MPI has no
@@ -44,6 +45,7 @@ import warnings
 import torch
 
 from . import agree as _agree
+from . import timeline as _timeline
 from .agree import Desc, HorovodInternalError
 from .basics import _state
 from .compression import Compression
@@ -55,6 +57,9 @@ Average, Sum, Adasum, Min, Max, Product = range(6)
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
              Product: "Product"}
 _HALF = (torch.float16, torch.bfloat16)
+#: op -> the function that runs that reduction instead of an MPI op (``Adasum``: :mod:`.adasum`
+#: registers itself; the package imports it)
+OWN_OPS: dict = {}
 
 
 # -- handles --------------------------------------------------------------------------------------
@@ -69,6 +74,7 @@ class _Work:
         self.result, self.done = None, False
         self.keep = keep            # the buffers MPI reads/writes until the requests complete
 
+    @_timeline.completes
     def complete(self):
         from mpi4py import MPI
 
@@ -107,6 +113,7 @@ def _dev(t: torch.Tensor) -> str:
     return t.device.type if isinstance(t, torch.Tensor) else "cpu"
 
 
+@_timeline.submits
 def _handle(work: _Work) -> int:
     h = next(_ids)
     if work.name is not None:
@@ -146,9 +153,8 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy of ``tensor`` (the buffer MPI reduces in place)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_sparse:
-        raise NotImplementedError("hpcasync.horovod: sparse tensors are not supported "
-                                  "(use sparse_as_dense or .to_dense())")
+    if tensor.is_sparse:                # Horovod's error; sparse tensors: sparse_allreduce_async
+        raise ValueError(f"Tensor type {tensor.type()} is not supported.")
     return tensor.detach().to("cpu", copy=True).contiguous()
 
 
@@ -195,8 +201,6 @@ def _check_op(op, average, default=Average):
                       DeprecationWarning)
         op = Average if average else Sum
     op = default if op is None else op
-    if op == Adasum:
-        raise NotImplementedError("hpcasync.horovod does not support op=hvd.Adasum")
     if op not in _OP_NAMES:
         raise ValueError(f"unknown reduction op {op!r}")
     return op
@@ -217,6 +221,8 @@ def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, 
     from mpi4py import MPI
 
     comm = _comm(process_set, "Allreduce")
+    if op in OWN_OPS:                 # hvd.Adasum: its own exchange (.adasum)
+        return OWN_OPS[op](comm, tensors, outs, prescale, postscale, name, process_set, check)
     n = comm.Get_size()
     key = _key(name, process_set)
     if check:

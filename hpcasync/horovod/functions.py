@@ -8,7 +8,8 @@
   (lr, momentum, ...; a tensor lr in place) set to the root's; an optimizer with no state yet is
   first given one by a zero-gradient step, as Horovod does, with lr 0 and the parameters restored
   (Horovod's step with the real lr would move them under weight decay). ``model=`` is Horovod's
-  keyword (it marks sparse embeddings, whose gradients the facade reduces dense: accepted);
+  keyword: as there, that step gives ``SparseAdam``'s parameters and, with ``SGD``, the model's
+  ``nn.Embedding(sparse=True)`` weights sparse zero gradients;
 * :func:`broadcast_object` / :func:`allgather_object` — any picklable object.
 
 Each takes ``process_set=`` (Horovod 0.28.1's ``broadcast_object`` does; hpcasync's other three
@@ -24,6 +25,7 @@ from . import agree as _agree
 from .agree import Desc
 from .basics import _state
 from .collectives import _comm, _fresh, _key, _root, broadcast_
+from .sparse import sparse_params
 
 
 def broadcast_parameters(params, root_rank: int, process_set=None) -> None:
@@ -54,10 +56,10 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set
     _root(process_set, root_rank)            # a rank outside the set: Horovod's error, at once
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    del model          # Horovod's: it marks sparse embeddings (none here: see the module doc)
+    sparse = sparse_params(optimizer, model)     # Horovod's: their zero gradients are sparse
     state = optimizer.state_dict()
     if not state["state"]:                          # no step yet: make the state exist everywhere
-        _zero_step(optimizer)
+        _zero_step(optimizer, sparse)
         state = optimizer.state_dict()
     root_state = broadcast_object(state if _state().comm.Get_rank() == root_rank else None,
                                   root_rank, process_set=process_set)
@@ -84,14 +86,17 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None, process_set
         optimizer.load_state_dict(root_state)     # (moves tensors to the parameters' devices)
 
 
-def _zero_step(optimizer) -> None:
-    """One step with zero gradients (and lr 0 where there is one) to create the state."""
+def _zero_step(optimizer, sparse=frozenset()) -> None:
+    """One step with zero gradients (and lr 0 where there is one) to create the state; the
+    parameters whose ids are in ``sparse`` get a sparse zero gradient (SparseAdam needs one)."""
     saved = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad and (p.grad is None or id(p) in sparse):
+                saved.append((p, p.grad))
                 p.grad = torch.zeros_like(p)
-                saved.append(p)
+                if id(p) in sparse:
+                    p.grad = p.grad.to_sparse()
     lrs = [g.get("lr") for g in optimizer.param_groups]
     for g in optimizer.param_groups:        # lr 0 for this step; a tensor lr is not touched
         if "lr" in g:
@@ -104,8 +109,8 @@ def _zero_step(optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, lrs):
         if lr is not None:
             g["lr"] = lr
-    for p in saved:
-        p.grad = None
+    for p, grad in saved:
+        p.grad = grad
 
 
 def _inner_step(optimizer) -> None:

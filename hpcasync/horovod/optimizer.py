@@ -30,7 +30,8 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
   ``set_to_none`` says;
 * ``gradient_predivide_factor`` f is Horovod's: gradients scaled by 1/f before the sum and by
   f/size after it (then ``overlap`` is off: the scaling needs the whole gradient);
-* ``op=Adasum``, custom compressors and sparse gradients raise ``NotImplementedError``.
+* custom compressors raise ``NotImplementedError``; ``op=hvd.Adasum`` returns Horovod's Adasum
+  optimizer (:mod:`.adasum`), and sparse gradients are reduced as Horovod's are (:mod:`.sparse`).
 
 ``process_set=`` (:mod:`.process_sets`): the gradients are averaged over the set's ranks, on its
 communicator; on a rank outside the set the optimizer reduces nothing and ``step()`` uses that
@@ -62,11 +63,14 @@ import torch
 from ..errors import ConfigError
 from ..ssgd.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
 from . import agree as _agree
+from . import timeline as _timeline
+from .adasum import distributed_optimizer as _adasum_optimizer
 from .agree import Desc
 from .basics import _state, require_algorithm
 from .collectives import Adasum, Average, Sum
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 from .server import ParamHolder, send_spec, spec_of
+from .sparse import SparseGrads
 
 log = logging.getLogger("hpcasync")
 
@@ -200,9 +204,12 @@ class _HorovodOptimizer:
             if f != 1.0:                  # Horovod: prescale 1/f, postscale f/size
                 self._hvd_flat.collect_grads()
                 self._hvd_flat.grads.mul_(1.0 / f)
-            self._hvd_reducer.finish()
+            with _timeline.span(_timeline.ROWS.get(self._hvd_desc.name, ()), "ALLREDUCE",
+                                "MPI_ALLREDUCE"):
+                self._hvd_reducer.finish()
             if f != 1.0:
                 self._hvd_flat.grads.mul_(f / self._hvd_comm.Get_size())
+            self._hvd_sparse.finish()     # sparse gradients: Horovod's allgathers (.sparse)
         finally:
             self._hvd_agreed = False
         self._hvd_counts = [0] * len(self._hvd_counts)
@@ -236,6 +243,7 @@ class _HorovodOptimizer:
             raise AssertionError("optimizer.zero_grad() between loss.backward() and "
                                  "optimizer.step()/synchronize(): the gradients of that backward "
                                  "are being reduced; call step() or synchronize() first")
+        self._hvd_sparse.release()
         self._hvd_flat.zero_grad()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -326,10 +334,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     named = _named(optimizer, named_parameters)
-    if op == Adasum:
-        raise NotImplementedError("hpcasync.horovod does not support op=hvd.Adasum")
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer supports op=hvd.Average or hvd.Sum, got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum, "
+                         f"got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -340,6 +347,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                                   f"Compression.none/fp16/bf16, not a custom compressor "
                                   f"({getattr(compression, '__name__', compression)!r})")
     algorithm = require_algorithm(algorithm)
+    if op == Adasum:      # Horovod's _DistributedAdasumOptimizer; on one rank its plain one
+        adasum = _adasum_optimizer(optimizer, named, compression, backward_passes_per_step,
+                                   process_set, algorithm)
+        if adasum is not None:
+            return adasum
+        op = Sum
     pset, outside = _process_set(process_set)
     if algorithm not in (None, "ssgd"):
         if pset.process_set_id != 0:
@@ -369,6 +382,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         return opt
     opt._hvd_setup(named, compression, backward_passes_per_step, op, overlap, bucket_bytes,
                    progress, gradient_predivide_factor, groups, pset)
+    names = [opt._hvd_names.get(id(p), f"noname.{k}")
+             for k, p in enumerate(opt._hvd_flat.parameters)]
+    opt._hvd_sparse = SparseGrads(opt._hvd_flat.parameters, names, as_dense=sparse_as_dense,
+                                  average=op == Average, process_set=pset)
+    _timeline.name_rows(opt._hvd_desc.name, [f"allreduce.{n}" for n in names])
     return opt
 
 
