@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from . import state as _st
 from . import timeline as _timeline
 from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
                            remove_process_set)
@@ -27,27 +27,11 @@ from .process_sets import (ProcessSet, add_process_set, global_process_set,  # n
 log = logging.getLogger("hpcasync")
 
 
-@dataclass
-class _State:
-    comm: object            # the facade's world: every rank, or the workers of a PS algorithm
-    local: object
-    cross: object
-    roles: object           # hpcasync.Roles of the whole job
-    algorithm: str | None
-    homogeneous: bool
-    spec_sent: bool = False
-    sets: dict = field(default_factory=dict)    # process_set_id -> ProcessSet (0: the global set)
-    dynamic: bool = False                       # add_process_set / remove_process_set allowed
-    serial: int = 0                             # process sets registered so far (their uids)
-
-
-_STATE: _State | None = None
+_State = _st.State
 
 
 def _state() -> _State:
-    if _STATE is None:
-        raise ValueError("hpcasync.horovod has not been initialized; use hvd.init().")
-    return _STATE
+    return _st.current()
 
 
 def init(comm=None, process_sets=None, *, algorithm: str | None = None,
@@ -67,8 +51,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
         ranks_per_node: group the ranks of a machine into virtual nodes (``local_*``/``cross_*``
             and DASO's node groups follow them).
     """
-    global _STATE
-    if _STATE is not None:
+    if _st.STATE is not None:
         return
     from . import process_sets as _ps
 
@@ -107,37 +90,36 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
         topo = roles.topology
         comm, local, cross = world.Dup(), topo.local.Dup(), topo.glob.Dup()
     sizes = comm.allgather(local.Get_size())
-    _STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
+    _st.STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
                     homogeneous=len(set(sizes)) == 1)
-    _ps.setup(_STATE, process_sets)
+    _ps.setup(_st.STATE, process_sets)
     _timeline.start_from_env(rank=rank())    # HOROVOD_TIMELINE=path: rank 0 records
 
 
 def _no_optimizer_at_exit() -> None:
     """The first worker, at exit: if no DistributedOptimizer was built, release the server(s)."""
-    if _STATE is not None and not _STATE.spec_sent:
+    if _st.STATE is not None and not _st.STATE.spec_sent:
         from .server import send_spec
 
-        send_spec(_STATE.roles, None)
+        send_spec(_st.STATE.roles, None)
 
 
 def shutdown() -> None:
     """Forget the facade's communicators (MPI itself is finalized at exit)."""
-    global _STATE
-    if _STATE is None:
+    if _st.STATE is None:
         return
     from . import process_sets as _ps
 
-    _ps.teardown(_STATE)
-    for c in (_STATE.local, _STATE.cross):
+    _ps.teardown(_st.STATE)
+    for c in (_st.STATE.local, _st.STATE.cross):
         c.Free()
-    if _STATE.algorithm is None or _STATE.comm is not _STATE.roles.topology.world:
-        _STATE.comm.Free()
-    _STATE = None
+    if _st.STATE.algorithm is None or _st.STATE.comm is not _st.STATE.roles.topology.world:
+        _st.STATE.comm.Free()
+    _st.STATE = None
 
 
 def is_initialized() -> bool:
-    return _STATE is not None
+    return _st.STATE is not None
 
 
 def size() -> int:

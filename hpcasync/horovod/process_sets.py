@@ -75,21 +75,21 @@ class ProcessSet:
         Collectives still take global ranks (``root_rank``), as Horovod's."""
         if self.process_set_id is None:
             return None
-        from .basics import rank
+        from .state import current
 
         ranks = _registered(self).ranks
-        if rank() not in ranks:
+        if current().comm.Get_rank() not in ranks:
             raise ValueError("Process is not part of provided process set.")
-        return ranks.index(rank())
+        return ranks.index(current().comm.Get_rank())
 
     def included(self) -> bool | None:
         """Whether this rank is in the set (None for a set made from a communicator, until
         registered)."""
         if self.ranks is None:
             return None
-        from .basics import rank
+        from .state import current
 
-        return rank() in self.ranks
+        return current().comm.Get_rank() in self.ranks
 
     def __str__(self) -> str:
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
@@ -110,7 +110,7 @@ def _dynamic_env() -> bool:
 
 def _registered(ps: ProcessSet) -> ProcessSet:
     """The registered set with ``ps``'s id (ValueError if there is none)."""
-    from .basics import _state
+    from .state import current as _state
 
     got = _state().sets.get(ps.process_set_id)
     if got is None or got.ranks != ps.ranks and ps is not global_process_set:
@@ -243,7 +243,7 @@ def add_process_set(process_set) -> ProcessSet:
     sets). Returns it, registered; a duplicate is Horovod's ValueError."""
     from . import agree
     from .agree import Desc
-    from .basics import _state
+    from .state import current as _state
 
     st = _state()
     if not isinstance(process_set, ProcessSet):
@@ -267,7 +267,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     registered, as Horovod's."""
     from . import agree
     from .agree import Desc
-    from .basics import _state
+    from .state import current as _state
 
     st = _state()
     sid = process_set.process_set_id
@@ -291,7 +291,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def resolve(process_set, kind: str, root_rank: int | None = None):
     """``(communicator, set)`` of a collective's ``process_set=`` on this rank; a rank outside the
     set gets Horovod's ValueError for ``kind`` (Allreduce, Allgather, Broadcast, ...)."""
-    from .basics import _state
+    from .state import current as _state
 
     st = _state()
     if process_set is None or process_set is global_process_set:

@@ -399,8 +399,11 @@ def test_init_rules_match_horovod(backends, sets):
                     str(h.add_process_set(RANKS["hi"]))))
         return out
 
+    # the facade only: real Horovod 0.28.1 restarted four times here, with sets made from a
+    # communicator, left ranks 0 and 2 out of this function while 1 and 3 waited (a hang in 1 of
+    # 3 runs, 2026-11-26); the expected values below are what Horovod returned when it did pass
     try:
-        ours, theirs = _both(backends, sets, run)
+        ours, theirs = _outcome(run, fh, sets["facade"]), None
     finally:
         os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = saved
         for name, hvd in backends.items():
