@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from ..errors import ConfigError
-from ..ssgd.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_PROGRESS, BucketReducer
+from ..ssgd.buckets import DEFAULT_PROGRESS, BucketReducer, default_bucket_bytes
 from . import agree as _agree
 from . import timeline as _timeline
 from .adasum import distributed_optimizer as _adasum_optimizer
@@ -75,11 +75,6 @@ from .sparse import SparseGrads
 log = logging.getLogger("hpcasync")
 
 _WIRE = {NoneCompressor: None, FP16Compressor: "fp16", BF16Compressor: "bf16"}
-#: bucket size without overlap: Horovod's default fusion threshold (HOROVOD_FUSION_THRESHOLD,
-#: 64 MiB). Reduced after backward, a bucket gains nothing from being small, and every extra
-#: collective costs a latency — milliseconds when ranks share cores (resnet18: 180 buckets of
-#: 256 KiB vs 1 of 45 MiB)
-FUSION_BYTES = 64 * 2**20
 _SEQ = itertools.count()
 _SEQS: dict = {}                # process set uid -> counter (the optimizers of a set, in order)
 _LIVE: dict = {}                # "DistributedOptimizer.<k>" -> weakref, for a joined rank's part
@@ -150,7 +145,7 @@ class _HorovodOptimizer:
         if predivide != 1.0:
             overlap = False           # 1/f scales the whole gradient before any bucket starts
         if bucket_bytes is None:      # overlap: small buckets start early; else few, large ones
-            bucket_bytes = DEFAULT_BUCKET_BYTES if overlap else FUSION_BYTES
+            bucket_bytes = default_bucket_bytes(overlap)    # without: 64 MiB, Horovod's fusion
         self._hvd_reducer = red = BucketReducer(
             flat, comm.Dup(), bucket_bytes=bucket_bytes, overlap=overlap,
             compress=_WIRE[compression], progress=progress,
