@@ -19,6 +19,8 @@ from .config import apply_config_file, config_from_args  # noqa: E402
 from .errors import run_guarded  # noqa: E402
 from .options import OptionParser as _Parser  # noqa: E402
 from .options import add_sim_arguments, add_train_arguments  # noqa: E402
+from .runtime import startup  # noqa: E402
+from .runtime.ft import early_kill_point  # noqa: E402
 
 
 # name -> (module with add_arguments/run, one-line summary)
@@ -111,7 +113,11 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    startup.watch()           # under ULFM: a rank that dies before MPI is up ends the job
+    run_guarded(early_kill_point, "launch")
     ns = run_guarded(_parse, argv)
+    if ns.command != "train":
+        startup.done()
     handler = {"train": _train, "info": _info, "bench": _bench, "sim": _sim,
                "experiment": _experiment, "report": _report}[ns.command]
     code = run_guarded(handler, ns)

@@ -167,7 +167,8 @@ def ranks_in(group, comm) -> list[int]:
 def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
     """For a process failure reported by ULFM (``MPI_ERR_PROC_FAILED``/``REVOKED``, or a
     :class:`ProcessFailedError`) where no recovery applies: print one line naming the dead world
-    ranks and return True."""
+    ranks and return True. Every survivor meets the failure, so the lowest one says it; the
+    others first wait :data:`FOLLOWER_GRACE_S`, which its ``MPI_Abort`` ends."""
     if not proc_failure(exc):
         return False
     dead = getattr(exc, "dead_ranks", None)
@@ -176,6 +177,8 @@ def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
             dead = dead_ranks(world)
         except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
             dead = []
+    if rank != min(set(range(world.Get_size())) - set(dead), default=rank):
+        time.sleep(FOLLOWER_GRACE_S)
     who = f"rank(s) {', '.join(map(str, dead))} died" if dead else "a rank died"
     print(f"hpcasync: error (rank {rank}): {who}; this run cannot survive it here ({exc}); "
           "ending the job", file=sys.stderr, flush=True)

@@ -30,7 +30,7 @@ import torch
 from .config import TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
-from .runtime import algorithms, runtime_module
+from .runtime import algorithms, ft, runtime_module, startup
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
 from .slurm import SlurmEnv
@@ -106,10 +106,11 @@ def train(cfg: TrainConfig) -> dict:
     from . import plugins
     from .data import load_dataset
     from .models import build_model
-    from .topology import Topology
+    from .topology import Topology, init_mpi
 
     # read (and so check) the data before MPI starts: a bad file is then said once, by rank 0
     setup_logging(launcher_rank())
+    ft.early_kill_point("data")
     train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                        train_limit=cfg.train_limit, test_limit=cfg.test_limit)
     # try the model, loss and optimizer on the data (CPU) while an error is still said once
@@ -121,6 +122,10 @@ def train(cfg: TrainConfig) -> dict:
     specs = {f"{key}_spec": {**plugins.spec_record(value, f"--{key}"), **shape}
              for key, value in (("model", cfg.model), ("dataset", cfg.dataset))
              if plugins.is_spec(value)}
+    startup.entering_mpi()
+    init_mpi()
+    startup.done()          # from here a dead rank is ULFM's to report (errors.fail_fast)
+    ft.early_kill_point("mpi")
     topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device, ps_rank=cfg.ps_rank)
     # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank)
     report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0

@@ -184,36 +184,63 @@ def kill_hook(rank: int) -> Callable[[], None] | None:
 
 
 KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG"
-PHASES = ("startup", "step", "epoch_end", "checkpoint", "final")
+#: the phases before the topology exists, in the order a rank meets them (the CLI's start-up)
+EARLY_PHASES = ("launch", "data", "mpi")
+PHASES = (*EARLY_PHASES, "startup", "step", "epoch_end", "checkpoint", "final")
 
 
 def kill_points(rank: int) -> Callable[[str], None]:
-    """Failure injection for the synchronous runtimes: ``HPCASYNC_INJECT_KILL_AT=RANK:PHASE:N``
-    (several, comma-separated: one rank after another) makes rank RANK SIGKILL itself the N-th
-    time it reaches PHASE, one of :data:`PHASES` (``startup``: before the first broadcast;
+    """Failure injection: ``HPCASYNC_INJECT_KILL_AT=RANK:PHASE:N[:WAIT]`` (several,
+    comma-separated: one rank after another) makes rank RANK SIGKILL itself the N-th time it
+    reaches PHASE — WAIT seconds later when given (the others go on meanwhile: a death inside
+    their next wait) —, PHASE one of :data:`PHASES` (the CLI's start-up, :func:`early_kill_point`:
+    ``launch``: its imports done, before the options are read; ``data``: before the data set is
+    loaded, MPI not started; ``mpi``: MPI just initialised, before the topology's collectives;
+    then the synchronous runtimes' and the PS's ``startup``: before the first broadcast;
     ``step``: after a completed step; ``epoch_end``: before the evaluation; ``checkpoint``: when
     a checkpoint is written; ``final``: before the final gathers). With
     ``HPCASYNC_INJECT_KILL_LOG=FILE`` it first appends ``RANK PHASE N UNIX_TIME`` to FILE, so a
     test or study measures the time from the kill. Returns ``point(phase)``."""
-    plan: dict[str, int] = {}
+    plan: dict[str, tuple[int, float]] = {}
     for item in filter(None, os.environ.get(KILL_AT_ENV, "").split(",")):
-        r, phase, n = (item.split(":") + ["", "", ""])[:3]
-        if phase not in PHASES or not (r.isdigit() and n.isdigit()):
+        r, phase, n, wait = (item.split(":") + ["", "", "", ""])[:4]
+        if phase not in PHASES or not (r.isdigit() and n.isdigit()) \
+                or not (wait == "" or wait.replace(".", "", 1).isdigit()):
             from ..errors import ConfigError
-            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N with PHASE one of "
-                              f"{', '.join(PHASES)}")
+            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N[:WAIT] with PHASE one "
+                              f"of {', '.join(PHASES)}")
         if int(r) == rank:
-            plan[phase] = int(n)
+            plan[phase] = (int(n), float(wait or 0))
     counts = dict.fromkeys(plan, 0)
 
     def point(phase: str) -> None:
         if phase not in plan:
             return
         counts[phase] += 1
-        if counts[phase] == plan[phase]:
-            _log_kill(f"{rank} {phase} {plan[phase]}")
+        n, wait = plan[phase]
+        if counts[phase] == n:
+            if wait:
+                import time
+                time.sleep(wait)
+            _log_kill(f"{rank} {phase} {n}")
             os.kill(os.getpid(), signal.SIGKILL)
     return point
+
+
+_EARLY: list = []
+
+
+def early_kill_point(phase: str) -> None:
+    """:func:`kill_points` for the :data:`EARLY_PHASES`, before the topology gives a rank: this
+    process's rank is the launcher's (:func:`hpcasync.errors.launcher_rank`). A no-op unless
+    ``HPCASYNC_INJECT_KILL_AT`` is set."""
+    if not os.environ.get(KILL_AT_ENV):
+        return
+    if not _EARLY:
+        from ..errors import launcher_rank
+
+        _EARLY.append(kill_points(launcher_rank()))
+    _EARLY[0](phase)
 
 
 def _log_kill(what: str) -> None:
