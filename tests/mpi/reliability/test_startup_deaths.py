@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
+from tests.mpi_util import REPO, VENDOR, clean_env, mpiexec, need_ulfm
 
 ARGS = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", "600", "--test-limit", "100",
         "--epochs", "1", "--model", "mlp", "--progress", "off"]
@@ -100,10 +100,14 @@ def test_ulfm_death_as_the_topology_is_built_is_said_once(tmp_path):
 
 @pytest.mark.rank0
 def test_without_ulfm_a_death_before_mpi_ends_the_job_naming_the_rank(tmp_path):
-    """Open MPI without --with-ft and MPICH: the launcher ends the job and names the rank
-    (prterun: ``process rank 0 ... exited on signal 9``; hydra: ``RANK 0 ... KILLED BY
-    SIGNAL: 9``)."""
+    """Open MPI without --with-ft and MPICH: the launcher ends the job (prterun names the rank:
+    ``process rank 0 ... exited on signal 9``; MPICH 5.0.2's hydra names only the process:
+    ``BAD TERMINATION ... PID n ... EXIT CODE: 9`` — it SIGKILLs the other ranks at once, so no
+    rank of ours is left to say more: a gap, README's failure section)."""
     code, out, took = _job(tmp_path, 3, "asgd", "0:data:1", ft=False)
     assert code not in (None, 0), out[-3000:]
     assert took is not None and took < BOUND_S, (took, out[-3000:])
-    assert len(re.findall(r"rank 0\b", out, re.IGNORECASE)) == 1, out[-3000:]
+    if VENDOR == "mpich":
+        assert "BAD TERMINATION" in out and "signal 9" in out, out[-3000:]
+    else:
+        assert len(re.findall(r"rank 0\b", out, re.IGNORECASE)) == 1, out[-3000:]
