@@ -376,6 +376,13 @@ class ParameterServer(AlgorithmOptimizer):
         W = self.num_workers
         ppe = W * self.steps_per_epoch if self.steps_per_epoch else None
         on_buffers = self._take_buffers if self.sync_buffers else None
+        told = callbacks.get("on_failure")
+
+        def on_failure(record: dict) -> None:     # a dead worker leaves the buffer average
+            self._seen[record["worker"]] = False
+            if told is not None:
+                told(record)
+        callbacks["on_failure"] = on_failure
         if self.layout.K > 1:
             hook = self._epoch_exchange = EpochExchange(self, callbacks.get("on_epoch"))
             callbacks.update(on_epoch=hook, on_served=hook.end, worker_ranks=self.layout.workers)

@@ -31,7 +31,7 @@ from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
 from .takeover import (ServerLost, StartupLost, Takeover, known_dead, restart_without_the_dead,
-                       take_over)
+                       restore_buffers, take_over)
 
 log = logging.getLogger("hpcasync")
 
@@ -180,6 +180,8 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             raise
         raise StartupLost() from None
     flat = opt.flat
+    if takeover is not None:       # the survivors' BatchNorm state, not the fresh model's
+        restore_buffers(opt, takeover)
     if state is not None:          # K > 1: each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
                 else os.path.dirname(os.path.abspath(cfg.resume)))

@@ -11,12 +11,13 @@ Example (``ps.runtime._run``, on the server rank)::
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ..runtime import ft
 from ..runtime.context import RunContext
 from .shards import shard_snapshot
-from .takeover import Takeover
+from .takeover import Takeover, dump_buffers
 
 log = logging.getLogger("hpcasync")
 
@@ -83,12 +84,18 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         sigterm.poll()
         return stop_flag is not None and stop_flag()
 
+    def on_failure(record: dict) -> None:
+        ctx.metrics.write("worker_failed", **record, detected_unix=round(time.time(), 4))
+        if os.environ.get("HPCASYNC_DUMP_BUFFERS"):       # testing hook (ps.takeover)
+            opt.load_theta()
+            dump_buffers(f"worker-failed-{record['worker']}", model=opt.flat.buffers,
+                         **opt.buffer_state())
+
     pushes_per_epoch = W * batches_per_worker
     server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
                              on_checkpoint=save if ctx.checkpoints is not None else None,
                              checkpoint_every=ctx.checkpoint_every,
-                             on_failure=lambda record: ctx.metrics.write(
-                                 "worker_failed", **record, detected_unix=round(time.time(), 4)),
+                             on_failure=on_failure,
                              on_accept=lambda w, loss: ctx.divergence.check(
                                  loss, step=server.stats.accepted))
     resumed_at = 0

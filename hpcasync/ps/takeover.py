@@ -107,6 +107,65 @@ class Takeover:
     share: float                      # the share of every worker's budget already done
     theta: torch.Tensor | None        # on the new server: the freshest θ; None elsewhere
     records: list                     # every takeover so far (for the summary)
+    own_buffers: torch.Tensor | None = None   # this rank's float buffers when the server died
+    buffers: list | None = None       # on the new server: every survivor's float buffers (new
+                                      # world's rank order); None elsewhere
+    int_buffers: dict | None = None   # this rank's own integer buffers (num_batches_tracked)
+    int_max: dict | None = None       # on the new server: the survivors' max of each integer
+                                      # buffer
+
+
+def _int_buffers(model) -> dict:
+    return {n: b.detach().cpu().clone() for n, b in model.named_buffers()
+            if not b.is_floating_point()}
+
+
+def restore_buffers(opt, takeover: Takeover) -> None:
+    """After a takeover, once the new ``ParameterServer`` is built (its broadcast gave every
+    worker the new server's buffers): nothing of the BatchNorm state is reset.
+
+    A worker keeps its own buffers (float and integer), as it would have under the old server.
+    The new server's buffer table (``average_buffers``) is seeded with every remaining worker's
+    current float buffers, each marked seen, and its model takes their mean the way
+    ``load_theta`` computes it (``_buffers[seen].mean(0)``, bitwise); its integer buffers
+    (``num_batches_tracked``) take the survivors' max (the server never trains: no count of its
+    own). The new server's own buffers from its time as a worker are not in the table (it no
+    longer pushes)."""
+    flat, module = opt.flat, opt.flat.module
+    if takeover.own_buffers is None:
+        return
+    ints = takeover.int_max if opt.is_server else takeover.int_buffers
+    for name, buf in module.named_buffers():
+        if name in ints:
+            buf.copy_(ints[name].to(buf))
+    if not flat.buffer_numel:
+        return
+    if opt.is_server:
+        if opt.sync_buffers:
+            rows = torch.stack([takeover.buffers[r] for r in opt.worker_ranks])
+            opt.load_buffer_state({"buffers": rows, "seen": [True] * len(opt.worker_ranks)})
+            opt.load_theta()
+        else:                    # no average: the mean of the workers' buffers all the same
+            flat.buffers.copy_(torch.stack([takeover.buffers[r] for r in opt.worker_ranks])
+                               .mean(0).to(flat.buffers))
+    else:
+        flat.buffers.copy_(takeover.own_buffers.to(flat.buffers))
+    dump_buffers(f"takeover-{'server' if opt.is_server else 'worker'}-{opt.comm.Get_rank()}",
+                 model=flat.buffers, worker_ranks=list(opt.worker_ranks),
+                 survivors=takeover.buffers if opt.is_server else None,
+                 ints={n: b.detach().cpu().clone() for n, b in module.named_buffers()
+                       if n in ints})
+
+
+def dump_buffers(tag: str, **what) -> None:
+    """Testing hook: ``HPCASYNC_DUMP_BUFFERS=DIR`` saves ``what`` (tensors cloned to the CPU) to
+    ``DIR/<tag>.pt`` (the BatchNorm state at a takeover, after a worker's death)."""
+    where = os.environ.get("HPCASYNC_DUMP_BUFFERS")
+    if not where:
+        return
+    os.makedirs(where, exist_ok=True)
+    copy = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in what.items()}
+    torch.save(copy, os.path.join(where, f"{tag}.pt"))
 
 
 def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeover:
@@ -116,9 +175,20 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
     t0 = time.perf_counter()
     opt, topo = lost.opt, ctx.topo
     new, _, dead = _shrink(ctx, (topo.world, *[c for c in opt.layout.comms if c is not None]))
+    # the old optimizer's windows are on the revoked world (left to MPI_Finalize); it must not
+    # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
+    # communicator, MPI_Abort after the run had finished)
+    opt._closed = True
     mine = (int(opt.version), min(1.0, opt.steps / max(1, lost.budget)))
     every = new.allgather(mine)
     server = max(range(len(every)), key=lambda r: (every[r][0], -r))
+    # every survivor's BatchNorm state as it is now, to the new server (the fresh models built
+    # next must not reset it; restore_buffers)
+    own = opt.flat.buffers.detach().cpu().clone()
+    own_ints = _int_buffers(opt.flat.module)
+    states = new.gather((own, own_ints), root=server)
+    int_max = (None if states is None else
+               {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
     share = sum(s for _, s in every) / len(every)
     ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
     record = {"dead_ranks": dead, "new_server": ctx.original_ranks[server],
@@ -137,4 +207,9 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
     theta = None
     if new.Get_rank() == server:          # its last reply (before any: the broadcast start)
         theta = opt.last_reply()
-    return Takeover(share=share, theta=theta, records=records)
+        if opt.keeps_local:
+            log.warning("%s: the workers' local models are dropped at the takeover; every "
+                        "worker goes on from the new server's θ", opt.algorithm)
+    return Takeover(share=share, theta=theta, records=records, own_buffers=own,
+                    buffers=None if states is None else [b for b, _ in states],
+                    int_buffers=own_ints, int_max=int_max)
