@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -129,7 +130,9 @@ os.environ["HOROVOD_TIMELINE"] = sys.argv[1]       # as if exported before the l
 import hpcasync.horovod as hvd
 from tests.mpi.test_horovod_timeline import _steps
 hvd.init()
-print("NAMES", ",".join(_steps(hvd, steps=3)), flush=True)
+names = _steps(hvd, steps=3)
+if hvd.rank() == 0:                    # one line (two ranks' lines may interleave in the launcher)
+    print("NAMES", ",".join(names), flush=True)
 """
 
 
@@ -147,9 +150,10 @@ def test_horovod_timeline_env_var_records_a_training_run(tmp_path):
                               env=clean_env(), capture_output=True, text=True, timeout=150)
         result = (done.returncode, done.stdout[-3000:] + done.stderr[-3000:])
         if done.returncode == 0:
-            names = [line.split(" ", 1)[1].split(",") for line in done.stdout.splitlines()
-                     if line.startswith("NAMES ")][0]
-            try:
+            try:          # a failure here is reported on every rank below (no rank-0-only raise)
+                found = re.search(r"NAMES (\S+)", done.stdout)
+                assert found, f"no NAMES line in the job's output: {result[1]!r}"
+                names = found.group(1).split(",")
                 rows = check_trace(out)
                 for n in names:
                     assert rows[f"allreduce.{n}"].count("MPI_ALLREDUCE") == 3, rows
