@@ -51,6 +51,17 @@ def as_flat(model: nn.Module | FlatModel) -> FlatModel:
     return flat
 
 
+def unique_params(param_groups) -> list:
+    """The parameters of ``param_groups`` in order, each once (a tensor may sit in two groups)."""
+    seen, out = set(), []
+    for group in param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def group_index(flat: FlatModel, param_groups) -> list[int]:
     """For each parameter of ``flat`` (flat order), the index of the param group that holds it, or
     -1 where torch's optimizer would never touch it: ``requires_grad=False``, or in no group.

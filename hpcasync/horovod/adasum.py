@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..optim import unique_params
 from . import agree as _agree
 from . import timeline
 from .agree import Desc, HorovodInternalError
@@ -258,13 +259,7 @@ class _AdasumOptimizer:
 
 
 def _all_params(opt) -> list:
-    seen, out = set(), []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    return unique_params(opt.param_groups)
 
 
 def distributed_optimizer(optimizer, named, compression, passes, process_set, algorithm=None):

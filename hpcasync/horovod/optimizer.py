@@ -61,6 +61,7 @@ import weakref
 import torch
 
 from ..errors import ConfigError
+from ..optim import unique_params
 from ..ssgd.buckets import DEFAULT_PROGRESS, BucketReducer, default_bucket_bytes
 from . import agree as _agree
 from . import timeline as _timeline
@@ -255,13 +256,7 @@ class _HorovodOptimizer:
 
 
 def _params(opt) -> list:
-    seen, out = set(), []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    return unique_params(opt.param_groups)
 
 
 def _group_buckets(flat, params, groups) -> list:
