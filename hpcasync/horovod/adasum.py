@@ -52,8 +52,8 @@ from ..errors import ConfigError
 from ..optim import unique_params
 from . import agree as _agree
 from . import timeline
-from .agree import Desc, HorovodInternalError
-from .collectives import (OWN_OPS, Adasum, _comm, _deliver, _dev, _dt, _fresh, _handle, _host,
+from .agree import HorovodInternalError
+from .collectives import (OWN_OPS, Adasum, _agree_allreduce, _comm, _deliver, _handle, _host,
                           _scale, _Work, synchronize)
 
 #: a squared norm below this leaves its vector's coefficient at 1 (Horovod: sqrt(DBL_MIN))
@@ -139,12 +139,8 @@ def start(comm, tensors, outs, prescale, postscale, name, process_set, check=Tru
     agreed like any allreduce, combined at once; the returned work only delivers the results."""
     _global_only(process_set)
     check_size(comm.Get_size())
-    if check:
-        _fresh(name)
-        _agree.agree(comm, Desc("ALLREDUCE", name, Adasum,
-                                [(_dt(t), tuple(t.shape)) for t in tensors], None,
-                                (float(prescale), float(postscale)),
-                                _dev(tensors[0]) if tensors else "cpu"))
+    if check:                         # the global set: its key is the name
+        _agree_allreduce(comm, name, name, Adasum, tensors, prescale, postscale)
     if any(t.dtype not in FLOATS for t in tensors):
         raise HorovodInternalError("Unsupported data type")     # every rank: dtypes are agreed
     bufs = [_scale(_host(t), prescale) for t in tensors]

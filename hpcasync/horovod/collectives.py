@@ -105,6 +105,15 @@ def _fresh(name) -> None:
                          "to request another tensor, use a different tensor name.")
 
 
+def _agree_allreduce(comm, key, name, op, tensors, prescale, postscale) -> None:
+    """Horovod's checks before an allreduce (any op, Adasum's too): ``key`` (:func:`_key`) not in
+    flight here, then name, op, dtypes, shapes, scale factors and device agreed over ``comm``."""
+    _fresh(key)
+    _agree.agree(comm, Desc("ALLREDUCE", name, op, [(_dt(t), tuple(t.shape)) for t in tensors],
+                            None, (float(prescale), float(postscale)),
+                            _dev(tensors[0]) if tensors else "cpu"))
+
+
 def _dt(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
@@ -226,11 +235,7 @@ def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, 
     n = comm.Get_size()
     key = _key(name, process_set)
     if check:
-        _fresh(key)
-        _agree.agree(comm, Desc("ALLREDUCE", name, op,
-                                [(_dt(t), tuple(t.shape)) for t in tensors], None,
-                                (float(prescale), float(postscale)),
-                                _dev(tensors[0]) if tensors else "cpu"))
+        _agree_allreduce(comm, key, name, op, tensors, prescale, postscale)
     bufs, reqs, casts = [], [], []
     for t in tensors:
         b = _scale(_host(t), prescale)
