@@ -6,6 +6,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$repo/scripts/setup.sh" | tail -n 1)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}   # one host: skip libfabric's 1 s probe in MPI_Init
 mkdir -p "$repo/runs"
 cd "$repo"
 # the launcher of the venv's MPI (hpcasync.launch): line 1 names the MPI, then one argument a line
