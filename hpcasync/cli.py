@@ -1,4 +1,4 @@
-"""``hpcasync`` command line: train | bench | info.
+"""``hpcasync`` command line: train | launch | bench | info | sim | experiment | report.
 
 Options are parsed and validated before MPI is initialised, so a bad option ends every rank with
 one line (printed once, by rank 0) and exit status 2, without any rank waiting on another.
@@ -21,6 +21,7 @@ from .options import OptionParser as _Parser  # noqa: E402
 from .options import add_sim_arguments, add_train_arguments  # noqa: E402
 from .runtime import startup  # noqa: E402
 from .runtime.ft import early_kill_point  # noqa: E402
+from .supervisor import announce  # noqa: E402
 
 
 # name -> (module with add_arguments/run, one-line summary)
@@ -41,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train a model (run under mpiexec/srun)")
     add_train_arguments(train)
+    from .supervisor import add_arguments as add_launch_arguments
+    add_launch_arguments(sub.add_parser(
+        "launch", help="start `train` on N ranks and restart it from its newest checkpoint after "
+        "a death (--max-restarts; not under mpiexec)", usage="hpcasync launch -n N "
+        "[--max-restarts K] [--launcher mpiexec|srun] [--ft] -- train OPTIONS"))
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (module, summary) in BENCHMARKS.items():
@@ -64,6 +70,19 @@ def _train(ns) -> int:
 
     train(config_from_args(ns))
     return 0
+
+
+def _launch(ns) -> int:
+    from .errors import ConfigError
+    from .runtime import algorithms
+    from .supervisor import Supervisor
+
+    if ns.job[:1] != ["train"]:
+        raise ConfigError("launch runs `train`: hpcasync launch -n N [--max-restarts K] -- train "
+                          "OPTIONS")
+    cfg = config_from_args(_parse(ns.job)).validate(algorithms())    # bad options: no job at all
+    return Supervisor(ns.np, ns.job[1:], max_restarts=ns.max_restarts, launcher=ns.launcher,
+                      ft=ns.ft, checkpoint_dir=cfg.checkpoint_dir, metrics=cfg.metrics).run()
 
 
 def _sim(ns) -> int:
@@ -113,12 +132,13 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    announce()                # under `hpcasync launch`: this rank's pid, for its lines
     startup.watch()           # under ULFM: a rank that dies before MPI is up ends the job
     run_guarded(early_kill_point, "launch")
     ns = run_guarded(_parse, argv)
     if ns.command != "train":
         startup.done()
-    handler = {"train": _train, "info": _info, "bench": _bench, "sim": _sim,
+    handler = {"train": _train, "launch": _launch, "info": _info, "bench": _bench, "sim": _sim,
                "experiment": _experiment, "report": _report}[ns.command]
     code = run_guarded(handler, ns)
     return code or 0

@@ -17,6 +17,7 @@ rank 0). A world of one rank whose launcher numbered it k > 0 (Open MPI started 
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -92,6 +93,7 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
     user_error = isinstance(exc, HpcasyncError) and not isinstance(exc, ProcessFailedError)
     if code is None:
         code = 2 if user_error else 1
+    _mark_for_supervisor(exc, user_error)
     rank = world.Get_rank() if world is not None else launcher_rank()
     size = world.Get_size() if world is not None else 1
     if world is not None and size == 1 and launcher_rank() != 0:
@@ -122,6 +124,32 @@ def fail_fast(exc: BaseException, *, code: int | None = None) -> None:
             time.sleep(PRE_MPI_FOLLOWER_WAIT_S)
     sys.stdout.flush()
     os._exit(code) if world is not None else sys.exit(code)
+
+
+def _mark_for_supervisor(exc: BaseException, user_error: bool) -> None:
+    """Under ``hpcasync launch`` (``HPCASYNC_SUPERVISOR_DIR`` set): leave ``exit-R`` saying what
+    ends this rank — ``error`` (bad input), ``mpi`` (an MPI error: how a peer's death shows
+    here), ``interrupt`` or ``crash`` (any other exception) —, so the supervisor restarts after
+    deaths only (hpcasync.supervisor.decide)."""
+    folder = os.environ.get("HPCASYNC_SUPERVISOR_DIR")
+    if not folder:
+        return
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    if user_error:
+        kind = "error"
+    elif isinstance(exc, ProcessFailedError) or proc_failure(exc) \
+            or (mpi_mod is not None and isinstance(exc, mpi_mod.Exception)):
+        kind = "mpi"
+    elif isinstance(exc, KeyboardInterrupt):
+        kind = "interrupt"
+    else:
+        kind = "crash"
+    message = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+    try:
+        with open(os.path.join(folder, f"exit-{launcher_rank()}"), "w", encoding="utf-8") as fh:
+            fh.write(json.dumps({"kind": kind, "message": message}) + "\n")
+    except OSError:
+        pass
 
 
 def proc_failure(exc: BaseException | None) -> bool:
