@@ -21,11 +21,11 @@ Where each part lives: :mod:`.basics` (init, ranks, the PS carve-out), :mod:`.co
 :mod:`.compression`, :mod:`.optimizer` (DistributedOptimizer), :mod:`.server` (the server rank of
 a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``process_set=``),
 :mod:`.adasum` (``op=hvd.Adasum``), :mod:`.sparse` (``sparse_allreduce_async``, sparse gradients),
-:mod:`.timeline` (``HOROVOD_TIMELINE``, ``start_timeline``).
+:mod:`.timeline` (``HOROVOD_TIMELINE``, ``start_timeline``), :mod:`.sync_batch_norm`
+(``SyncBatchNorm``), :mod:`.per_tensor` (custom compressors, non-float32 parameters).
 Each module's docstring lists where it differs from Horovod. Not supported, each
 raising ``NotImplementedError`` that names it: elastic training (``hvd.elastic``),
-``SyncBatchNorm``, custom compressors in DistributedOptimizer, ``init(comm=)``
-with a sub-communicator.
+``init(comm=)`` with a sub-communicator.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
                         broadcast_parameters)
 from .optimizer import DistributedOptimizer
 from .sparse import sparse_allreduce_async
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]
 
@@ -56,6 +57,4 @@ def __getattr__(name: str):
         raise NotImplementedError("hpcasync.horovod does not support elastic training "
                                   "(hvd.elastic); hpcasync's fault tolerance is ULFM's "
                                   "(mpirun --with-ft ulfm, see the README)")
-    if name == "SyncBatchNorm":
-        raise NotImplementedError(f"hpcasync.horovod does not support hvd.{name}")
     raise AttributeError(f"module 'hpcasync.horovod' has no attribute {name!r}")

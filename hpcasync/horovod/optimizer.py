@@ -21,8 +21,11 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
   ``overlap`` defaults to on for CUDA parameters and off on the CPU, where hpcasync measured it
   slower (``hpcasync.ssgd.DistributedOptimizer``); ``num_groups``/``groups`` make the buckets
   (each group one bucket; a group must be a contiguous run of parameters, else ConfigError);
-* trained parameters must be float32 on one device (``NotImplementedError`` otherwise); frozen
-  (``requires_grad=False``) parameters of other dtypes are left out of the flat buffer;
+* the flat buffer serves float32 parameters on one device with ``Compression.none/fp16/bf16``;
+  any other dtype (float64, float16, bfloat16, mixed), several devices or a custom compressor
+  take Horovod's own per-tensor path (:mod:`.per_tensor`: compress each gradient, one grouped
+  allreduce in each tensor's dtype, decompress); frozen (``requires_grad=False``) parameters of
+  other dtypes are left out;
 * agreement (:mod:`.agree`): construction checks once that every rank has the same parameter
   layout (HorovodInternalError naming the parameter otherwise); each step exchanges 32 bytes so
   that a rank in ``hvd.join()`` contributes zeros to the step's buckets, as Horovod's does;
@@ -30,8 +33,7 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
   ``set_to_none`` says;
 * ``gradient_predivide_factor`` f is Horovod's: gradients scaled by 1/f before the sum and by
   f/size after it (then ``overlap`` is off: the scaling needs the whole gradient);
-* custom compressors raise ``NotImplementedError``; ``op=hvd.Adasum`` returns Horovod's Adasum
-  optimizer (:mod:`.adasum`), and sparse gradients are reduced as Horovod's are (:mod:`.sparse`).
+* ``op=hvd.Adasum`` returns Horovod's Adasum optimizer (:mod:`.adasum`), and sparse gradients are reduced as Horovod's are (:mod:`.sparse`).
 
 ``process_set=`` (:mod:`.process_sets`): the gradients are averaged over the set's ranks, on its
 communicator; on a rank outside the set the optimizer reduces nothing and ``step()`` uses that
@@ -70,6 +72,7 @@ from .agree import Desc
 from .basics import _state, require_algorithm
 from .collectives import Adasum, Average, Sum
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from .per_tensor import PerTensorReducer
 from .server import ParamHolder, send_spec, spec_of
 from .sparse import SparseGrads
 
@@ -105,15 +108,13 @@ class _HorovodOptimizer:
         from ..comm import FlatModel
 
         # frozen parameters of other dtypes (integer buffers registered as parameters) get no
-        # gradient and no update: they stay out of the float32 flat buffer
+        # gradient and no update: they stay out of the reduction
         params = [p for p in _params(self) if p.requires_grad or p.dtype == torch.float32]
-        bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
-        if bad:
-            raise NotImplementedError(f"hpcasync.horovod.DistributedOptimizer flattens float32 "
-                                      f"parameters; these are {', '.join(bad)}")
-        if len({p.device for p in params}) > 1:
-            raise NotImplementedError("hpcasync.horovod.DistributedOptimizer: parameters on "
-                                      "more than one device")
+        self._hvd_params = params
+        # the flat float32 buffer for float32 parameters on one device and a 16-bit or no
+        # compressor; else Horovod's per-tensor reduction (.per_tensor)
+        flat_ok = (compression in _WIRE and len({p.device for p in params}) <= 1
+                   and all(p.dtype == torch.float32 for p in params))
         self._hvd_names = {id(p): n for n, p in named}
         comm = _state().comm if process_set is None else process_set._comm
         _agree.agree(comm, Desc("OPTIMIZER-INIT", "DistributedOptimizer", op,
@@ -132,7 +133,6 @@ class _HorovodOptimizer:
         self._hvd_digest = _agree.digest(self._hvd_desc)
         self._hvd_agreed = False
         _LIVE[name] = weakref.ref(self)
-        self._hvd_flat = flat = FlatModel(ParamHolder(params))
         self.backward_passes_per_step = passes
         self._hvd_counts = [0] * len(params)
         self._hvd_last = True
@@ -141,6 +141,13 @@ class _HorovodOptimizer:
         self._hvd_should_sync = True
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_guard(k))
                            for k, p in enumerate(params) if p.requires_grad]
+        if not flat_ok:
+            self._hvd_flat = None
+            self._hvd_reducer = PerTensorReducer(params, compression=compression, op=op,
+                                                 predivide=float(predivide), name=name,
+                                                 process_set=process_set)
+            return
+        self._hvd_flat = flat = FlatModel(ParamHolder(params))
         if overlap is None:
             overlap = flat.params.device.type == "cuda"
         if predivide != 1.0:
@@ -164,7 +171,11 @@ class _HorovodOptimizer:
     def _hvd_serve_zeros(self) -> None:
         """Run this step's bucket allreduces on zeros (this rank has joined); its gradients are
         left as they were."""
-        flat, params = self._hvd_flat, self._hvd_flat._params       # noqa: SLF001
+        flat = self._hvd_flat
+        if flat is None:
+            raise _agree.HorovodInternalError("a per-tensor DistributedOptimizer's steps are "
+                                              "served as allreduces, not optimizer steps")
+        params = flat._params                                       # noqa: SLF001
         saved, grads = flat.grads.clone(), [p.grad for p in params]
         self._hvd_reducer.discard()
         for p in params:
@@ -194,6 +205,13 @@ class _HorovodOptimizer:
     def synchronize(self) -> None:
         """Reduce the gradients across ranks now (every bucket; those started during backward are
         waited for)."""
+        if self._hvd_flat is None:          # per tensor: the grouped allreduce agrees itself
+            self._hvd_reducer.finish()
+            self._hvd_sparse.finish()
+            self._hvd_counts = [0] * len(self._hvd_counts)
+            self._hvd_pending = False
+            self._hvd_synchronized = True
+            return
         self._hvd_agree_step()
         f = self._hvd_predivide
         try:
@@ -240,7 +258,10 @@ class _HorovodOptimizer:
                                  "optimizer.step()/synchronize(): the gradients of that backward "
                                  "are being reduced; call step() or synchronize() first")
         self._hvd_sparse.release()
-        self._hvd_flat.zero_grad()
+        if self._hvd_flat is None:
+            super().zero_grad(set_to_none)  # Horovod's: the optimizer's own
+        else:
+            self._hvd_flat.zero_grad()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
@@ -332,10 +353,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
                          f"{backward_passes_per_step!r}")
-    if compression not in _WIRE:
-        raise NotImplementedError(f"hpcasync.horovod.DistributedOptimizer supports "
-                                  f"Compression.none/fp16/bf16, not a custom compressor "
-                                  f"({getattr(compression, '__name__', compression)!r})")
     algorithm = require_algorithm(algorithm)
     if op == Adasum:      # Horovod's _DistributedAdasumOptimizer; on one rank its plain one
         adasum = _adasum_optimizer(optimizer, named, compression, backward_passes_per_step,
@@ -372,10 +389,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         return opt
     opt._hvd_setup(named, compression, backward_passes_per_step, op, overlap, bucket_bytes,
                    progress, gradient_predivide_factor, groups, pset)
-    names = [opt._hvd_names.get(id(p), f"noname.{k}")
-             for k, p in enumerate(opt._hvd_flat.parameters)]
-    opt._hvd_sparse = SparseGrads(opt._hvd_flat.parameters, names, as_dense=sparse_as_dense,
+    names = [opt._hvd_names.get(id(p), f"noname.{k}") for k, p in enumerate(opt._hvd_params)]
+    opt._hvd_sparse = SparseGrads(opt._hvd_params, names, as_dense=sparse_as_dense,
                                   average=op == Average, process_set=pset)
+    if opt._hvd_flat is None:
+        opt._hvd_reducer.sparse = opt._hvd_sparse
     _timeline.name_rows(opt._hvd_desc.name, [f"allreduce.{n}" for n in names])
     return opt
 
