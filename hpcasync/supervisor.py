@@ -235,6 +235,7 @@ class Supervisor:
         folder.mkdir(parents=True)
         env = {**os.environ, SUPERVISOR_ENV: str(folder)}
         cmd = job_command(self.n, args, launcher=self.launcher, ft=self.ft)
+        say(f"attempt {folder.name.split('-')[-1]}: {' '.join(cmd)}")
         dead: list[int] = []
         self._job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -274,7 +275,7 @@ class Supervisor:
         while True:
             self._events, self._resumed = {}, None
             t0 = time.time()
-            out = self.attempt(args, state / f"attempt-{restarts}")
+            out = self.attempt(args, state / f"attempt-{restarts + 1}")
             t_end = time.time()
             if self._resumed is not None:
                 lost.append(self._resumed)

@@ -15,6 +15,9 @@
 #   METRICS           the metrics file (default: $RUN_DIR/hpcasync-$SLURM_JOB_ID.jsonl)
 #   CHECKPOINT_DIR    enables checkpoints: --checkpoint-dir DIR --resume auto
 #   REQUEUE           1 (default): requeue the job when training exits with status 75 (preempted)
+#   MAX_RESTARTS      N > 0: `hpcasync launch --max-restarts N` runs the training and, after a
+#                     rank's death, starts it again from the newest checkpoint (a new srun step in
+#                     the allocation, or a new mpirun); needs CHECKPOINT_DIR
 # shellcheck shell=bash
 
 hpc_say() { echo "hpcasync-sbatch: $*" >&2; }
@@ -75,7 +78,17 @@ print(" ".join(m for m in ("hpcasync", "mpi4py", "torch") if u.find_spec(m) is N
 hpc_launch() {
     local np=$1; shift
     local cmd
-    if [ "$LAUNCHER" = srun ]; then
+    if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then
+        # the supervisor starts each attempt itself (python -m hpcasync.cli launch --help)
+        [ -n "${CHECKPOINT_DIR:-}" ] || hpc_die "MAX_RESTARTS needs CHECKPOINT_DIR (a restart resumes from it)"
+        if [ "$(id -u)" = 0 ] && [ "$HPC_MPI" = openmpi ]; then
+            export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+        fi
+        local how=srun
+        if [ "$LAUNCHER" = mpirun ]; then how=mpiexec; fi
+        cmd=("$HPCASYNC_PYTHON" -m hpcasync.cli launch -n "$np" --launcher "$how"
+             --max-restarts "$MAX_RESTARTS" -- train)
+    elif [ "$LAUNCHER" = srun ]; then
         # --mpi=pmix is essential: Open MPI 5 started by srun without PMIx comes up as NPROCS
         # separate jobs of size 1 (hpcasync detects it and stops with an error). MPICH speaks PMI-2.
         local pmi=pmix
@@ -90,7 +103,9 @@ hpc_launch() {
         cmd=("${cmd[@]:1}")
         if [ "$(id -u)" = 0 ] && [ "$HPC_MPI" = openmpi ]; then cmd+=(--allow-run-as-root); fi
     fi
-    cmd+=("$HPCASYNC_PYTHON" -m hpcasync.cli train "${TRAIN_ARGS[@]}" "$@")
+    if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then cmd+=("${TRAIN_ARGS[@]}" "$@")
+    else cmd+=("$HPCASYNC_PYTHON" -m hpcasync.cli train "${TRAIN_ARGS[@]}" "$@")
+    fi
     hpc_say "job ${SLURM_JOB_ID:-(none)} on ${SLURM_JOB_NODELIST:-$(hostname)}: ${cmd[*]}"
     hpc_say "metrics: $METRICS"
     # The launcher runs in the background so this shell can take the preemption warning

@@ -64,8 +64,11 @@ def _job_env(conf: Path, **extra: str) -> dict[str, str]:
 
 # name -> (template, sbatch options, extra environment)
 JOBS = {
+    # also `hpcasync launch --max-restarts`: rank 2 dies at step 10 of 16; the restart is a new
+    # srun step resuming from the step-8 checkpoint (6 steps to go: no second kill)
     "mpi-srun": ("train-mpi.sbatch", ["-N", "1", "-n", "4", "--ntasks-per-node=4"],
-                 {"LAUNCHER": "srun"}),
+                 {"LAUNCHER": "srun", "MAX_RESTARTS": "1", "HPCASYNC_INJECT_KILL_AT": "2:step:10",
+                  "EXTRA_ARGS": f"{SMALL} --checkpoint-every 4"}),
     "mpi-mpirun": ("train-mpi.sbatch", ["-N", "1", "-n", "4", "--ntasks-per-node=4"],
                    {"LAUNCHER": "mpirun"}),
     "gpu-cpu-fallback": ("train-gpu.sbatch", ["--gpus-per-node=0", "--ntasks-per-node=4",
@@ -153,6 +156,8 @@ def cluster(tmp_path_factory):
             if name == "ps" and not _asgd_available():
                 continue
             work = tmp_path_factory.mktemp(f"job-{name}")
+            if "MAX_RESTARTS" in extra:
+                extra = {**extra, "CHECKPOINT_DIR": str(work / "ckpt")}
             sub = subprocess.run(
                 ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
                  f"--job-name=t-{name}", *options, str(REPO / "slurm" / template)],
@@ -248,5 +253,10 @@ def test_sbatch_template(cluster, name):
     else:                            # MPICH: PMI-2 under srun; hydra oversubscribes by itself
         expected = "srun --mpi=pmi2" if launcher == "srun" else "mpirun -n 4"
     assert expected in text, text[-2000:]
+    if "MAX_RESTARTS" in JOBS[name][2]:          # one restart, as a second srun step
+        assert re.search(r"hpcasync launch: restart 1 of 1: rank 2 died .* resuming from \S+"
+                         r"ckpt-e0001-s00000008\.pt", text), text[-3000:]
+        assert text.count(f"attempt 2: {expected}") == 1, text[-3000:]
+        assert [r["event"] for r in records][:2] == ["config", "resume"]
     print(f"\n{name}: job {jobid} done {time.time() - t_submit:.0f} s after submission",
           file=sys.stderr)
