@@ -209,3 +209,16 @@ def test_bfloat16_parameters_are_summed_in_bfloat16(backends):
         assert g.dtype == torch.bfloat16
         want = (sum(e[k].float() for e in every) / SIZE).bfloat16()
         assert torch.equal(g, want)
+
+
+def test_a_joined_rank_sends_zeros_to_the_per_tensor_path(backends):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1).double()
+    opt = fh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                  named_parameters=model.named_parameters(), op=fh.Sum)
+    for step in range(1 if RANK == SIZE - 1 else 2):         # the last rank joins early
+        opt.zero_grad()
+        model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        opt.step()
+        assert float(model.bias.grad) == (SIZE if step == 0 else SIZE - 1)
+    assert fh.join() in range(SIZE)
