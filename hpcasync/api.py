@@ -91,7 +91,7 @@ class Roles:
 def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
          device: str = "auto", ps_rank: int = 0, threads: int | None = None,
          seed: int | None = None, fail_fast: bool = True, verbose: bool = False,
-         ps_ranks: int = 1) -> Roles:
+         ps_ranks: int = 1, comm=None) -> Roles:
     """Start MPI (if needed) and say what this rank is.
 
     Args:
@@ -106,6 +106,8 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         seed: seed Python, numpy and torch identically on every rank.
         fail_fast: install the exception hook that ends the job on any rank's error
             (docs/design/front-door.md#front-door).
+        comm: the intracommunicator the job runs on (default ``COMM_WORLD``); only its ranks call
+            ``init``, and ranks, sizes and roles count inside it.
     """
     from .topology import Topology, set_default_topology
 
@@ -113,7 +115,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
     if fail_fast:
         install_fail_fast()
-    topo = Topology.build(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
+    topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
     set_default_topology(topo)
     if fail_fast and topo.size > 1:
         atexit.register(_agree_at_exit, topo.world.Dup())

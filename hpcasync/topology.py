@@ -132,7 +132,8 @@ class Topology:
               ps_rank: int = 0) -> "Topology":
         MPI = init_mpi()
         world = MPI.COMM_WORLD if comm is None else comm
-        SlurmEnv.from_environ().check_world(world.Get_size())
+        if comm is None:          # a sub-communicator of one rank is no launch mistake
+            SlurmEnv.from_environ().check_world(world.Get_size())
         rank, size = world.Get_rank(), world.Get_size()
         if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
             raw = os.environ[RANKS_PER_NODE_ENV]

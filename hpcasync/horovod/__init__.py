@@ -23,9 +23,8 @@ a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``pr
 :mod:`.adasum` (``op=hvd.Adasum``), :mod:`.sparse` (``sparse_allreduce_async``, sparse gradients),
 :mod:`.timeline` (``HOROVOD_TIMELINE``, ``start_timeline``), :mod:`.sync_batch_norm`
 (``SyncBatchNorm``), :mod:`.per_tensor` (custom compressors, non-float32 parameters).
-Each module's docstring lists where it differs from Horovod. Not supported, each
-raising ``NotImplementedError`` that names it: elastic training (``hvd.elastic``),
-``init(comm=)`` with a sub-communicator.
+Each module's docstring lists where it differs from Horovod. Not supported: elastic training
+(``hvd.elastic`` raises ``NotImplementedError`` naming it).
 """
 from __future__ import annotations
 

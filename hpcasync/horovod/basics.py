@@ -38,7 +38,9 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
          ranks_per_node: int | None = None, ps_rank: int = 0, ps_ranks: int = 1) -> None:
     """Start MPI and the facade (collective; a second call does nothing).
 
-    Args (Horovod's): ``comm`` — only ``None`` or ``MPI.COMM_WORLD``; ``process_sets`` — a list of
+    Args (Horovod's): ``comm`` — ``None`` (``COMM_WORLD``), an mpi4py intracommunicator (the facade
+    runs on a duplicate of it), or a list of ``COMM_WORLD`` ranks (a communicator of them is
+    created; as in Horovod only those ranks call ``init``); ``process_sets`` — a list of
     :class:`ProcessSet` to register (ids 1, 2, ...), or ``"dynamic"`` to allow
     ``add_process_set`` / ``remove_process_set`` later (so does ``HOROVOD_DYNAMIC_PROCESS_SETS=1``);
     see :mod:`.process_sets`.
@@ -61,14 +63,9 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     from ..topology import init_mpi
 
     MPI = init_mpi()
-    if comm is not None and comm is not MPI.COMM_WORLD and not (
-            isinstance(comm, MPI.Comm) and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in
-            (MPI.IDENT, MPI.CONGRUENT)):
-        raise NotImplementedError("hpcasync.horovod.init(comm=...) with a sub-communicator or a "
-                                  "list of ranks is not supported: start the job with the ranks "
-                                  "you want")
+    base = _base_comm(MPI, comm)
     roles = hpcasync.init(algorithm, ranks_per_node=ranks_per_node, ps_rank=ps_rank,
-                          ps_ranks=ps_ranks, threads=torch.get_num_threads())
+                          ps_ranks=ps_ranks, threads=torch.get_num_threads(), comm=base)
     world = roles.topology.world
     if algorithm in PS_ALGORITHMS:
         mine = world.Split(MPI.UNDEFINED if roles.is_server else 0, roles.rank)
@@ -94,6 +91,33 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
                     homogeneous=len(set(sizes)) == 1)
     _ps.setup(_st.STATE, process_sets)
     _timeline.start_from_env(rank=rank())    # HOROVOD_TIMELINE=path: rank 0 records
+
+
+def _base_comm(MPI, comm):
+    """``init``'s ``comm=`` as a communicator of its own (None: COMM_WORLD)."""
+    if comm is None or comm is MPI.COMM_WORLD:
+        return None
+    if isinstance(comm, MPI.Comm):
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise ValueError(f"hvd.init(comm=...) needs an MPI intracommunicator, got {comm!r}")
+        return comm.Dup()
+    ranks = list(comm)
+    world = MPI.COMM_WORLD
+    if (not ranks or any(not isinstance(r, int) or not 0 <= r < world.Get_size() for r in ranks)
+            or len(set(ranks)) != len(ranks)):
+        raise ValueError(f"hvd.init(comm=[...]) needs distinct ranks of COMM_WORLD (0..."
+                         f"{world.Get_size() - 1}), got {ranks!r}")
+    if world.Get_rank() not in ranks:
+        raise ValueError(f"hvd.init(comm={ranks!r}) called on rank {world.Get_rank()}, which is "
+                         "not in the list (only the listed ranks call init)")
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group, tag=_CREATE_TAG)
+    finally:
+        group.Free()
+
+
+_CREATE_TAG = 0x4856          # "HV": MPI_Comm_create_group's tag for init(comm=[ranks])
 
 
 def _no_optimizer_at_exit() -> None:
