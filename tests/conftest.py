@@ -93,7 +93,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "no_mpi: launches no MPI job (in tests/mpi for the time "
                             "budget of tests/unit only); CI's MPICH pass leaves it out")
     config.addinivalue_line("markers", "one_mpi: takes the MPI paths of a twin test that runs under "
-                            "every MPI (tests.mpi_util.MPI_TWINS); CI's MPICH pass leaves it out")
+                            "every MPI (tests.mpi_util.MPI_TWINS, or named where it is marked); "
+                            "CI's MPICH pass leaves it out")
     config.addinivalue_line("markers", "e2e: an end-to-end training run to an accuracy bar (examples, "
                             "learning bars, plugins' training, acceptance): its MPI calls are the "
                             "other tests'; CI's MPICH pass leaves it out")

@@ -3,8 +3,9 @@ on rank 0 (the runner starts its own processes and MPI jobs). The file format, t
 after a SIGKILL and the report's figures: tests/unit/test_experiments.py.
 
 The simulated studies launch no MPI job; they are here, not in tests/unit, for the time budget of
-tests/unit (about 2 minutes of simulation together), and are marked ``no_mpi`` so that the MPICH
-pass of CI (which repeats tests/mpi under another MPI) leaves them out."""
+tests/unit (about 2 minutes of simulation together), and are marked ``no_mpi``; the MPI studies
+are ``one_mpi`` (their runs are CLI jobs of algorithms tested under every MPI): the MPICH pass of
+CI (which repeats tests/mpi under another MPI) leaves both out."""
 from __future__ import annotations
 
 import re
@@ -26,7 +27,9 @@ def _studies():
     for study in STUDIES:
         sim = load_spec(REPO / "experiments" / f"{study}.toml", mini=True,
                         check_runs=False).mode == "sim"
-        yield pytest.param(study, marks=[pytest.mark.no_mpi] if sim else [], id=study)
+        # an MPI study's runs are CLI jobs whose MPI paths are the algorithms' own tests': one_mpi
+        yield pytest.param(study, marks=[pytest.mark.no_mpi if sim else pytest.mark.one_mpi],
+                           id=study)
 
 
 @pytest.mark.parametrize("study", list(_studies()))

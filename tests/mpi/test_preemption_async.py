@@ -59,6 +59,7 @@ PS_BUDGET = 3 * ((4096 // W) // 32)           # pushes per worker: 3 epochs x 42
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: test_preemption.py's signal from outside, test_ps_signal_on_one_rank
 def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path):
     ref = run_mpi(4, [*PS_ARGS, "--metrics", str(tmp_path / "ref.jsonl")], timeout=200)
     assert ref.returncode == 0, ref.stderr[-3000:]

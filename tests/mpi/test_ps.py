@@ -217,6 +217,7 @@ def test_runtime_straggler_sleeps_and_pushes_less_often():
 # -- end to end through the CLI (rank 0 launches its own jobs) -------------------------------------
 
 @pytest.mark.rank0
+@pytest.mark.e2e           # an accuracy bar; asgd's MPI paths are the other tests' here
 def test_cli_asgd_learns_fashion_mnist_10k(tmp_path):
     m = tmp_path / "asgd.jsonl"
     # two passes over 10k images: small batches (many pushes), a light shared momentum. Measured

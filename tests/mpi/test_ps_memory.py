@@ -161,6 +161,7 @@ def test_p2p_shares_only_bitwise_equal_replies():
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # the MPI run's record: test_a_run_records_its_memory, under every MPI
 @pytest.mark.parametrize("algorithm, kind", [("smega2", "p2p")])
 def test_simulator_reports_the_memory_of_the_mpi_run(algorithm, kind, tmp_path):
     """ResNet-20 (with BatchNorm buffers), 3 workers: the simulator's memory fields are the MPI

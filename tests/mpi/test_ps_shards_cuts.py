@@ -73,6 +73,7 @@ def _rewrite(path, header: dict, state: dict) -> None:
 
 @pytest.mark.rank0
 @pytest.mark.timeout(600)
+@pytest.mark.one_mpi       # MPICH: the shard checkpoints are resumed by the death test below
 def test_resume_from_a_cut_the_shards_took_apart(tmp_path):
     from hpcasync.checkpoint import read_checkpoint
 

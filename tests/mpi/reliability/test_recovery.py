@@ -72,6 +72,7 @@ SSGD = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--tr
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: the PS test below and test_restarts.py kill and resume there
 def test_ssgd_killed_resumes_from_latest_good_checkpoint_bitwise(tmp_path):
     ref = run_mpi(4, [*SSGD, "--metrics", str(tmp_path / "ref.jsonl")], timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
