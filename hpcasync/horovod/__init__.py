@@ -22,9 +22,9 @@ Where each part lives: :mod:`.basics` (init, ranks, the PS carve-out), :mod:`.co
 a PS algorithm), :mod:`.process_sets` (``ProcessSet``, ``add_process_set``, ``process_set=``),
 :mod:`.adasum` (``op=hvd.Adasum``), :mod:`.sparse` (``sparse_allreduce_async``, sparse gradients),
 :mod:`.timeline` (``HOROVOD_TIMELINE``, ``start_timeline``), :mod:`.sync_batch_norm`
-(``SyncBatchNorm``), :mod:`.per_tensor` (custom compressors, non-float32 parameters).
-Each module's docstring lists where it differs from Horovod. Not supported: elastic training
-(``hvd.elastic`` raises ``NotImplementedError`` naming it).
+(``SyncBatchNorm``), :mod:`.per_tensor` (custom compressors, non-float32 parameters),
+:mod:`.elastic` (``hvd.elastic``: survives dead ranks under ULFM). Each module's docstring lists
+where it differs from Horovod.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from .collectives import (Adasum, Average, HorovodInternalError, Max, Min, Produ
                           grouped_allreduce_async, grouped_allreduce_async_,
                           grouped_reducescatter, grouped_reducescatter_async, join, poll,
                           reducescatter, reducescatter_async, synchronize)
+from . import elastic
 from .compression import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
@@ -50,10 +51,3 @@ from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]
 
-
-def __getattr__(name: str):
-    if name == "elastic":
-        raise NotImplementedError("hpcasync.horovod does not support elastic training "
-                                  "(hvd.elastic); hpcasync's fault tolerance is ULFM's "
-                                  "(mpirun --with-ft ulfm, see the README)")
-    raise AttributeError(f"module 'hpcasync.horovod' has no attribute {name!r}")

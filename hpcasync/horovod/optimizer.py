@@ -62,7 +62,7 @@ import weakref
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, proc_failure
 from ..optim import unique_params
 from ..ssgd.buckets import DEFAULT_PROGRESS, BucketReducer, default_bucket_bytes
 from . import agree as _agree
@@ -168,6 +168,19 @@ class _HorovodOptimizer:
             self._hvd_agreed = True
             _agree.agree(self._hvd_comm, self._hvd_desc, self._hvd_digest)
 
+    def _hvd_rebind(self, comm=None) -> None:
+        """``hvd.elastic``: forget this step's progress and the collectives in flight (their
+        communicators are revoked) and, given ``comm`` (the survivors' world after a reset),
+        reduce over it from now on."""
+        if comm is not None:
+            self._hvd_comm = comm
+        if self._hvd_flat is not None:
+            self._hvd_reducer.set_comm(self._hvd_reducer.comm if comm is None else comm.Dup())
+        self._hvd_agreed = False
+        self._hvd_counts = [0] * len(self._hvd_counts)
+        self._hvd_pending = self._hvd_synchronized = False
+        self._hvd_should_sync = True
+
     def _hvd_serve_zeros(self) -> None:
         """Run this step's bucket allreduces on zeros (this rank has joined); its gradients are
         left as they were."""
@@ -224,6 +237,11 @@ class _HorovodOptimizer:
             if f != 1.0:
                 self._hvd_flat.grads.mul_(f / self._hvd_comm.Get_size())
             self._hvd_sparse.finish()     # sparse gradients: Horovod's allgathers (.sparse)
+        except Exception as exc:          # noqa: BLE001 - a dead peer (ULFM): Horovod's error
+            if proc_failure(exc):
+                raise _agree.HorovodInternalError(f"a peer died during the gradient allreduce "
+                                                  f"({exc})") from exc
+            raise
         finally:
             self._hvd_agreed = False
         self._hvd_counts = [0] * len(self._hvd_counts)
