@@ -110,12 +110,9 @@ class OrderFollower(_Ordered):
         except self.MPI.Exception as exc:
             if not proc_failure(exc):
                 raise
-            # shard 0's server died (ULFM): the job cannot go on; worker 0 says so (ps.runtime),
-            # this rank only if nobody did within 10 s (the first line's MPI_Abort ends the wait)
-            time.sleep(10)
+            # shard 0's server died (ULFM): this server joins the takeover (ps.runtime)
             raise ProcessFailedError(f"the parameter server (rank {self.layout.servers[0]}) died "
-                                     "(shard 0, which orders the pushes); the run cannot go on: "
-                                     "resume from its last checkpoint with --resume auto",
+                                     "(shard 0, which orders the pushes)",
                                      [self.layout.servers[0]]) from None
         self._oreq, self._onext = None, int(self._obuf[0])
         return True

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..errors import CheckpointError, ConfigError, TopologyError
+from ..errors import CheckpointError, ConfigError, TopologyError, proc_failure
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
@@ -30,8 +30,8 @@ from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
-from .takeover import (ServerLost, StartupLost, Takeover, known_dead, restart_without_the_dead,
-                       restore_buffers, take_over)
+from .takeover import (ServerLost, StartupLost, Takeover, dump_buffers, known_dead,
+                       restart_without_the_dead, restore_buffers, take_over)
 
 log = logging.getLogger("hpcasync")
 
@@ -124,14 +124,18 @@ def reporting_rank(topo) -> int:
 def run(ctx: RunContext) -> RunResult:
     """The PS runtime; under ULFM a dead server is replaced by a worker and the run goes on
     (:mod:`.takeover`)."""
-    takeover = None
+    takeover = lost = None
     while True:
         try:
             return _run(ctx, takeover)
-        except ServerLost as lost:
+        except ServerLost as exc:
+            lost = exc
             takeover = take_over(ctx, lost, takeover)
         except StartupLost:
-            restart_without_the_dead(ctx)
+            if takeover is None:        # every copy of θ is the initial one
+                restart_without_the_dead(ctx)
+            else:                       # not from the initial θ: from what the workers hold
+                takeover = take_over(ctx, lost, takeover, again=True)
 
 
 def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
@@ -170,6 +174,8 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     # the front door's object: a worker's optimizer, the server's rule and loop
     try:
         ctx.kill_point("startup")
+        if takeover is not None:
+            ctx.kill_point("adopt", fire=topo.is_ps)
         opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
                               transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
                               steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
@@ -182,6 +188,9 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     flat = opt.flat
     if takeover is not None:       # the survivors' BatchNorm state, not the fresh model's
         restore_buffers(opt, takeover)
+        if topo.is_ps:
+            dump_buffers(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+                         theta=flat.params)
     if state is not None:          # K > 1: each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
                 else os.path.dirname(os.path.abspath(cfg.resume)))
@@ -192,8 +201,13 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
         log.info("%s: PS rank%s %s, %d workers, transport %s, %s; %s", cfg.algorithm,
                  "s" if K > 1 else "", ", ".join(map(str, servers)), W, opt.transport.name,
                  delay.describe(), ft.describe(ulfm))
-        summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm,
-                                   takeover)
+        try:
+            summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag,
+                                      ulfm, takeover)
+        except Exception as exc:    # noqa: BLE001 - K > 1: another server died (ps.takeover)
+            if not (ulfm and K > 1 and proc_failure(exc)):
+                raise
+            raise ServerLost(opt, [], cfg.epochs * batches_per_worker) from None
     else:
         oracle = cfg.algorithm == "lcasgd" and cfg.options.get("lc_predictor") == "oracle"
         start = 0 if takeover is None else int(takeover.share * cfg.epochs * batches_per_worker)
@@ -211,7 +225,15 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             if inject is not None:
                 inject()
         opt.transport.before_header = ft.kill_hook(topo.rank)
+        kept = (takeover is not None and takeover.local is not None and opt.keeps_local
+                and start < cfg.epochs * batches_per_worker)
+        if kept:                    # SHAT/ENSEMBLE after a takeover: its own model goes on
+            opt.resume_local(takeover.local)
         try:
+            if kept:                # (the first reply, then the local model: a testing hook's)
+                opt.start()
+                dump_buffers(f"resumed{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+                             local=flat.params)
             wstats = run_worker(opt, model, ctx.train, epochs=cfg.epochs,
                                 batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
                                 delay=None if delay.trivial else delay, oracle=oracle,
@@ -226,11 +248,8 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             dead = ft.failed_ranks(topo.world, exc) if ulfm else None
             if dead is None:
                 raise
-            if K == 1:          # a worker talks only to the server: it died (ps.takeover)
-                raise ServerLost(opt, dead, cfg.epochs * batches_per_worker) from None
-            if opt.worker:          # worker 0 says it once; its MPI_Abort ends this wait
-                time.sleep(10)
-            raise _ps_failed(topo) from None
+            # a worker talks only to the server(s): one died (ps.takeover)
+            raise ServerLost(opt, dead, cfg.epochs * batches_per_worker) from None
         summary = {"worker": opt.worker, "worker_steps": wstats.steps,
                    "worker_sleep_s": round(wstats.sleep_time, 3),
                    "worker_compute_s": round(wstats.compute_time, 3),

@@ -1,13 +1,12 @@
-"""The parameter server dies; a worker takes over and training goes on (ULFM, one server rank).
+"""The parameter server dies; a worker takes over and training goes on (ULFM).
 
 Under ``mpirun --with-ft ulfm`` a worker waiting on a dead server gets ``MPI_ERR_PROC_FAILED``
 and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then calls
 :func:`take_over`: the survivors shrink the world, the worker holding the freshest θ becomes the
 server with a fresh rule, and every worker resumes at the share of its budget the run had done.
-
-``run`` then runs the parameter-server runtime again on the survivors. With ``--ps-ranks K > 1``
-(sharded θ) a server's death still ends the job (one line naming it): rebuilding one shard from
-the workers' slices is not done.
+A death while the new server is set up runs the takeover again (``again=True``) from the θ the
+workers hold; SHAT's and ENSEMBLE's workers keep their local models. With ``--ps-ranks K > 1``
+a dead shard server's slice is rebuilt from the workers' freshest reply for it.
 
 Example (``ps.runtime.run``)::
 
@@ -18,7 +17,7 @@ Example (``ps.runtime.run``)::
         except ServerLost as lost:
             takeover = take_over(ctx, lost)
 
-Design: docs/design/ps.md#server-takeover (the four steps, what is lost).
+Design: docs/design/ps.md#server-takeover (the steps, what is lost).
 """
 from __future__ import annotations
 
@@ -113,6 +112,7 @@ class Takeover:
     int_buffers: dict | None = None   # this rank's own integer buffers (num_batches_tracked)
     int_max: dict | None = None       # on the new server: the survivors' max of each integer
                                       # buffer
+    local: torch.Tensor | None = None    # SHAT/ENSEMBLE: this rank's own model, kept by a worker
 
 
 def _int_buffers(model) -> dict:
@@ -132,7 +132,7 @@ def restore_buffers(opt, takeover: Takeover) -> None:
     own). The new server's own buffers from its time as a worker are not in the table (it no
     longer pushes)."""
     flat, module = opt.flat, opt.flat.module
-    if takeover.own_buffers is None:
+    if takeover.own_buffers is None or opt.shard > 0:    # shard s > 0: no buffers (shard 0's)
         return
     ints = takeover.int_max if opt.is_server else takeover.int_buffers
     for name, buf in module.named_buffers():
@@ -168,20 +168,39 @@ def dump_buffers(tag: str, **what) -> None:
     torch.save(copy, os.path.join(where, f"{tag}.pt"))
 
 
-def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeover:
-    """Collective over the surviving workers (docs/design/ps.md#server-takeover); replaces
-    ``ctx.topo``."""
+def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
+              again: bool = False) -> Takeover:
+    """Collective over the survivors (docs/design/ps.md#server-takeover); replaces ``ctx.topo``.
+    ``again``: the set-up after the takeover ``previous`` lost a rank (the new server, or a
+    worker): the takeover runs again on the survivors, from what they hold since ``lost`` (each
+    one's latest reply, buffers) and at ``previous``'s share of the budget. With K > 1 shard
+    servers the survivors include servers: each shard's slice comes from its surviving server,
+    or else from the workers' freshest reply for that shard (:func:`_shard_sources`)."""
     detected = time.time()
     t0 = time.perf_counter()
     opt, topo = lost.opt, ctx.topo
+    K = opt.layout.K
     new, _, dead = _shrink(ctx, (topo.world, *[c for c in opt.layout.comms if c is not None]))
     # the old optimizer's windows are on the revoked world (left to MPI_Finalize); it must not
     # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
     # communicator, MPI_Abort after the run had finished)
     opt._closed = True
-    mine = (int(opt.version), min(1.0, opt.steps / max(1, lost.budget)))
+    if opt.is_server:                   # K > 1: a surviving shard server, its θ slice is current
+        mine = (int(opt.rule.version), None, opt.shard, None)
+    else:
+        version, share = int(opt.version), min(1.0, opt.steps / max(1, lost.budget))
+        if previous is not None and not opt.started:    # lost before its first reply: it holds
+            version = previous.records[-1]["theta_version"]     # the previous takeover's θ
+        if again:
+            share = previous.share
+        mine = (version, share, -1, list(opt.versions))
     every = new.allgather(mine)
-    server = max(range(len(every)), key=lambda r: (every[r][0], -r))
+    workers = [r for r, e in enumerate(every) if e[2] < 0]
+    share = sum(every[r][1] for r in workers) / len(workers)
+    sources = _shard_sources(every, K) if K > 1 else None
+    servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)
+    server = (servers[0][1] if servers else
+              max(workers, key=lambda r: (every[r][3][0] if K > 1 else every[r][0], -r)))
     # every survivor's BatchNorm state as it is now, to the new server (the fresh models built
     # next must not reset it; restore_buffers)
     own = opt.flat.buffers.detach().cpu().clone()
@@ -189,27 +208,75 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None) -> Takeov
     states = new.gather((own, own_ints), root=server)
     int_max = (None if states is None else
                {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
-    share = sum(s for _, s in every) / len(every)
+    theta = None
+    me = new.Get_rank()
+    if K > 1:               # each shard's slice from its source, assembled on the new server
+        pieces = new.gather({s: (opt.rule.theta.detach().cpu().clone() if opt.is_server else
+                                 opt.layout.slice(opt.last_reply(), s))
+                             for s, (r, _) in enumerate(sources) if r == me}, root=server)
+        if pieces is not None:
+            merged = {s: t for part in pieces for s, t in part.items()}
+            theta = torch.cat([merged[s] for s in range(K)])
+    elif me == server:      # its last reply (before any: the broadcast start)
+        theta = opt.last_reply()
     ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
-    record = {"dead_ranks": dead, "new_server": ctx.original_ranks[server],
-              "theta_version": every[server][0], "share_done": round(share, 4),
-              "workers": new.Get_size() - 1, "detected_unix": round(detected, 4),
-              "recovery_s": round(time.perf_counter() - t0, 4)}
+    original = ctx.original_ranks
+    record = {"dead_ranks": dead, "new_server": original[server],
+              "theta_version": (every[server][0] if K == 1 else min(v for _, v in sources)),
+              "share_done": round(share, 4), "workers": new.Get_size() - K,
+              "detected_unix": round(detected, 4),
+              "recovery_s": round(time.perf_counter() - t0, 4),
+              "phase": "setup" if again else "training"}
+    if K > 1:
+        record["shard_sources"] = [{"rank": original[r], "version": v,
+                                    "from": "server" if every[r][2] >= 0 else "reply"}
+                                   for r, v in sources]
     records = (previous.records if previous is not None else []) + [record]
-    if new.Get_rank() == server:
-        _become_reporter(ctx, ctx.original_ranks[server])
-        log.warning("the parameter server (rank(s) %s) died; rank %d takes over with θ of "
-                    "version %d, %d workers go on from %.1f %% of their budget",
-                    ", ".join(map(str, dead)), ctx.original_ranks[server], every[server][0],
-                    new.Get_size() - 1, 100 * share)
+    if me == server:
+        _become_reporter(ctx, original[server])
+        what = ("a rank of the new server's set-up" if again else
+                "the parameter server" if K == 1 else "a shard server")
+        if K == 1:
+            log.warning("%s (rank(s) %s) died; rank %d takes over with θ of version %d, %d "
+                        "workers go on from %.1f %% of their budget", what,
+                        ", ".join(map(str, dead)), original[server], every[server][0],
+                        new.Get_size() - 1, 100 * share)
+        else:
+            log.warning("%s (rank(s) %s) died; rank %d serves shard 0 of %d, θ rebuilt from %s, "
+                        "%d workers go on from %.1f %% of their budget", what,
+                        ", ".join(map(str, dead)), original[server], K,
+                        ", ".join(f"shard {s}: rank {original[r]}'s "
+                                  f"{'θ' if every[r][2] >= 0 else 'reply'} (version {v})"
+                                  for s, (r, v) in enumerate(sources)),
+                        new.Get_size() - K, 100 * share)
         ctx.metrics.write("server_failed", **record)
     os.environ.pop("HPCASYNC_INJECT_KILL", None)     # testing hooks named the old ranks
-    theta = None
-    if new.Get_rank() == server:          # its last reply (before any: the broadcast start)
-        theta = opt.last_reply()
-        if opt.keeps_local:
-            log.warning("%s: the workers' local models are dropped at the takeover; every "
-                        "worker goes on from the new server's θ", opt.algorithm)
+    local = opt.local_model() if opt.keeps_local and not opt.is_server else None
+    if os.environ.get("HPCASYNC_DUMP_BUFFERS"):       # testing hook: each survivor's θ
+        dump_buffers(f"takeover{len(records)}-reply-{original[me]}", version=mine[0],
+                     theta=None if opt.is_server else opt.last_reply(), versions=mine[3],
+                     server_theta=opt.rule.theta if opt.is_server else None,
+                     shard=mine[2], server=original[server], local=local, rebuilt=theta)
+    if me == server and opt.keeps_local:
+        log.warning("%s: every worker keeps its local model; the new server's (rank %d) "
+                    "leaves the ensemble and the rule's per-worker state starts afresh",
+                    opt.algorithm, original[server])
     return Takeover(share=share, theta=theta, records=records, own_buffers=own,
                     buffers=None if states is None else [b for b, _ in states],
-                    int_buffers=own_ints, int_max=int_max)
+                    int_buffers=own_ints, int_max=int_max,
+                    local=local if me != server else None)
+
+
+def _shard_sources(every: list, K: int) -> list[tuple[int, int]]:
+    """For each shard, ``(rank, version)``: where its slice comes from — its surviving server
+    (``every[r] = (version, None, shard, None)``), else the worker whose reply for that shard is
+    the freshest (``every[r] = (version, share, -1, versions)``, the lowest rank among equals)."""
+    out = []
+    for s in range(K):
+        server = [r for r, e in enumerate(every) if e[2] == s]
+        if server:
+            out.append((server[0], every[server[0]][0]))
+            continue
+        r = max((r for r, e in enumerate(every) if e[2] < 0), key=lambda r: (every[r][3][s], -r))
+        out.append((r, every[r][3][s]))
+    return out

@@ -136,9 +136,15 @@ class _Base:
 
     def _failed(self, exc: BaseException, *, keep_head: bool = False):
         """PS: the :class:`WorkerFailed` for an MPI error that reports dead ranks (their worker
-        indices), or ``exc`` itself for any other error. The caller raises it."""
+        indices), a ProcessFailedError for a revoked communicator (a sharded server's takeover),
+        or ``exc`` itself for any other error. The caller raises it."""
+        from ..errors import ProcessFailedError
         from ..runtime.ft import WorkerFailed, failed_ranks, is_pending
 
+        if isinstance(exc, self.MPI.Exception) and \
+                exc.Get_error_class() == getattr(self.MPI, "ERR_REVOKED", None):
+            return ProcessFailedError("the server's communicator was revoked: a survivor began a "
+                                      "takeover (ps.takeover)")
         ranks = failed_ranks(self.comm, exc)
         if ranks is None:
             return exc
