@@ -138,7 +138,7 @@ def run(ctx: RunContext) -> RunResult:
     def adopted_state() -> dict:
         sch = opt.schedule
         return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
-                "steps": opt.steps, "done": cur.done,
+                "steps": opt.steps, "done": rec.position[1], "nbatches": opt.batches_per_epoch,
                 "schedule": {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
                              "plateau": sch.plateau.state_dict()}}
 
@@ -148,6 +148,8 @@ def run(ctx: RunContext) -> RunResult:
         sch.epoch, sch.batch = src["epoch"], blob["done"]
         sch.knobs = type(sch.knobs)(*src["knobs"])
         sch.plateau.load_state_dict(src["plateau"])
+        if sch.batch:                    # (a rank behind the epoch's start has no count yet)
+            opt.batches_per_epoch = blob["nbatches"]
         sch.nbatches = opt.batches_per_epoch if sch.batch else None
         opt.steps = blob["steps"]
         cycling = sch.phase == CYCLING
@@ -202,10 +204,11 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            revoke = tuple(c for c in (topo.local, topo.glob, *opt.comm.group_comms())
-                           if c is not None)
+            def revoke():               # (the attempt's own, after a failed attempt)
+                return tuple(c for c in (ctx.topo.local, ctx.topo.glob,
+                                         *opt.comm.group_comms()) if c is not None)
             cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
-                                  revoke=revoke), keep=rec.last_kept)
+                                  revoke=revoke), keep=rec.last_kept, size_before=rec.size_before)
     return RunResult(model=model, summary={**summary, **rec.summary()})
 
 

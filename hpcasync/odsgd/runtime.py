@@ -190,7 +190,8 @@ def run(ctx: RunContext) -> RunResult:
             if not rec.handles(exc):
                 raise
             cur.adopt(rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
-                                  load=load_adopted, revoke=(worker.round_comm,)))
+                                  load=load_adopted, revoke=(worker.round_comm,)),
+                      size_before=rec.size_before)
             opt.set_comm(ctx.topo.world)
     opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
     return RunResult(model=model, summary={

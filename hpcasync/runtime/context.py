@@ -238,6 +238,8 @@ class RunContext:
         rank raises :class:`Preempted`, which the driver turns into exit status 75.
         """
         stop = False
+        if force:
+            self.kill_point("epoch_agree")
         if self.preempt is not None and step % self.check_every == 0:
             stop = self.preempt.agree(comm)
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0

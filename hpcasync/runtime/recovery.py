@@ -42,8 +42,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..errors import proc_failure  # noqa: F401 (re-exported)
-from .ft import _ranks_in, dead_ranks, failed_ranks
+from ..errors import ProcessFailedError, proc_failure  # noqa: F401 (re-exported)
+from .ft import _ranks_in, dead_ranks
 
 log = logging.getLogger("hpcasync")
 
@@ -57,7 +57,10 @@ class SyncRecovery:
         enabled: ULFM is on (otherwise :meth:`handles` is always False and errors propagate).
 
     Attributes: ``failures`` (one dict per recovery, as in the ``rank_failed`` records),
-    ``original`` (the original world rank of each rank of the current world).
+    ``original`` (the original world rank of each rank of the current world), ``last_kept``
+    and ``size_before`` (the survivors' ranks in, and the size of, the world before the last
+    recovery), ``position`` (during a recovery: this rank's, the adopted one once loaded),
+    ``min_ranks`` (fewer survivors end the run: :class:`~hpcasync.errors.ProcessFailedError`).
     """
 
     def __init__(self, ctx, *, enabled: bool):
@@ -67,6 +70,9 @@ class SyncRecovery:
         self.failures: list[dict[str, Any]] = []
         self._pending_next_step: dict | None = None
         self._t0 = time.time()
+        self.min_ranks = 1
+        self.position: tuple = ()
+        self.size_before = ctx.topo.size
 
     def handles(self, exc: BaseException) -> bool:
         """True when ``exc`` is a process failure this object recovers from: ULFM's error
@@ -91,51 +97,70 @@ class SyncRecovery:
         return False
 
     def recover(self, *, position: tuple, state: Callable[[], Any],
-                load: Callable[[Any], None], revoke: tuple = ()) -> tuple:
-        """Revoke, shrink, adopt the most advanced survivor's state, rebuild the topology.
+                load: Callable[[Any], None], revoke=()) -> tuple:
+        """Revoke, shrink, adopt the most advanced survivor's state, rebuild the topology, agree.
 
         ``position`` is this rank's progress (comparable tuples; larger = further); ``state()``
         returns what ``load(obj)`` restores (pickled and broadcast from the most advanced rank,
         with its epoch history: epoch ends it finished are taken into ``ctx.history`` and
-        written to the metrics stream if its writer has not recorded them).
-        ``revoke``: more communicators the runtime uses (revoked first, so that a survivor
-        blocked on one of them wakes up). Returns the adopted position. Collective over the
-        survivors."""
+        written to the metrics stream if its writer has not recorded them). ``load`` runs after
+        ``ctx.topo`` is the survivors' topology and may be collective over it.
+        ``revoke``: more communicators the runtime uses, or a function returning them (revoked
+        first, so that a survivor blocked on one of them wakes up, and again when an attempt
+        fails). Returns the adopted position. Collective over the survivors.
+
+        Atomic (docs/design/recovery.md): each attempt ends in ``MPI_Comm_agree`` on whether
+        every survivor completed it; a death inside an attempt (an MPI error, or the agreement
+        reporting a failure) starts a new one on a fresh shrink, so every survivor returns from
+        the same attempt with the same topology, position and state."""
         detected = time.time()
         t0 = time.perf_counter()
         topo = self.ctx.topo
-        world, lost_all, index = topo.world, [], list(range(topo.size))
-        _revoke(revoke)
-        while True:
+        self.position = tuple(position)
+        world, lost_all, index, original = topo.world, [], list(range(topo.size)), self.original
+        self.size_before = topo.size
+        _revoke(revoke() if callable(revoke) else revoke)
+        for attempt in range(topo.size):
             _revoke((world,))
             new = world.Shrink()
             kept = _kept(world, new)
-            lost = [self.original[r] for r in range(world.Get_size()) if r not in kept]
-            self.original = [self.original[r] for r in kept]
-            lost_all += lost
-            index = [index[r] for r in kept]
+            lost_all += [original[r] for r in range(world.Get_size()) if r not in kept]
+            original, index = [original[r] for r in kept], [index[r] for r in kept]
+            if new.Get_size() < self.min_ranks:
+                raise ProcessFailedError(
+                    f"rank(s) {', '.join(map(str, sorted(lost_all)))} died; {new.Get_size()} "
+                    f"left, fewer than the {self.min_ranks} this run needs", sorted(lost_all))
+            done = 1
             try:
-                positions = new.allgather(tuple(position))
+                positions = new.allgather(self.position)
                 src = max(range(len(positions)), key=lambda r: (positions[r], -r))
                 blob, history = new.bcast((state(), self.ctx.history)
                                           if new.Get_rank() == src else None, root=src)
-                break
+                getattr(self.ctx, "kill_point", _no_point)("recovery")
+                self.ctx.topo = topo.shrunk(new)
+                load(blob)
+                self.position = tuple(positions[src])      # this rank now holds that state
+                self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
             except Exception as exc:    # noqa: BLE001 - another death during the recovery
-                if not proc_failure(exc):
+                if not _mpi_failure(exc):   # (not its context: recover runs in an except)
                     raise
-                failed_ranks(new, exc)
-                world = new
-        self.last_kept = index
-        self.ctx.topo = topo.shrunk(new)
-        load(blob)
-        self.ctx.history.extend(history[len(self.ctx.history):])   # epoch ends it had finished
+                done = 0                # wake whoever waits on this attempt's communicators
+                _revoke((new, self.ctx.topo.local, self.ctx.topo.glob,
+                         *(revoke() if callable(revoke) else ())))
+            if self._agree(new, done):
+                break
+            world = new
+        else:                           # (each attempt that fails needs one more death)
+            raise ProcessFailedError(f"recovery did not complete in {topo.size} attempts",
+                                     sorted(lost_all))
+        self.original, self.last_kept = original, index
         took = time.perf_counter() - t0
         record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
                   "survivors": list(self.original), "detected_at_s": round(detected - self._t0, 4),
                   "detected_unix": round(detected, 4), "recovery_s": round(took, 4),
                   "position": list(positions[src]), "adopted_from": self.original[src],
                   "steps_behind": [_behind(p, positions[src]) for p in positions],
-                  "next_step_s": None}
+                  "attempts": attempt + 1, "next_step_s": None}
         self.failures.append(record)
         self._pending_next_step = record
         self._hand_over_metrics()
@@ -149,6 +174,16 @@ class SyncRecovery:
                         "state of rank %d at %s)", ", ".join(map(str, sorted(lost_all))),
                         new.Get_size(), took, self.original[src], tuple(positions[src]))
         return positions[src]
+
+    def _agree(self, comm, done: int) -> bool:
+        """True on every survivor when each one completed the attempt (``MPI_Comm_agree``: a
+        bitwise AND; a failure it reports is reported on every survivor alike)."""
+        try:
+            return bool(comm.Agree(done))
+        except Exception as exc:        # noqa: BLE001 - a death during the agreement
+            if not _mpi_failure(exc):
+                raise
+            return False
 
     def step_completed(self) -> None:
         """Call after each completed step: the first one after a recovery is timed (the record's
@@ -275,23 +310,48 @@ class EpochCursor:
         self.epoch, self.done, self.loss_sum, self.loss_n, self.plan = \
             self.epoch + 1, 0, 0.0, 0, None
 
-    def adopt(self, adopted: tuple, *, keep: list[int] | None = None) -> None:
-        """Go to the position a recovery adopted; the rest of a started epoch is re-sharded over
-        the (new) world, a later epoch starts afresh over it. ``keep`` (the survivors' ranks in
-        the old world, :attr:`SyncRecovery.last_kept`): do not re-shard — each survivor finishes
-        the epoch on its own shard, the dead ranks' rest is skipped (DASO, whose schedule needs
-        the epoch's batch count fixed)."""
+    def adopt(self, adopted: tuple, *, keep: list[int] | None = None,
+              size_before: int | None = None) -> None:
+        """Go to the position a recovery adopted, the same plan on every survivor. An epoch no
+        one has trained a batch of (batches done 0: e.g. survivors on both sides of an epoch
+        end) starts afresh over the (new) world. The rest of a started epoch is re-sharded over
+        the world; a rank that has no plan for it (it was behind, before that epoch's start)
+        first makes the plan the others made, over the world of ``size_before`` ranks (the size
+        before the recovery, :attr:`SyncRecovery.size_before`). ``keep`` (the survivors' ranks
+        in the old world, :attr:`SyncRecovery.last_kept`): do not re-shard — each survivor
+        finishes the epoch on its own shard, the dead ranks' rest is skipped (DASO, whose
+        schedule needs the epoch's batch count fixed)."""
         self.started = 1
-        if adopted[0] != self.epoch or self.plan is None:
+        epoch, done = adopted[0], adopted[1]
+        if done == 0 or epoch != self.epoch or self.plan is None:
             self.plan, self.loss_sum, self.loss_n = None, 0.0, 0
-            self.epoch, self.done = adopted[0], adopted[1]
-        elif keep is not None:
+            self.epoch, self.done = epoch, 0
+            if done == 0:
+                return                  # begin_epoch makes the plan over the new world
+            from ..data import EpochShards
+
+            self.plan = EpochShards(len(self.ctx.train), seed=self.ctx.cfg.seed, epoch=epoch,
+                                    num_shards=size_before or self.ctx.topo.size)
+        if keep is not None:
             self.plan.shards = [self.plan.shards[k] for k in keep]
-            self.done = adopted[1]
+            self.done = done
         else:
-            self.plan = self.plan.reshard(adopted[1], self.ctx.topo.size,
-                                          self.ctx.cfg.batch_size)
+            self.plan = self.plan.reshard(done, self.ctx.topo.size, self.ctx.cfg.batch_size)
             self.done = 0
+
+
+def _no_point(phase: str) -> None:
+    """A context without failure injection (a user's own loop)."""
+
+
+def _mpi_failure(exc: BaseException) -> bool:
+    """``exc`` itself reports dead processes or a revoked communicator (ULFM's classes)."""
+    from mpi4py import MPI
+
+    codes = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                             "ERR_REVOKED")} - {None}
+    return isinstance(exc, ProcessFailedError) or (isinstance(exc, MPI.Exception)
+                                                   and exc.Get_error_class() in codes)
 
 
 def _revoke(comms) -> None:

@@ -168,6 +168,7 @@ def run(ctx: RunContext) -> RunResult:
             if not rec.handles(exc):
                 raise
             cur.adopt(rec.recover(position=cur.position, load=load_adopted,
-                                  state=lambda: snapshot(cur.epoch, cur.done, 0.0)))
+                                  state=lambda: snapshot(cur.epoch, cur.done, 0.0)),
+                      size_before=rec.size_before)
             opt.set_comm(ctx.topo.world)
     return RunResult(model=model, summary={**summary, **rec.summary()})

@@ -1,0 +1,69 @@
+"""After a recovery every survivor's :class:`~hpcasync.runtime.recovery.EpochCursor` has the
+same plan, whichever side of an epoch end it was on (issue 23, item 3; the MPI jobs:
+tests/mpi/reliability/test_atomic_recovery.py). No MPI: the cursor is bookkeeping over
+:class:`~hpcasync.data.sharding.EpochShards`; its context carries only sizes and the seed.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hpcasync.runtime.context import Progress
+from hpcasync.runtime.recovery import EpochCursor
+
+N, B, SEED = 6000, 32, 7
+
+
+def _cursor(size: int) -> EpochCursor:
+    ctx = SimpleNamespace(train=range(N), topo=SimpleNamespace(size=size, rank=0),
+                          cfg=SimpleNamespace(seed=SEED, batch_size=B, epochs=3),
+                          progress=Progress(False))
+    return EpochCursor(ctx)
+
+
+def _at(epoch: int, done: int, *, size: int = 4) -> EpochCursor:
+    """A cursor of a 4-rank world that has planned ``epoch`` and trained ``done`` batches."""
+    cur = _cursor(size)
+    cur.epoch = epoch
+    cur.begin_epoch()
+    cur.done = done
+    return cur
+
+
+def _survive(cur: EpochCursor, adopted: tuple, keep) -> EpochCursor:
+    cur.ctx.topo.size = 3                        # ranks 0, 1, 2 of 4 survive
+    cur.adopt(adopted, keep=keep, size_before=4)
+    cur.begin_epoch()
+    return cur
+
+
+@pytest.mark.parametrize("keep", [None, [0, 1, 2]], ids=["reshard", "keep"])
+def test_both_sides_of_an_epoch_end_adopt_the_next_epoch_planned_over_the_survivors(keep):
+    """Adopted (2, 0): nobody trained a batch of epoch 2, so it is planned over the 3
+    survivors on every rank — also on one that had planned it over 4 before the death."""
+    nb4 = _at(1, 0).nbatches
+    ahead, behind = _at(2, 0), _at(1, nb4)           # past the epoch end / still before it
+    for cur in (ahead, behind):
+        _survive(cur, (2, 0, 1), keep)
+    fresh = _at(2, 0, size=3)
+    for cur in (ahead, behind):
+        assert (cur.epoch, cur.done, cur.nbatches) == (2, 0, fresh.nbatches)
+        assert all(torch.equal(a, b) for a, b in zip(cur.plan.shards, fresh.plan.shards))
+    assert fresh.nbatches == N // 3 // B != nb4
+
+
+@pytest.mark.parametrize("keep", [None, [0, 1, 2]], ids=["reshard", "keep"])
+def test_a_rank_behind_the_epoch_start_makes_the_plan_the_others_made(keep):
+    """Adopted (2, 5): the ranks ahead trained 5 batches of epoch 2 on its 4-rank plan (DASO's
+    node-local steps need no rank of another node); the one behind has no plan for epoch 2 and
+    makes that same plan before re-sharding (or keeping shards), so all end equal."""
+    nb4 = _at(1, 0).nbatches
+    ahead, behind = _at(2, 5), _at(1, nb4)
+    for cur in (ahead, behind):
+        _survive(cur, (2, 5, 1), keep)
+    assert (ahead.epoch, ahead.done, ahead.nbatches) == (behind.epoch, behind.done,
+                                                         behind.nbatches)
+    assert all(torch.equal(a, b) for a, b in zip(ahead.plan.shards, behind.plan.shards))
+    assert ahead.done == (5 if keep else 0)
