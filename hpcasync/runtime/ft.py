@@ -36,10 +36,11 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
     TERMINATION"): no SIGTERM comes first, so no checkpoint is written at the death; the resume
     point is the last epoch or ``--checkpoint-every`` checkpoint (``--resume auto`` finds it).
 
-The PS's own death (ULFM, one server rank): the workers get ``MPI_ERR_PROC_FAILED``, agree on a
-new server among themselves (the freshest θ) and go on (:mod:`hpcasync.ps.takeover`). With
-``--ps-ranks K > 1``, or without ULFM, a dead server ends the job: :class:`PSFailed`, which
-``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2), or the launcher ends it.
+The PS's own death (ULFM): the workers get ``MPI_ERR_PROC_FAILED``, agree on a new server among
+themselves (the freshest θ; with ``--ps-ranks K > 1`` the surviving servers join and a dead
+shard's slice comes from the freshest reply) and go on (:mod:`hpcasync.ps.takeover`). Without
+ULFM the launcher ends the job; the PS dying after its end messages is :class:`PSFailed`, which
+``errors.fail_fast`` turns into ``MPI_Abort`` (exit status 2).
 
 The synchronous runtimes (ssgd, odsgd, daso) survive dead ranks under ULFM too:
 :mod:`hpcasync.runtime.recovery`.
@@ -186,7 +187,7 @@ def kill_hook(rank: int) -> Callable[[], None] | None:
 KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG"
 #: the phases before the topology exists, in the order a rank meets them (the CLI's start-up)
 EARLY_PHASES = ("launch", "data", "mpi")
-PHASES = (*EARLY_PHASES, "startup", "step", "epoch_end", "checkpoint", "final",
+PHASES = (*EARLY_PHASES, "startup", "adopt", "step", "epoch_end", "checkpoint", "final",
           "epoch_agree", "recovery")
 
 
@@ -198,7 +199,10 @@ def kill_points(rank: int) -> Callable[[str], None]:
     ``launch``: its imports done, before the options are read; ``data``: before the data set is
     loaded, MPI not started; ``mpi``: MPI just initialised, before the topology's collectives;
     then the synchronous runtimes' and the PS's ``startup``: before the first broadcast;
-    ``step``: after a completed step; ``epoch_end``: before the evaluation; ``checkpoint``: when
+    ``adopt``: a PS takeover's set-up, before the new server's first broadcast (every survivor
+    counts it, it fires on the new server only: ``R:adopt:1`` for every R kills the first
+    adopter, whichever rank it is); ``step``: after a completed step; ``epoch_end``: before the
+    evaluation; ``checkpoint``: when
     a checkpoint is written; ``final``: before the final gathers; ``epoch_agree``: at an epoch
     end, before its preemption agreement (the last collective of DASO's epoch end);
     ``recovery``: in a synchronous recovery, after the state broadcast, before the topology is
@@ -206,7 +210,8 @@ def kill_points(rank: int) -> Callable[[str], None]:
     on (a death inside its next collective); ``RANK:PHASE:N:WAIT:sleep`` only sleeps (a late
     rank). With
     ``HPCASYNC_INJECT_KILL_LOG=FILE`` it first appends ``RANK PHASE N UNIX_TIME`` to FILE, so a
-    test or study measures the time from the kill. Returns ``point(phase)``."""
+    test or study measures the time from the kill. Returns ``point(phase, fire=True)``
+    (``fire=False``: counted, never killed)."""
     plan: dict[str, tuple[int, float, str]] = {}
     for item in filter(None, os.environ.get(KILL_AT_ENV, "").split(",")):
         r, phase, n, wait, how = (item.split(":") + [""] * 5)[:5]
@@ -221,12 +226,12 @@ def kill_points(rank: int) -> Callable[[str], None]:
             plan[phase] = (int(n), float(wait or 0), how)
     counts = dict.fromkeys(plan, 0)
 
-    def point(phase: str) -> None:
+    def point(phase: str, fire: bool = True) -> None:
         if phase not in plan:
             return
         counts[phase] += 1
         n, wait, how = plan[phase]
-        if counts[phase] == n:
+        if counts[phase] == n and fire:
             if how == "bg":
                 import threading
                 threading.Timer(wait, _kill, (f"{rank} {phase} {n}",)).start()
