@@ -116,6 +116,8 @@ def test_bad_input_found_under_mpi_is_not_restarted(tmp_path):
     out, err = _end(job, 120)
     assert job.returncode == 2, err[-3000:]
     assert "restart 1" not in err
-    [line] = [x for x in err.splitlines() if x.startswith("hpcasync launch:")]
+    said = [x for x in err.splitlines() if x.startswith("hpcasync launch:")]
+    assert len(said) == 2 and said[0].startswith("hpcasync launch: attempt 1: "), said
+    line = said[1]                      # after the one attempt's command: why it stops
     assert re.match(r"hpcasync launch: rank 0 stopped on an error, not a death: not restarting "
                     r"\(status 2\): TopologyError: 2 ranks .* virtual nodes of 3", line), line
