@@ -107,6 +107,11 @@ port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 write_conf() {
     local host=$1 cpus=${SLURM_ONEBOX_CPUS:-8}
+    # Job ids that do not repeat across clusters started on this machine (a real cluster's never
+    # do): MPICH under srun names its shared-memory segment after the job step, and a segment left
+    # in /dev/shm by a killed rank of an earlier cluster's job 3.0 made the next cluster's job 3.0
+    # hang in MPI_Init. Slurm's MaxJobId is 67043328.
+    local first=$(( $(date +%s) % 60000000 + 1000 ))
     mkdir -p "$state/ctld" "$state/spool" "$state/log"
     cat >"$conf" <<EOF
 # One-machine Slurm written by scripts/slurm-cluster.sh; everything lives under $state.
@@ -138,6 +143,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=60
 InactiveLimit=0
 KillWait=10
+FirstJobId=$first
 MinJobAge=600
 NodeName=$host CPUs=$cpus RealMemory=20000 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
