@@ -140,43 +140,29 @@ class _ModelHandler(_Handler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_Handler):
+class _StateDictHandler(_Handler):
+    """An object with ``state_dict``/``load_state_dict`` (a scheduler, an ElasticSampler): saved as
+    a deep copy, synced as rank 0's state dict."""
+
     def save(self):
         self.saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self):
         self.value.load_state_dict(self.saved)
 
+    def sync(self):
+        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+class _OptimizerHandler(_StateDictHandler):
     def sync(self):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class _SchedulerHandler(_Handler):
-    def save(self):
-        self.saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self.saved)
-
-    def sync(self):
-        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
-
-
-class _SamplerHandler(_Handler):
-    def save(self):
-        self.saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self.saved)
-
-    def sync(self):
-        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
-
-
 def _handler(value):
     for kind, cls in ((torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
-                      (torch.optim.lr_scheduler.LRScheduler, _SchedulerHandler),
-                      (ElasticSampler, _SamplerHandler)):
+                      (torch.optim.lr_scheduler.LRScheduler, _StateDictHandler),
+                      (ElasticSampler, _StateDictHandler)):
         if isinstance(value, kind):
             return cls(value)
     return None
