@@ -153,6 +153,58 @@ def require_open_mpi(what: str, vendor: str | None = None) -> None:
                           f"mpi4py loads {NAMES[vendor]}{lib}, which has no ULFM mode")
 
 
+def _launcher_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running Open MPI launcher (``prterun``/``mpirun``/``mpiexec``/``prte``);
+    without ``/proc`` any running process counts."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return True
+    return comm in ("prterun", "mpirun", "mpiexec", "prte", "orterun")
+
+
+def clear_stale_sessions(tmpdir: str | None = None) -> list[str]:
+    """Remove the session directories (``<tmp>/ompi.<pid>``) that SIGKILLed Open MPI launchers left
+    behind; returns the removed paths.
+
+    ``prterun`` keeps its PMIx rendezvous files in ``<tmp>/ompi.<its pid>`` and removes them when
+    it exits -- unless it is SIGKILLed (a timeout's ``subprocess.run``, a scheduler's kill). When
+    the kernel later hands the same PID to a new ``prterun`` (``pid_max`` is 32768 on many Linux
+    machines: a long test run or a busy node wraps it), that launcher finds the files and stops
+    before starting a rank with "The PMIx server's listener thread failed to start" (Open MPI
+    5.0.11, reproduced by planting a stale directory under the launcher's PID). Only this user's
+    directories whose PID is no running launcher are removed. :func:`mpiexec_command` calls this
+    for Open MPI, so every launch from hpcasync (the supervisor, benchmarks, experiments, the
+    tests) starts clean."""
+    base = Path(tmpdir or os.environ.get("TMPDIR") or os.environ.get("TEMP")
+                or os.environ.get("TMP") or "/tmp")
+    removed = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith("ompi.") and name[5:].isdigit()):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if not _launcher_alive(int(name[5:])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 def shown_mpiexec(n: int) -> str:
     """How a printed reproduce line starts ``n`` ranks here: ``mpiexec --oversubscribe -n N``
     under Open MPI (it refuses more ranks than cores without it), ``mpiexec -n N`` under MPICH
@@ -168,7 +220,8 @@ def mpiexec_command(n: int, *, oversubscribe: bool = True, ft: bool = False,
     ``oversubscribe``: allow more ranks than cores (Open MPI needs the option; hydra always
     allows it). ``ft``: Open MPI's ULFM (``--with-ft ulfm``); a ConfigError under any other MPI.
     ``bind``: a binding policy (``"none"``). ``vendor`` overrides the detection, ``mpiexec`` the
-    launcher found (it is still checked to be of ``vendor``).
+    launcher found (it is still checked to be of ``vendor``). Under Open MPI it first removes
+    the session directories of killed launchers (:func:`clear_stale_sessions`).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"number of ranks must be a positive integer, got {n!r}")
@@ -186,6 +239,7 @@ def mpiexec_command(n: int, *, oversubscribe: bool = True, ft: bool = False,
         path = os.path.realpath(path)
     cmd = [path]
     if vendor == OPEN_MPI:
+        clear_stale_sessions()
         cmd += [*(["--with-ft", "ulfm"] if ft else []), *(["--oversubscribe"] if oversubscribe
                                                           else [])]
     if bind is not None:

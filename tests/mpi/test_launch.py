@@ -4,8 +4,10 @@ same library (a launcher of the other MPI would start N singletons, or refuse it
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -128,3 +130,60 @@ def test_a_symlinked_launcher_still_starts_the_job(tmp_path):
     r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in out.glob("*.json")) == ["0-2.json", "1-2.json"]
+
+
+#: plants an Open MPI session directory under this process's PID (the stale one a SIGKILLed
+#: prterun leaves), builds the launch command, then execs the launcher in this same process: the
+#: launcher runs under the planted PID, as after a PID wrap-around
+PLANT_THEN_EXEC = r"""
+import os, sys
+base = sys.argv[1]
+stale = os.path.join(base, f"ompi.{os.getpid()}")
+os.makedirs(os.path.join(stale, "1"))
+for name in ("pmix.vm.tool", f"pmix.vm.tool.{os.getpid()}",
+             f"pmix.vm.tool.prterun-vm-{os.getpid()}@0"):
+    open(os.path.join(stale, name), "w").write("stale rendezvous of a killed launcher\n")
+from hpcasync import launch
+if sys.argv[2] == "clear":
+    cmd = launch.mpiexec_command(2)
+else:                                            # the unfixed launch: no clearing
+    launch.clear_stale_sessions = lambda tmpdir=None: []
+    cmd = launch.mpiexec_command(2)
+os.execv(cmd[0], [*cmd, sys.executable, "-c", "print('rank ran')"])
+"""
+
+
+@pytest.mark.rank0
+def test_a_killed_launchers_session_directory_does_not_stop_the_next_launcher(tmp_path):
+    """Open MPI: a prterun that gets the PID of one that was SIGKILLed found its stale session
+    directory and stopped ("The PMIx server's listener thread failed to start": a CI failure of
+    test_bad_input after ~2000 launches). The launch command clears such directories first."""
+    if VENDOR != launch.OPEN_MPI:
+        pytest.skip("Open MPI's session directories")
+    # the host's short name is in the rendezvous file names: plant the ones this host would use
+    import socket
+    host = socket.gethostname().split(".")[0]
+    script = PLANT_THEN_EXEC.replace("vm", host)
+    env = clean_env(TMPDIR=str(tmp_path))
+    bad = subprocess.run([sys.executable, "-c", script, str(tmp_path), "keep"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "listener thread failed to start" in bad.stderr, \
+        (bad.returncode, bad.stdout, bad.stderr)             # the failure is real without the fix
+    good = subprocess.run([sys.executable, "-c", script, str(tmp_path), "clear"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and good.stdout.count("rank ran") == 2, (good.stdout, good.stderr)
+    # a running launcher's directory is kept; a PID that is no launcher now is stale too
+    job = subprocess.Popen([*launch.mpiexec_command(1), sys.executable, "-c",
+                            "import time; time.sleep(60)"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        live = tmp_path / f"ompi.{job.pid}"
+        t0 = time.time()
+        while not live.is_dir() and time.time() - t0 < 30:
+            time.sleep(0.05)
+        other = tmp_path / f"ompi.{os.getpid()}"           # this Python: alive, no launcher
+        other.mkdir()
+        assert launch.clear_stale_sessions(str(tmp_path)) == [str(other)] and live.is_dir()
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
