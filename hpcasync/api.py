@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -118,7 +119,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
     topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
     set_default_topology(topo)
     if fail_fast and topo.size > 1:
-        atexit.register(_agree_at_exit, topo.world.Dup())
+        _register_exit_agreement(topo.world)
     ps = algorithm in PS_ALGORITHMS
     if ps and topo.size < 2:
         raise ConfigError(f"{algorithm} needs a parameter server and at least one worker: start 2 "
@@ -199,6 +200,46 @@ def install_fail_fast() -> None:
 
 #: seconds a rank waits at interpreter exit for the others (HPCASYNC_EXIT_TIMEOUT)
 EXIT_TIMEOUT_S = 30.0
+
+
+#: the exit agreements :func:`init` registered, by ``id`` of the topology's world: (hook, comm)
+_EXIT_HOOKS: dict[int, tuple] = {}
+
+
+def _register_exit_agreement(world) -> None:
+    comm = world.Dup()
+    hook = functools.partial(_agree_at_exit, comm)
+    atexit.register(hook)
+    _EXIT_HOOKS[id(world)] = (hook, comm)
+
+
+def release(roles: Roles, *, free_world: bool) -> None:
+    """Undo what :func:`init` built for ``roles``: its exit agreement and the communicators of
+    its topology (node-local, global, the workers'; the world itself when ``free_world``: a
+    communicator ``init(comm=...)`` was given a duplicate of). Local, no communication
+    (``MPI_Comm_free``), so it also serves after a death, on communicators that hold dead ranks
+    (``hvd.shutdown`` after ``hvd.init(comm=...)``, an elastic reset). The default topology is
+    forgotten when it is this one."""
+    from . import topology as _topology
+
+    topo = roles.topology
+    hook = _EXIT_HOOKS.pop(id(topo.world), None)
+    if hook is not None:
+        atexit.unregister(hook[0])
+        _free(hook[1])
+    if roles.workers_comm is not None and roles.workers_comm is not topo.world:
+        _free(roles.workers_comm)
+    topo.free()
+    if free_world:
+        _free(topo.world)
+    _topology.forget_default_topology(topo)
+
+
+def _free(comm) -> None:
+    try:
+        comm.Free()
+    except Exception:  # noqa: BLE001 - already freed, or MPI finalised
+        pass
 
 
 def _agree_at_exit(comm) -> None:

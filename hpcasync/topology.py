@@ -291,6 +291,13 @@ def set_default_topology(topo: Topology | None) -> None:
     _DEFAULT = topo
 
 
+def forget_default_topology(topo: Topology) -> None:
+    """No default topology any more if it is ``topo`` (whose communicators are being freed)."""
+    global _DEFAULT
+    if _DEFAULT is topo:
+        _DEFAULT = None
+
+
 def pick_device(choice: str, local_rank: int) -> str:
     """Map a ``--device`` choice and a local rank to a torch device string."""
     if choice not in ("auto", "cpu", "cuda"):

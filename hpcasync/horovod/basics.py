@@ -88,7 +88,7 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
         comm, local, cross = world.Dup(), topo.local.Dup(), topo.glob.Dup()
     sizes = comm.allgather(local.Get_size())
     _st.STATE = _State(comm=comm, local=local, cross=cross, roles=roles, algorithm=algorithm,
-                    homogeneous=len(set(sizes)) == 1)
+                    homogeneous=len(set(sizes)) == 1, owns_world=base is not None)
     _ps.setup(_st.STATE, process_sets)
     _timeline.start_from_env(rank=rank())    # HOROVOD_TIMELINE=path: rank 0 records
 
@@ -129,16 +129,23 @@ def _no_optimizer_at_exit() -> None:
 
 
 def shutdown() -> None:
-    """Forget the facade's communicators (MPI itself is finalized at exit)."""
+    """Free the facade's communicators (MPI itself is finalized at exit); after
+    ``init(comm=...)`` also the topology built on that communicator and its exit agreement, so
+    that init/shutdown cycles leave nothing behind."""
     if _st.STATE is None:
         return
     from . import process_sets as _ps
 
-    _ps.teardown(_st.STATE)
-    for c in (_st.STATE.local, _st.STATE.cross):
+    st = _st.STATE
+    _ps.teardown(st)
+    for c in (st.local, st.cross):
         c.Free()
-    if _st.STATE.algorithm is None or _st.STATE.comm is not _st.STATE.roles.topology.world:
-        _st.STATE.comm.Free()
+    if st.algorithm is None or st.comm is not st.roles.topology.world:
+        st.comm.Free()
+    if st.owns_world:
+        from .. import api
+
+        api.release(st.roles, free_world=True)
     _st.STATE = None
 
 

@@ -25,7 +25,6 @@ differences from Horovod: docs/design/horovod-elastic.md.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import functools
 import logging
@@ -372,7 +371,8 @@ def reset() -> None:
     old_size = st.comm.Get_size()
     new = st.comm.Shrink()
     _drop(st)
-    atexit.unregister(api._agree_at_exit)   # its barrier was on the old world, dead ranks in it
+    # the old topology's exit barrier and communicators hold dead ranks: released locally
+    api.release(st.roles, free_world=st.owns_world)
     _basics.init(comm=new)
     new.Free()
     st = _st.current()

@@ -23,6 +23,7 @@ class State:
     sets: dict = field(default_factory=dict)    # process_set_id -> ProcessSet (0: the global set)
     dynamic: bool = False                       # add_process_set / remove_process_set allowed
     serial: int = 0                             # process sets registered so far (their uids)
+    owns_world: bool = False    # init(comm=...) made roles.topology.world: shutdown frees it
 
 
 STATE: State | None = None      # set by hvd.init(), None again after hvd.shutdown()

@@ -75,3 +75,28 @@ def test_a_rank_outside_its_list_is_told(fresh_facade):
     other = [(RANK + 1) % SIZE]
     with pytest.raises(ValueError, match=f"called on rank {RANK}, which is not in the list"):
         fh.init(comm=other)
+
+
+def test_shutdown_frees_what_init_on_a_communicator_built(fresh_facade):
+    """``init(comm=...)`` builds a topology (a duplicate world, node-local and global
+    communicators) and registers an exit barrier on it; ``shutdown()`` frees all of it, so
+    init/shutdown cycles (and elastic resets) leave no communicators or exit hooks behind."""
+    from mpi4py import MPI
+
+    from hpcasync import api
+    from hpcasync.horovod import state
+
+    sub = COMM.Split(RANK % 2, RANK)
+    hooks = dict(api._EXIT_HOOKS)
+    for _ in range(3):
+        fh.init(comm=sub)
+        st = state.current()
+        topo = st.roles.topology
+        built = [topo.world, topo.local, topo.glob, api._EXIT_HOOKS[id(topo.world)][1],
+                 st.comm, st.local, st.cross]
+        assert all(c != MPI.COMM_NULL for c in built)
+        fh.shutdown()
+        assert [c == MPI.COMM_NULL for c in built] == [True] * len(built)   # each one freed
+        assert api._EXIT_HOOKS == hooks                  # its exit barrier is gone too
+    assert sub != MPI.COMM_NULL                          # the user's communicator stays theirs
+    sub.Free()
