@@ -267,7 +267,11 @@ class Supervisor:
                 signal.signal(s, h)
             job = self._job
             if job is not None and job.poll() is None:      # the supervisor itself failed
-                job.kill()
+                job.terminate()          # SIGTERM first: a SIGKILLed launcher leaves its ranks
+                try:                     # running and its session directory behind
+                    job.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    job.kill()
             shutil.rmtree(state, ignore_errors=True)
 
     def _run(self, state: Path) -> int:
