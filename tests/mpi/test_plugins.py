@@ -3,11 +3,13 @@
 
 * In-process (one process: tests/unit/test_plugins.py): spec parsing, the conversion of a user
   data set, the optimizer keywords, ``evaluate`` with a loss.
-* Bad user code (rank 0, singleton CLI, three at a time): each problem is one ``hpcasync: error``
-  line, exit status 2, raised before MPI starts (a probe prints at exit whether ``mpi4py.MPI`` was
-  initialised); two of them also under ``mpiexec -n 4`` (said once, with no rank tag). The
+* Bad user code (rank 0, singleton CLI): each problem is one ``hpcasync: error`` line, exit
+  status 2, raised before MPI starts (a probe prints at exit whether ``mpi4py.MPI`` was
+  initialised); two of them also under ``mpiexec -n 4`` (said once, with no rank tag). Each
+  singleton is a fork of one process that has imported torch and ``hpcasync.cli`` (and not
+  ``mpi4py.MPI``): the 26 cases paid 26 torch imports, ~30 s of CI, for nothing they check. The
   singletons launch no MPI job (marked ``no_mpi``: CI's MPICH pass leaves them out); they are
-  here, not in tests/unit, for its time budget (about a minute of CLI start-ups).
+  here, not in tests/unit, for its time budget.
 * End to end (rank 0, 4 ranks): the example plugins ``examples/plugins/my_models.py:gru`` on
   ``my_data.py:rows`` (Fashion-MNIST rows, 4000 train / 1000 test images, one epoch) with ssgd,
   daso, odsgd and smega2, ``convbn`` with ssgd, ``--loss nll``, a user loss, ``--optimizer adam``.
@@ -17,12 +19,11 @@ Accuracy bars: measured over seeds 0-2 (see each test) and set >= 4 points below
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import textwrap
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -218,23 +219,67 @@ def bad_dir(tmp_path):
     return _make_bad_dir(tmp_path)
 
 
-def _run_probe(bad, case):
-    args, _ = _cases(bad)[case]
-    t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", PROBE, "train", "--epochs", "1", "--progress", "off",
-                        *args], env=clean_env(), cwd=bad, capture_output=True, text=True,
-                       timeout=60)
-    return r, time.time() - t0
+# One process imports what every case's CLI run imports first (torch, hpcasync.cli: ~1.5 s of CPU
+# a run) and forks one child per case; the child is `python -c PROBE train ...` from there on: the
+# same argv, cwd and environment, its own stdout/stderr files, exit status and atexit handlers
+# (the probe's among them) as at a normal interpreter exit.
+ZYGOTE = textwrap.dedent("""
+    import atexit, json, os, sys, time, traceback
+    import torch, hpcasync.cli  # noqa: F401
+    assert "mpi4py.MPI" not in sys.modules, "the zygote must not load MPI: the probe checks it"
+    probe, cases, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    results = {}
+    for case, args in cases.items():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        t0 = time.time()
+        pid = os.fork()
+        if pid == 0:
+            for fd, name in ((1, "out"), (2, "err")):
+                f = os.open(os.path.join(out, f"{case}.{name}"), os.O_WRONLY | os.O_CREAT, 0o644)
+                os.dup2(f, fd)
+                os.close(f)
+            sys.argv = ["-c", *args]
+            try:
+                exec(compile(probe, "<string>", "exec"), {"__name__": "__main__"})
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (e.code is not None)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        results[case] = [os.waitstatus_to_exitcode(status), time.time() - t0]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f)
+    """)
 
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory):
-    """Every case's singleton CLI run, three at a time (rank 0 only)."""
+    """Every case's singleton CLI run, each a fork of one zygote (rank 0 only): {case:
+    (CompletedProcess, seconds from the fork to the exit)}."""
     if RANK != 0:
         return None
     bad = _make_bad_dir(tmp_path_factory.mktemp("bad"))
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = dict(zip(CASE_IDS, pool.map(lambda case: _run_probe(bad, case), CASE_IDS)))
+    out = tmp_path_factory.mktemp("bad-out")
+    cases = {case: ["train", "--epochs", "1", "--progress", "off", *_cases(bad)[case][0]]
+             for case in CASE_IDS}
+    z = subprocess.run([sys.executable, "-c", ZYGOTE, PROBE, json.dumps(cases), str(out)],
+                       env=clean_env(), cwd=bad, capture_output=True, text=True, timeout=240)
+    assert z.returncode == 0 and (out / "results.json").exists(), z.stderr[-3000:]
+    done = json.loads((out / "results.json").read_text())
+    runs = {}
+    for case, (code, elapsed) in done.items():
+        read = lambda name: (out / f"{case}.{name}").read_text(errors="replace")  # noqa: E731
+        runs[case] = (subprocess.CompletedProcess(cases[case], code, read("out"), read("err")),
+                      elapsed)
     return bad, runs
 
 
