@@ -30,7 +30,7 @@ import torch
 from .config import TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
-from .runtime import algorithms, ft, runtime_module, startup
+from .runtime import algorithms, ft, join, runtime_module, startup
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
 from .slurm import SlurmEnv
@@ -110,6 +110,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # read (and so check) the data before MPI starts: a bad file is then said once, by rank 0
     setup_logging(launcher_rank())
+    join.prepare_joiner()       # a replacement spawned by --grow-back (runtime.join)
     ft.early_kill_point("data")
     train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                        train_limit=cfg.train_limit, test_limit=cfg.test_limit)
@@ -126,9 +127,15 @@ def train(cfg: TrainConfig) -> dict:
     init_mpi()
     startup.done()          # from here a dead rank is ULFM's to report (errors.fail_fast)
     ft.early_kill_point("mpi")
-    topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device, ps_rank=cfg.ps_rank)
-    # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank)
+    if join.is_joiner():        # merged into the running job's world
+        topo = join.joiner_topology(cfg)
+    else:
+        topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device,
+                              ps_rank=cfg.ps_rank)
+    # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank); a
+    # joiner never does (a survivor holds the stream)
     report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
+    report = -1 if join.joined() else report
     setup_logging(topo.rank, report_rank=report)
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_size)
     torch.set_num_threads(threads)
@@ -193,4 +200,5 @@ def train(cfg: TrainConfig) -> dict:
         log.info("done: %s on %d ranks, test accuracy %s, %.1f s", cfg.algorithm, topo.size,
                  f"{100 * acc:.2f}%" if acc is not None else "n/a", wall)
     topo.free()
+    join.release(topo)          # (a run that grew: before MPI_Finalize)
     return summary

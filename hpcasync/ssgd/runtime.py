@@ -32,6 +32,7 @@ from ..hetero import StepDelay
 from ..hetero import check_options as check_hetero
 from .horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over
+from ..runtime import join
 from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
 from ..train import params_digest
@@ -60,6 +61,7 @@ def add_arguments(parser) -> None:
                        help="ssgd: how overlapped buckets progress: a communication thread of "
                             "blocking allreduces, or nonblocking ones tested from the gradient "
                             "hooks (default %(default)s)")
+    join.add_arguments(group)
 
 
 def validate(cfg) -> None:
@@ -75,6 +77,7 @@ def validate(cfg) -> None:
     if progress not in PROGRESS:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
+    join.validate(cfg)
 
 
 def run(ctx: RunContext) -> RunResult:
@@ -95,6 +98,7 @@ def run(ctx: RunContext) -> RunResult:
                                    bucket_bytes=bucket,
                                    progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
     rec = SyncRecovery(ctx, enabled=flat is not None and ulfm_enabled())
+    growth = join.Growth(ctx, rec)           # --grow-back: replacements join after a death
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
     if ctx.is_root and delay.active:
         log.info("ssgd: heterogeneity: %s", delay.model.describe())
@@ -104,7 +108,8 @@ def run(ctx: RunContext) -> RunResult:
     numel = sum(p.numel() for p in model.parameters())
     wire_bytes = numel * (2 if cfg.options.get("compress", "none") != "none" and flat else 4)
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
-    state = ctx.resume_state()
+    joined = join.receive(ctx) if join.joined() else None   # a replacement: the live state
+    state = ctx.resume_state() if joined is None else joined["state"]
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -126,6 +131,8 @@ def run(ctx: RunContext) -> RunResult:
     # adopt the most advanced position and state, and re-shard the rest of the epoch over
     # themselves (hpcasync.runtime.recovery)
     cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
+    if joined is not None:
+        join.take_live_state(joined, ctx, cur, growth)
     slept, summary, device = delay.slept, None, topo.device
     while summary is None:
         topo = ctx.topo
@@ -167,8 +174,12 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            cur.adopt(rec.recover(position=cur.position, load=load_adopted,
-                                  state=lambda: snapshot(cur.epoch, cur.done, 0.0)),
-                      size_before=rec.size_before)
+            adopted = rec.recover(position=cur.position, load=load_adopted,
+                                  state=lambda: snapshot(cur.epoch, cur.done, 0.0))
+            growth.grow(adopted, adopt=lambda same: cur.adopt(
+                adopted, size_before=rec.size_before,
+                keep=list(range(ctx.topo.size)) if same else None),
+                payload=lambda: join.live_state(ctx, cur, growth,
+                                                snapshot(cur.epoch, cur.done, cur.loss_sum)))
             opt.set_comm(ctx.topo.world)
-    return RunResult(model=model, summary={**summary, **rec.summary()})
+    return RunResult(model=model, summary={**summary, **rec.summary(), **growth.summary()})

@@ -1,0 +1,362 @@
+"""Grow back: after a death, the survivors of an SSGD run spawn replacement ranks that join the
+running job, so the run returns to full size without a restart (ULFM, Open MPI).
+
+Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains on. With
+``--grow-back`` (``--max-ranks N``, default the starting size) the survivors then:
+
+1. **spawn** ``N - survivors`` processes running this very command (``MPI_Comm_spawn`` of
+   ``sys.executable`` with the interpreter's own arguments, working directory kept) into the
+   allocation's free slots (Open MPI: free slots of the job's hosts, or any with
+   ``mpirun --oversubscribe``). The joiner starts like any rank (options, data, model checks),
+   knows it is one (``OMPI_PARENT_PORT``; :func:`prepare_joiner` drops the failure-injection
+   variables, which name the ranks of the first launch);
+2. **merge** the intercommunicator (``MPI_Intercomm_merge``) and **order** the merged world
+   (``MPI_Comm_split`` by key): when the world returns to the size it had before the death, each
+   joiner takes a dead rank's place (its rank, its data shard) and the survivors keep theirs, so
+   the run goes on exactly as an undisturbed one would (the same batches on the same ranks, the
+   same reduction order); otherwise the survivors keep their order and the joiners come last;
+3. **rebuild the topology** on the merged world (:meth:`hpcasync.topology.Topology.build`: nodes
+   from shared memory, ``--ranks-per-node`` honoured);
+4. the survivors adopt the recovered position — the epoch's plan kept (same size) or re-sharded
+   over the grown world (:class:`~hpcasync.runtime.recovery.EpochCursor`) — and the lowest
+   surviving rank **sends the live state** to the joiners (one broadcast over the grown world):
+   model parameters and buffers (BatchNorm), optimizer state and step count, the data cursor
+   (epoch, batches done, the epoch's shards), the epoch history, the failure records, the
+   divergence guard's reference, torch's RNG state (every rank seeds alike).
+
+Spawn failure (no free slot, a launcher that cannot spawn): every survivor gets the error; the
+run goes on shrunk with one warning line (the shrink-only behaviour, as without ``--grow-back``),
+unless fewer than ``--min-ranks`` remain, which ends the job with one line
+(:class:`~hpcasync.errors.ProcessFailedError`). Open MPI's launcher (prterun 5.0.11, measured)
+records the failed spawn and exits with status 213 after every rank finished with 0: the
+metrics stream is complete (``summary``), the warning line says so. A joiner that never reaches the merge (it died
+while starting) would leave the survivors in ``MPI_Intercomm_merge``: after
+``HPCASYNC_JOIN_TIMEOUT`` seconds (default 300) a watchdog ends the job with one line.
+
+Design and measurements: docs/design/growth.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import ConfigError, ProcessFailedError
+
+log = logging.getLogger("hpcasync")
+
+#: set by Open MPI in a process started by MPI_Comm_spawn (the parent's port)
+PARENT_ENV = "OMPI_PARENT_PORT"
+TIMEOUT_ENV = "HPCASYNC_JOIN_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+#: failure injection meant for the first launch's ranks (a joiner inherits the launcher's env)
+_INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
+
+_joined: dict[str, Any] = {}
+
+
+def add_arguments(group) -> None:
+    """``--grow-back``, ``--max-ranks``, ``--min-ranks`` (a runtime's argument group)."""
+    group.add_argument("--grow-back", action="store_true", default=False,
+                       help="ssgd under ULFM: after a death, spawn replacement ranks that join "
+                            "the running job (up to --max-ranks); without it the run goes on "
+                            "with the survivors")
+    group.add_argument("--max-ranks", type=int, default=None,
+                       help="with --grow-back: grow back to this many ranks (default: the "
+                            "starting size)")
+    group.add_argument("--min-ranks", type=int, default=None,
+                       help="ssgd under ULFM: fewer ranks than this (after a death and any "
+                            "grow-back) end the job with one line (default 1)")
+
+
+def validate(cfg) -> None:
+    o = cfg.options
+    for name in ("max_ranks", "min_ranks"):
+        v = o.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+    lo, hi = o.get("min_ranks"), o.get("max_ranks")
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError(f"--min-ranks {lo} is above --max-ranks {hi}")
+    if hi is not None and not o.get("grow_back"):
+        raise ConfigError("--max-ranks bounds --grow-back: give --grow-back too")
+    if o.get("grow_back") and cfg.backend == "horovod":
+        raise ConfigError("--grow-back needs --backend mpi (the Horovod backend has no ULFM "
+                          "recovery)")
+
+
+def is_joiner() -> bool:
+    """This process was started by ``MPI_Comm_spawn`` (Open MPI; no MPI call needed)."""
+    return PARENT_ENV in os.environ
+
+
+def prepare_joiner() -> None:
+    """First thing in a joiner: drop the failure-injection variables, which name ranks of the
+    first launch (a joiner inherits the launcher's environment and takes a dead rank's number)."""
+    if is_joiner():
+        for name in _INJECT_ENV:
+            os.environ.pop(name, None)
+
+
+def joined() -> dict | None:
+    """What :func:`joiner_topology` learnt (None in a rank of the first launch)."""
+    return _joined or None
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+class _Watchdog:
+    """End the job with one line when a join does not complete in time (a spawned process that
+    died before the merge leaves its parents in ``MPI_Intercomm_merge``)."""
+
+    def __init__(self, what: str):
+        self.timer = threading.Timer(_timeout(), self._fire, args=(what,))
+        self.timer.daemon = True
+
+    def _fire(self, what: str) -> None:
+        sys.stderr.write(f"hpcasync: error: {what} did not complete in {_timeout():g} s "
+                         f"({TIMEOUT_ENV}); ending the job\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.cancel()
+
+
+def _order(size_before: int, kept: list[int], survivors: int,
+           joiners: int) -> tuple[list, list, bool]:
+    """Split keys ``(survivors', joiners', same)``: the dead ranks' places when the world returns
+    to its size before the death (``same``), else the survivors first, in order."""
+    if survivors + joiners == size_before and len(kept) == survivors:
+        return list(kept), sorted(set(range(size_before)) - set(kept)), True
+    return list(range(survivors)), list(range(survivors, survivors + joiners)), False
+
+
+def _topology(world, cfg, ps_rank: int = 0):
+    from ..topology import Topology
+
+    return Topology.build(world, ranks_per_node=cfg.ranks_per_node, device=cfg.device,
+                          ps_rank=ps_rank)
+
+
+class Growth:
+    """The survivors' side of grow-back in a synchronous runtime (module doc).
+
+    Args: the run's context and its :class:`~hpcasync.runtime.recovery.SyncRecovery`. Sets the
+    recovery's ``min_ranks`` (``--min-ranks``; with ``--grow-back`` checked after the grow).
+    Attributes: ``joins`` (one record per grow, as the ``rank_joined`` metrics records).
+
+    Example (after ``rec.recover``, in the runtime's ``except``)::
+
+        adopted = rec.recover(...)
+        growth.grow(adopted, adopt=lambda same: cur.adopt(adopted, keep=..., ...),
+                    payload=lambda: {...})
+    """
+
+    def __init__(self, ctx, rec):
+        o = ctx.cfg.options
+        self.ctx, self.rec = ctx, rec
+        self.enabled = bool(o.get("grow_back")) and rec.enabled
+        self.max_ranks = o.get("max_ranks") or ctx.topo.size
+        self.min_ranks = o.get("min_ranks") or 1
+        rec.min_ranks = 1 if self.enabled else self.min_ranks
+        self.joins: list[dict[str, Any]] = []
+        self.next_id = ctx.topo.size        # the ids ("original ranks") given to joiners
+
+    def grow(self, adopted: tuple, *, adopt: Callable[[bool], None],
+             payload: Callable[[], dict]) -> bool:
+        """Spawn, merge, rebuild the topology, ``adopt(same)`` (``same``: every rank holds its
+        place of the world before the death: keep the epoch's plan), send ``payload()`` to the
+        joiners. Returns whether the world grew. Collective over the survivors."""
+        ctx, rec = self.ctx, self.rec
+        topo = ctx.topo
+        want = self.max_ranks - topo.size if self.enabled else 0
+        if want <= 0:
+            self._check_min(None)
+            adopt(False)
+            return False
+        from mpi4py import MPI
+
+        t0 = time.perf_counter()
+        error = ""
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())
+        try:
+            inter = topo.world.Spawn(sys.executable, args=list(sys.orig_argv[1:]),
+                                     maxprocs=want, info=info, root=0)
+        except MPI.Exception as exc:
+            inter, error = None, exc.Get_error_string()
+        finally:
+            info.Free()
+        if not topo.world.allreduce(inter is not None, op=MPI.LAND):
+            if inter is not None:       # (MPI_Comm_spawn is collective: not seen here)
+                inter.Free()
+            self._check_min(f"spawning {want} replacement(s) failed: {error or 'on another rank'}")
+            if topo.rank == 0:
+                log.warning("grow-back: spawning %d replacement(s) failed (%s); going on with "
+                            "%d ranks (Open MPI's launcher exits with status 213 at the end for "
+                            "the failed spawn)", want, error or "on another rank", topo.size)
+            adopt(False)
+            return False
+        spawned = time.perf_counter()
+        with _Watchdog(f"grow-back (waiting for {want} spawned rank(s) to start)"):
+            merged = inter.Merge(high=False)
+        merged_at = time.perf_counter()
+        keys, joiner_keys, same = _order(rec.size_before, rec.last_kept, topo.size, want)
+        ids = list(range(self.next_id, self.next_id + want))
+        self.next_id += want
+        merged.bcast({"keys": joiner_keys, "survivor_keys": keys}, root=0)
+        world = merged.Split(0, key=keys[topo.rank])
+        merged.Free()
+        inter.Free()
+        ctx.topo = _topology(world, ctx.cfg, topo.ps_rank)
+        original = [0] * world.Get_size()
+        for k, r in zip(keys, rec.original):
+            original[k] = r
+        for k, r in zip(joiner_keys, ids):
+            original[k] = r
+        rec.original = original
+        adopt(same)
+        src = min(keys)                 # the lowest surviving rank of the grown world
+        record = {"joined": ids, "ranks": joiner_keys, "world_size": world.Get_size(),
+                  "position": list(adopted), "spawn_s": round(spawned - t0, 4),
+                  "merge_s": round(merged_at - spawned, 4),
+                  "join_s": round(time.perf_counter() - t0, 4)}     # (to the state's broadcast)
+        self.joins.append(record)
+        _joined.setdefault("grew", True)
+        m = ctx.metrics
+        m.write("rank_joined", **record)
+        if m.enabled and ctx.topo.rank != 0:    # a joiner is rank 0: it takes the stream and
+            m.close(complete=False)             # the log over (after the broadcast)
+            m.enabled = False
+            _setup_logging(ctx.topo.rank, report_rank=0)
+        world.bcast({**payload(), "original": original, "record": record}
+                    if world.Get_rank() == src else None, root=src)
+        if ctx.topo.rank == src:
+            log.warning("grow-back: %d rank(s) joined at %s as rank(s) %s; %d ranks again "
+                        "(%.3f s)", want, tuple(adopted), ", ".join(map(str, joiner_keys)),
+                        world.Get_size(), record["join_s"])
+        return True
+
+    def _check_min(self, why: str | None) -> None:
+        size = self.ctx.topo.size
+        if self.enabled and size < self.min_ranks:
+            lost = sorted(r for f in self.rec.failures for r in f["dead_ranks"])
+            raise ProcessFailedError(
+                f"rank(s) {', '.join(map(str, lost))} died; {size} left"
+                f"{' and ' + why if why else ''}: fewer than --min-ranks {self.min_ranks}", lost)
+
+    def summary(self) -> dict[str, Any]:
+        return {"rank_joins": self.joins} if self.joins else {}
+
+
+def joiner_topology(cfg):
+    """The joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: merge with the
+    parents, take the place they give, build the topology over the grown world. Returns it."""
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise ConfigError(f"{PARENT_ENV} is set but this process has no parent: not started by "
+                          "hpcasync's grow-back")
+    merged = parent.Merge(high=True)
+    order = merged.bcast(None, root=0)
+    me = merged.Get_rank() - len(order["survivor_keys"])
+    world = merged.Split(0, key=order["keys"][me])
+    merged.Free()
+    parent.Free()
+    _joined.update(order, src=min(order["survivor_keys"]))
+    return _topology(world, cfg)
+
+
+def receive(ctx) -> dict:
+    """The joiner's side of step 4: the live state from the lowest surviving rank (the
+    broadcast :meth:`Growth.grow` sends). Collective over the grown world."""
+    blob = ctx.topo.world.bcast(None, root=_joined["src"])
+    log.warning("grow-back: joined as rank %d of %d at %s", ctx.topo.rank, ctx.topo.size,
+                tuple(blob["record"]["position"]))
+    return blob
+
+
+def live_state(ctx, cur, growth, snapshot: dict) -> dict:
+    """What a joiner gets from a survivor of a synchronous run (:meth:`Growth.grow`'s
+    ``payload``): ``snapshot`` (the runtime's model and optimizer state, as in its checkpoints),
+    the data cursor ``cur`` (:class:`~hpcasync.runtime.recovery.EpochCursor`, after the adopt:
+    the epoch's shards included), the epoch history, step count, divergence reference, torch's RNG
+    state and the failure and join records."""
+    import torch
+
+    plan = cur.plan
+    return {"state": snapshot,
+            "cursor": {"epoch": cur.epoch, "done": cur.done, "started": cur.started,
+                       "loss_sum": cur.loss_sum, "loss_n": cur.loss_n,
+                       "shards": None if plan is None else plan.shards},
+            "history": list(ctx.history), "steps": ctx.steps,
+            "divergence": ctx.divergence.state_dict(), "rng": torch.get_rng_state(),
+            "failures": growth.rec.failures, "joins": growth.joins, "next_id": growth.next_id,
+            "clocks": (ctx.t0, ctx.metrics.t0)}   # the run's start: records' times agree
+
+
+def take_live_state(blob: dict, ctx, cur, growth) -> None:
+    """The joiner's side of :func:`live_state` (the runtime loads ``blob["state"]`` itself, as
+    a resumed checkpoint)."""
+    import torch
+
+    from ..data import EpochShards
+
+    c = blob["cursor"]
+    cur.epoch, cur.done, cur.started = c["epoch"], c["done"], c["started"]
+    cur.loss_sum, cur.loss_n = c["loss_sum"], c["loss_n"]
+    cur.plan = None
+    if c["shards"] is not None:
+        cur.plan = EpochShards.__new__(EpochShards)
+        cur.plan.shards = c["shards"]
+    ctx.history[:] = blob["history"]
+    ctx.steps = blob["steps"]
+    ctx.t0, ctx.metrics.t0 = blob["clocks"]
+    ctx.divergence.load_state_dict(blob["divergence"])
+    torch.set_rng_state(blob["rng"])
+    rec = growth.rec
+    rec.failures, rec.original = list(blob["failures"]), list(blob["original"])
+    if rec.failures and rec.failures[-1].get("next_step_s") is None:
+        rec._pending_next_step = rec.failures[-1]      # timed by the first step, as elsewhere
+    growth.joins = list(blob["joins"])
+    growth.next_id = blob["next_id"]
+    if ctx.topo.rank == 0:              # the writer of the metrics stream and the log is rank 0
+        ctx.metrics.reopen_append()
+        _setup_logging(0, report_rank=0)
+
+
+def release(topo) -> None:
+    """At the end of a run that grew (either side): free the world's communicators, collectively
+    over the final world (after ``topo.free()``). ``MPI_Finalize`` disconnects every dynamic
+    communicator (one spanning spawned jobs) still allocated, a handshake with each member; a
+    survivor whose older communicators hold dead ranks leaves that handshake early, and a joiner
+    then waited in ``MPI_Finalize`` for good (Open MPI 5.0.11, measured: 4 runs of 4 without this
+    call, 0 of 3 with it, in the 40-line reproduction of docs/design/growth.md)."""
+    if not _joined:
+        return
+    for comm in (topo.world,):
+        try:
+            comm.Free()
+        except Exception:   # noqa: BLE001 - already freed
+            pass
+
+
+def _setup_logging(rank: int, *, report_rank: int) -> None:
+    from ..train import setup_logging
+
+    setup_logging(rank, report_rank=report_rank)
