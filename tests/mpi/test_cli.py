@@ -39,6 +39,7 @@ def test_bad_option_one_line_error_before_mpi(args, needle):
 
 
 @pytest.mark.rank0
+@pytest.mark.no_mpi            # two singletons that stop before MPI starts: any MPI gives the same runs
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("epochs = 2\nnot_an_option = 1\n")

@@ -397,6 +397,7 @@ def test_warns_when_blocking_epochs_cover_the_run(topo, caplog):
 
 
 @pytest.mark.rank0
+@pytest.mark.no_mpi            # singletons that stop before MPI starts: any MPI gives the same runs
 def test_cli_rejects_bad_daso_knobs_in_one_line():
     for args, what in ((["--daso-global-skip", "16"], "max_global_skips"),
                        (["--daso-batches-to-wait", "0"], "batches_to_wait"),
