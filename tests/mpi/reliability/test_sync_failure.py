@@ -43,6 +43,20 @@ def _run(tmp_path, algorithm: str, kill: str = "", *, extra=(), n: int = 4, ft: 
     return out, metrics, time.time() - t0
 
 
+_undisturbed: dict = {}      # (algorithm, extra) -> (out, metrics): one undisturbed run per setting
+
+
+def _base(tmp_path, algorithm: str, extra=()):
+    """The undisturbed run of ``algorithm`` (deterministic: same arguments, same run), made once
+    per setting for the module: both DASO kills compare against one."""
+    key = (algorithm, tuple(extra))
+    if key not in _undisturbed:
+        out, metrics, _ = _run(tmp_path, algorithm, extra=extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        _undisturbed[key] = (out, metrics)
+    return _undisturbed[key]
+
+
 def _survived(out, metrics, dead: list[int], *, params_digest: bool = True) -> dict:
     assert out.returncode == 0, out.stderr[-3000:]
     s = last_summary(metrics)
@@ -88,8 +102,7 @@ def test_ssgd_survives_a_rank_sigkilled_mid_epoch(tmp_path):
     of epoch 1 is re-sharded over 3 ranks (steps counted exactly), replicas bitwise equal, test
     accuracy within 3 points of the undisturbed run (the full-size runs: experiments/)."""
     need_ulfm()
-    base, mbase, _ = _run(tmp_path, "ssgd")
-    assert base.returncode == 0, base.stderr[-3000:]
+    _, mbase = _base(tmp_path, "ssgd")
     out, metrics, _ = _run(tmp_path, "ssgd", "2:step:30")
     s = _survived(out, metrics, [2])
     rest = (TRAIN // 4 - 30 * 32) * 4 // 3 // 32          # the rest of epoch 1 over 3 ranks
@@ -201,8 +214,7 @@ def test_odsgd_survives_a_rank_sigkilled_mid_epoch(tmp_path):
     most advanced rank, restart their local weights from it and go on: exit 0, the global model
     bitwise equal on every survivor, accuracy within 3 points of the undisturbed run."""
     need_ulfm()
-    base, mbase, _ = _run(tmp_path, "odsgd", extra=ODSGD)
-    assert base.returncode == 0, base.stderr[-3000:]
+    _, mbase = _base(tmp_path, "odsgd", extra=ODSGD)
     out, metrics, _ = _run(tmp_path, "odsgd", "2:step:30", extra=ODSGD)
     s = _survived(out, metrics, [2])
     [f] = s["rank_failures"]
@@ -237,8 +249,7 @@ def test_daso_survives_a_rank_sigkilled_on_two_virtual_nodes(tmp_path, kill, pha
     equal at the end, accuracy within 5 points of the undisturbed run on this slice (its
     seed-to-seed spread is about 4)."""
     need_ulfm()
-    base, mbase, _ = _run(tmp_path, "daso", extra=DASO)
-    assert base.returncode == 0, base.stderr[-3000:]
+    _, mbase = _base(tmp_path, "daso", extra=DASO)
     out, metrics, _ = _run(tmp_path, "daso", kill, extra=DASO)
     dead = int(kill.split(":")[0])
     s = _survived(out, metrics, [dead], params_digest=False)
