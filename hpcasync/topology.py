@@ -41,12 +41,17 @@ def init_mpi():
     Tunes glibc's allocator first (:mod:`hpcasync.runtime.malloc`; ``HPCASYNC_MALLOC=default``).
     Fault tolerance asked for under MPICH is a ConfigError here, before MPI starts (ULFM is
     Open-MPI-only: :func:`hpcasync.runtime.ft.check_ft_request`)."""
+    from .runtime import startup
     from .runtime.ft import check_ft_request
     from .runtime.malloc import tune_malloc
 
     tune_malloc()
     single_host_open_mpi_defaults()
     ulfm_open_mpi_defaults()
+    # A user's loop (hpcasync.init, hvd.init) under ULFM: a rank dead before MPI is up ends the
+    # job with one line instead of leaving the others in MPI_Init (the CLI started it already).
+    startup.watch()
+    startup.entering_mpi()
     from mpi4py import MPI
 
     check_ft_request()
@@ -54,6 +59,7 @@ def init_mpi():
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(_finalize)
+    startup.done()
     return MPI
 
 
