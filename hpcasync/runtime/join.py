@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import ConfigError, ProcessFailedError
+from ..errors import ConfigError, HpcasyncError, ProcessFailedError
 
 log = logging.getLogger("hpcasync")
 
@@ -56,6 +56,10 @@ DEFAULT_TIMEOUT_S = 300.0
 _INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
 
 _joined: dict[str, Any] = {}
+
+
+class JoinError(HpcasyncError, RuntimeError):
+    """A joiner does not hold the survivors' state after the transfer (a bug, never a death)."""
 
 
 def add_arguments(group) -> None:
@@ -177,10 +181,11 @@ class Growth:
         self.next_id = ctx.topo.size        # the ids ("original ranks") given to joiners
 
     def grow(self, adopted: tuple, *, adopt: Callable[[bool], None],
-             payload: Callable[[], dict]) -> bool:
+             payload: Callable[[], dict], check: Callable[[], Any]) -> bool:
         """Spawn, merge, rebuild the topology, ``adopt(same)`` (``same``: every rank holds its
         place of the world before the death: keep the epoch's plan), send ``payload()`` to the
-        joiners. Returns whether the world grew. Collective over the survivors."""
+        joiners, then :func:`agree` on ``check()`` (the joiners' must be equal). Returns
+        whether the world grew. Collective over the survivors."""
         ctx, rec = self.ctx, self.rec
         topo = ctx.topo
         want = self.max_ranks - topo.size if self.enabled else 0
@@ -245,6 +250,7 @@ class Growth:
             _setup_logging(ctx.topo.rank, report_rank=0)
         world.bcast({**payload(), "original": original, "record": record}
                     if world.Get_rank() == src else None, root=src)
+        agree(world, check(), src)
         if ctx.topo.rank == src:
             log.warning("grow-back: %d rank(s) joined at %s as rank(s) %s; %d ranks again "
                         "(%.3f s)", want, tuple(adopted), ", ".join(map(str, joiner_keys)),
@@ -310,9 +316,40 @@ def live_state(ctx, cur, growth, snapshot: dict) -> dict:
             "clocks": (ctx.t0, ctx.metrics.t0)}   # the run's start: records' times agree
 
 
-def take_live_state(blob: dict, ctx, cur, growth) -> None:
+def state_digest(model, opt, cur) -> tuple:
+    """What every rank of a synchronous run holds alike once a joiner is in: the data position,
+    the optimizer's step count, and a SHA-256 of the model's parameters and buffers and of the
+    optimizer's state tensors (momentum)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    tensors = [*model.state_dict().values()]
+    for state in opt.state_dict().get("state", {}).values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return (tuple(cur.position), int(getattr(opt, "steps", 0)), h.hexdigest())
+
+
+def agree(world, mine, ref: int) -> None:
+    """After the state transfer, every rank of the grown world compares ``mine``
+    (:func:`state_digest`) with everyone's (one allgather): a joiner that got or loaded less than
+    the survivors hold ends the job with one line on every rank instead of training on
+    something else (or waiting in a collective the others never call)."""
+    every = world.allgather(mine)
+    bad = [r for r, x in enumerate(every) if x != every[ref]]
+    if bad:
+        raise JoinError(f"grow-back: rank(s) {', '.join(map(str, bad))} of the grown world do "
+                        f"not hold the state of rank {ref} (a survivor) after the join: position "
+                        f"and steps {every[bad[0]][:2]} against {every[ref][:2]}, state "
+                        f"{'equal' if every[bad[0]][2] == every[ref][2] else 'different'}")
+
+
+def take_live_state(blob: dict, ctx, cur, growth, check: Callable[[], Any]) -> None:
     """The joiner's side of :func:`live_state` (the runtime loads ``blob["state"]`` itself, as
-    a resumed checkpoint)."""
+    a resumed checkpoint), then :func:`agree` on ``check()``."""
     import torch
 
     from ..data import EpochShards
@@ -338,6 +375,7 @@ def take_live_state(blob: dict, ctx, cur, growth) -> None:
     if ctx.topo.rank == 0:              # the writer of the metrics stream and the log is rank 0
         ctx.metrics.reopen_append()
         _setup_logging(0, report_rank=0)
+    agree(ctx.topo.world, check(), _joined["src"])
 
 
 def release(topo) -> None:

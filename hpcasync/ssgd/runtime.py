@@ -132,7 +132,8 @@ def run(ctx: RunContext) -> RunResult:
     # themselves (hpcasync.runtime.recovery)
     cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
     if joined is not None:
-        join.take_live_state(joined, ctx, cur, growth)
+        join.take_live_state(joined, ctx, cur, growth,
+                             check=lambda: join.state_digest(model, opt, cur))
     slept, summary, device = delay.slept, None, topo.device
     while summary is None:
         topo = ctx.topo
@@ -180,6 +181,7 @@ def run(ctx: RunContext) -> RunResult:
                 adopted, size_before=rec.size_before,
                 keep=list(range(ctx.topo.size)) if same else None),
                 payload=lambda: join.live_state(ctx, cur, growth,
-                                                snapshot(cur.epoch, cur.done, cur.loss_sum)))
+                                                snapshot(cur.epoch, cur.done, cur.loss_sum)),
+                check=lambda: join.state_digest(model, opt, cur))
             opt.set_comm(ctx.topo.world)
     return RunResult(model=model, summary={**summary, **rec.summary(), **growth.summary()})
