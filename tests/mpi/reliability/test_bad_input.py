@@ -45,6 +45,7 @@ _RESULTS: list[dict] = []
 
 @dataclass
 class Case:
+    """``twin``: a case whose MPI path is the twin's (CI's MPICH pass runs the twin only)."""
     id: str
     group: str
     what: str                      # the input, in words (the table's "input" column)
@@ -52,6 +53,7 @@ class Case:
     args: Callable[["Workspace"], list[str]]
     needle: str                    # must appear in the error line
     ckpt_dir: bool = True          # pass --checkpoint-dir (holding a good checkpoint)
+    twin: str = ""                 # marked one_mpi, naming the case that takes its MPI path
 
 
 class Workspace:
@@ -200,13 +202,17 @@ CASES = [
     Case("idx-truncated", "data", "train images IDX cut after 100 images (4 ranks)", "mpi4",
          _truncated_idx, "train-images-idx3-ubyte: truncated"),
     Case("idx-gzip-truncated", "data", "test labels .gz cut to 300 bytes (4 ranks)", "mpi4",
-         _truncated_gz, "t10k-labels-idx1-ubyte.gz: corrupt or truncated gzip stream"),
+         _truncated_gz, "t10k-labels-idx1-ubyte.gz: corrupt or truncated gzip stream",
+         twin="idx-truncated"),
     Case("idx-wrong-magic", "data", "train labels file is a GIF (4 ranks)", "mpi4", _wrong_magic,
-         "train-labels-idx1-ubyte: not an IDX file (magic 47494638"),
+         "train-labels-idx1-ubyte: not an IDX file (magic 47494638",
+         twin="idx-truncated"),
     Case("idx-count-mismatch", "data", "1000 test images, 999 test labels (4 ranks)", "mpi4",
-         _count_mismatch, "has 1000 images but"),
+         _count_mismatch, "has 1000 images but",
+         twin="idx-truncated"),
     Case("cifar-executable-pickle", "data", "CIFAR batch whose pickle calls os.system (4 ranks)",
-         "mpi4", _evil_cifar, "data_batch_1: executable pickle"),
+         "mpi4", _evil_cifar, "data_batch_1: executable pickle",
+         twin="idx-truncated"),
     Case("data-missing", "data", "--data-dir without the data set", "cli", _missing_data,
          "fashion-mnist not found"),
     # checkpoints (the good one: ssgd, lenet, 4 ranks)
@@ -279,13 +285,20 @@ def _launch_srun(full: list[str], n: int = 4) -> tuple[int, str, str]:
     return procs[0].returncode, "".join(o for o, _ in outs), "".join(e for _, e in outs)
 
 
-# The "cli" cases are singletons that stop before MPI starts (checked with an atexit probe of
-# mpi4py.MPI.Is_initialized() for each of them): no MPI job, so marked no_mpi (CI's MPICH pass
-# leaves them out; the Open MPI pass runs them). Their 4-rank forms: tests/mpi/test_cli.py.
+def _marks(case: Case) -> list:
+    """The "cli" cases are singletons that stop before MPI starts (checked with an atexit probe of
+    mpi4py.MPI.Is_initialized() for each of them): no MPI job, so no_mpi; their 4-rank forms:
+    tests/mpi/test_cli.py. The data cases' files are all read before MPI starts, on every rank
+    alike, and rank 0 (from the launcher's environment) says it: idx-truncated takes that path
+    under every MPI, the others are one_mpi. CI's MPICH pass leaves both kinds out."""
+    if case.launch == "cli":
+        return [pytest.mark.no_mpi]
+    return [pytest.mark.one_mpi] if case.twin else []
+
+
 @pytest.mark.rank0
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.no_mpi] if
-                                               c.launch == "cli" else []) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=_marks(c)) for c in CASES])
 def test_bad_input(case, tmp_path, good_checkpoint):
     ws = Workspace(tmp_path / "ws", good_checkpoint)
     args = case.args(ws)
