@@ -83,6 +83,11 @@ class TrainConfig:
         if self.optimizer != "sgd" and self.algorithm not in OPTIMIZER_ALGORITHMS:
             raise ConfigError(f"--optimizer applies to {' and '.join(OPTIMIZER_ALGORITHMS)} only; "
                               f"{self.algorithm} has its own update rule (leave --optimizer sgd)")
+        grow = [f"--{k.replace('_', '-')}" for k in ("grow_back", "max_ranks", "min_ranks")
+                if self.options.get(k)]
+        if grow and self.algorithm != "ssgd":      # (hpcasync.runtime.join: ssgd only so far)
+            raise ConfigError(f"{', '.join(grow)} applies to ssgd only; {self.algorithm} does not "
+                              f"grow back yet (docs/design/growth.md)")
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--progress", self.progress, ("auto", "on", "off"))
         _positive("--epochs", self.epochs)

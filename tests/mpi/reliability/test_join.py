@@ -84,3 +84,28 @@ def test_no_free_slot_goes_on_shrunk_or_ends_below_min_ranks(tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if "fewer than --min-ranks 4" in ln]
     assert len(lines) == 1 and "rank(s) 2 died; 3 left and spawning 1 replacement(s) failed" \
         in lines[0], out.stderr[-3000:]
+
+
+@pytest.mark.rank0
+@pytest.mark.no_mpi
+def test_grow_options_are_checked_before_mpi_and_the_places_of_the_joiners():
+    from hpcasync.config import TrainConfig
+    from hpcasync.errors import ConfigError
+    from hpcasync.runtime import algorithms, join
+
+    def check(algorithm="ssgd", **options):
+        cfg = TrainConfig(algorithm=algorithm, options=options).validate(algorithms())
+        join.validate(cfg)
+
+    check(grow_back=True, max_ranks=4, min_ranks=2)
+    for bad, says in ((dict(algorithm="daso", grow_back=True), "applies to ssgd only"),
+                      (dict(max_ranks=4), "give --grow-back too"),
+                      (dict(grow_back=True, max_ranks=2, min_ranks=3), "above --max-ranks"),
+                      (dict(grow_back=True, min_ranks=0), "--min-ranks must be")):
+        with pytest.raises(ConfigError, match=says):
+            check(**bad)
+    # back to the size before the death: the joiners take the dead ranks' places
+    assert join._order(4, [0, 1, 3], 3, 1) == ([0, 1, 3], [2], True)
+    assert join._order(4, [1, 2], 2, 2) == ([1, 2], [0, 3], True)
+    # another size: survivors first, in order, the joiners after them
+    assert join._order(4, [0, 1, 3], 3, 2) == ([0, 1, 2], [3, 4], False)
