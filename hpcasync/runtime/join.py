@@ -383,8 +383,10 @@ def release(topo) -> None:
     over the final world (after ``topo.free()``). ``MPI_Finalize`` disconnects every dynamic
     communicator (one spanning spawned jobs) still allocated, a handshake with each member; a
     survivor whose older communicators hold dead ranks leaves that handshake early, and a joiner
-    then waited in ``MPI_Finalize`` for good (Open MPI 5.0.11, measured: 4 runs of 4 without this
-    call, 0 of 3 with it, in the 40-line reproduction of docs/design/growth.md)."""
+    then waited in ``MPI_Finalize`` for good (Open MPI 5.0.11, measured in the reproduction of
+    docs/design/growth.md: 4 hangs in 4 runs with nothing freed, none in 3 with every
+    communicator freed; here the final world is enough: the two-death test of
+    tests/mpi/reliability/test_join.py hung without this call and passes with it)."""
     if not _joined:
         return
     for comm in (topo.world,):
