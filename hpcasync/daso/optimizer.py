@@ -279,7 +279,8 @@ class DASO(AlgorithmOptimizer):
 
         Returns the epoch's record: ``train_loss`` (rank-averaged), ``daso_phase``,
         ``daso_global_skip``/``daso_local_skip``/``daso_batches_to_wait`` (the knobs this epoch
-        ran with), ``daso_plateau``, and this rank's seconds waiting on global messages
+        ran with), ``daso_plateau``, ``daso_epoch``/``daso_batches`` (the schedule's count of the
+        epoch closed and of its batches), and this rank's seconds waiting on global messages
         (``daso_global_wait_s``), in blocking global averages (``daso_blocking_global_s``), in
         node-local communication (``daso_local_s``), ``daso_global_bytes`` and ``daso_sends``.
         """

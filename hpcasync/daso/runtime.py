@@ -135,15 +135,31 @@ def run(ctx: RunContext) -> RunResult:
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": next_epoch,
                 "rank_failures": rec.failures}
 
-    def adopted_state() -> dict:
+    def schedule_state() -> dict:
         sch = opt.schedule
+        return {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
+                "plateau": dict(sch.plateau.state_dict())}
+
+    # the schedule as it was before DASO.epoch_end of epoch undo["epoch"]: a death after that
+    # call but before the cursor's next_epoch leaves this rank's position at (epoch, all
+    # batches done) with the schedule already one epoch on; the epoch end is then redone
+    # (by every survivor), so the state sent for that position is the schedule before it
+    undo: dict = {}
+    rows: dict[int, list] = {}       # the summary's daso_schedule, by epoch (a redo replaces)
+    counters: dict[int, dict] = {}   # this rank's per-epoch totals, by epoch (likewise)
+
+    def adopted_state() -> dict:
+        epoch = rec.position[0]
+        ahead = opt.schedule.epoch > epoch and undo.get("epoch") == epoch
         return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
                 "steps": opt.steps, "done": rec.position[1], "nbatches": opt.batches_per_epoch,
-                "schedule": {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
-                             "plateau": sch.plateau.state_dict()}}
+                "schedule": undo["state"] if ahead else schedule_state(),
+                "rows": {e: r for e, r in rows.items() if e < epoch or not ahead}}
 
     def load_adopted(blob: dict) -> None:
         sch, src = opt.schedule, blob["schedule"]
+        rows.clear()
+        rows.update(blob["rows"])
         # the batches done (the schedule counts one more when the death hit inside a step)
         sch.epoch, sch.batch = src["epoch"], blob["done"]
         sch.knobs = type(sch.knobs)(*src["knobs"])
@@ -159,21 +175,26 @@ def run(ctx: RunContext) -> RunResult:
         opt.set_topology(ctx.topo, average=cycling)
 
     device = topo.device
-    schedule, totals = [], {"daso_global_wait_s": 0.0, "daso_blocking_global_s": 0.0,
-                            "daso_global_bytes": 0}
     cur = EpochCursor(ctx, epoch=start_epoch)
-    summary = None
+    summary = redo = None
     while summary is None:
         topo = ctx.topo
         try:
             cur.start(lambda: opt.broadcast_parameters(root=0))
             if cur.finished:
                 ctx.kill_point("final")
-                summary = _final(opt, topo, cfg, schedule, totals, delay)
+                summary = _final(opt, topo, cfg, rows, counters, delay)
                 continue
             if cur.begin_epoch():
                 opt.batches_per_epoch = cur.nbatches     # (the survivors' after a death)
                 slept = delay.slept
+                if rec.enabled:
+                    # the epoch's first collective on the world: a rank that completed the last
+                    # epoch end's last collective from messages already there while the others
+                    # failed it must find the world revoked here; in the epoch's first step it
+                    # would wait on a node-level duplicate, which Open MPI 5.0 does not wake on
+                    # a revoke (docs/design/recovery.md; that hang: 2 runs in 14)
+                    topo.world.Barrier()
             epoch = cur.epoch
             if cur.in_epoch:
                 loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
@@ -181,14 +202,14 @@ def run(ctx: RunContext) -> RunResult:
                 cur.step_done(loss.item())
                 rec.step_completed()
                 continue
+            undo.update(epoch=epoch, state=schedule_state())
             record = opt.epoch_end(cur.loss_sum / max(1, cur.loss_n))
             wait_max = max_over(topo.world, record["daso_global_wait_s"])
             record["daso_global_wait_max_s"] = round(wait_max, 4)
             record["sleep_time_max_s"] = round(max_over(topo.world, delay.slept - slept), 4)
-            for key in totals:
-                totals[key] += record[key]
-            schedule.append([epoch, record["daso_phase"], record["daso_global_skip"],
-                             record["daso_local_skip"], record["daso_batches_to_wait"]])
+            counters[epoch] = {key: record[key] for key in TOTALS}
+            rows[epoch] = [epoch, record["daso_phase"], record["daso_global_skip"],
+                           record["daso_local_skip"], record["daso_batches_to_wait"]]
             if topo.rank == 0:
                 log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global "
                          "messages", epoch, record["daso_phase"], record["daso_global_skip"],
@@ -197,9 +218,11 @@ def run(ctx: RunContext) -> RunResult:
             ctx.epoch_end(epoch, model, world_size=topo.size, **record)
             # the step passed is rounded down to a multiple of check_every, so that the
             # preemption agreement (made only on such steps) takes place at every epoch end
+            step = opt.steps - opt.steps % max(1, ctx.check_every)
             ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
-                                 step=opt.steps - opt.steps % max(1, ctx.check_every),
-                                 writer=topo.rank == 0, force=True)
+                                 step=step, force=True, writer=topo.rank == 0
+                                 and not (redo == epoch and _saved(ctx, epoch, step)))
+            ctx.kill_point("epoch_done")
             cur.next_epoch()
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
@@ -209,11 +232,28 @@ def run(ctx: RunContext) -> RunResult:
                                          *opt.comm.group_comms()) if c is not None)
             cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
                                   revoke=revoke), keep=rec.last_kept, size_before=rec.size_before)
+            # an epoch end adopted before its end (all batches done) is redone: its checkpoint
+            # is written then unless its writer had written it before the death (once)
+            redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
     return RunResult(model=model, summary={**summary, **rec.summary()})
 
 
-def _final(opt, topo, cfg, schedule, totals, delay) -> dict:
+TOTALS = ("daso_global_wait_s", "daso_blocking_global_s", "daso_global_bytes")
+
+
+def _saved(ctx, epoch: int, step: int) -> bool:
+    """The epoch-end checkpoint (epoch, step) is in the checkpoint directory (complete: a
+    checkpoint is renamed into place once written)."""
+    from ..checkpoint import checkpoint_name
+
+    return ctx.checkpoints is not None and \
+        (ctx.checkpoints.directory / checkpoint_name(epoch, step)).is_file()
+
+
+def _final(opt, topo, cfg, rows, counters, delay) -> dict:
     """The summary's collective part (checksums: replicas must be bitwise identical)."""
+    schedule = [rows[e] for e in sorted(rows)]
+    totals = {key: sum(c[key] for c in counters.values()) for key in TOTALS}
     checksum = opt.checksum()
     checksums = topo.world.allgather(checksum)
     identical = len(set(checksums)) == 1

@@ -184,7 +184,9 @@ class DasoSchedule:
         return plan
 
     def end_epoch(self, loss: float) -> dict:
-        """Close the epoch with its rank-averaged loss; adapt knobs; returns the epoch's record."""
+        """Close the epoch with its rank-averaged loss; adapt knobs; returns the epoch's record
+        (``daso_epoch``, ``daso_batches``: the schedule's own count of the epoch it closes and of
+        that epoch's batches, which a recovery must leave as an undisturbed run has them)."""
         if self.nbatches is None or self.batch != self.nbatches:
             raise ConfigError(f"DASO end_epoch() after {self.batch} of {self.nbatches or '?'} "
                               f"batches of epoch {self.epoch}")
@@ -196,7 +198,8 @@ class DasoSchedule:
                 self.knobs = next_knobs(knobs, max_global_skips=self.max_global_skips)
                 log.info("DASO: loss plateau after epoch %d, knobs (gs, ls, B) %s -> %s",
                          self.epoch, tuple(knobs), tuple(self.knobs))
-        record = {"daso_phase": phase, "daso_plateau": plateau, **self.knob_record(phase, knobs)}
+        record = {"daso_phase": phase, "daso_plateau": plateau, **self.knob_record(phase, knobs),
+                  "daso_epoch": self.epoch, "daso_batches": self.nbatches}
         self.epoch += 1
         self.batch, self.nbatches = 0, None
         if self.epoch <= self.total_epochs and self.phase != phase:

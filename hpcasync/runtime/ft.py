@@ -188,7 +188,7 @@ KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG
 #: the phases before the topology exists, in the order a rank meets them (the CLI's start-up)
 EARLY_PHASES = ("launch", "data", "mpi")
 PHASES = (*EARLY_PHASES, "startup", "adopt", "step", "epoch_end", "checkpoint", "final",
-          "epoch_agree", "recovery")
+          "epoch_agree", "recovery", "epoch_done")
 
 
 def kill_points(rank: int) -> Callable[[str], None]:
@@ -206,9 +206,14 @@ def kill_points(rank: int) -> Callable[[str], None]:
     a checkpoint is written; ``final``: before the final gathers; ``epoch_agree``: at an epoch
     end, before its preemption agreement (the last collective of DASO's epoch end);
     ``recovery``: in a synchronous recovery, after the state broadcast, before the topology is
-    rebuilt). ``RANK:PHASE:N:WAIT:bg`` kills WAIT seconds later from a timer while the rank goes
-    on (a death inside its next collective); ``RANK:PHASE:N:WAIT:sleep`` only sleeps (a late
-    rank). With
+    rebuilt; ``epoch_done``: DASO's epoch end's last collective done, before the loop
+    moves to the next epoch). ``RANK:PHASE:N:WAIT:bg`` kills WAIT seconds later from a timer
+    while the rank goes on (a death inside its next collective); ``RANK:PHASE:N:WAIT:sleep`` only
+    sleeps (a late rank); ``RANK:PHASE:N:WAIT:fail`` raises
+    :class:`~hpcasync.errors.ProcessFailedError` after WAIT seconds, as an MPI call that reports a
+    death does (at ``epoch_done``, with a rank killed there: the last collective failed on this
+    rank and completed on the others — what Open MPI does now and then, made deterministic).
+    With
     ``HPCASYNC_INJECT_KILL_LOG=FILE`` it first appends ``RANK PHASE N UNIX_TIME`` to FILE, so a
     test or study measures the time from the kill. Returns ``point(phase, fire=True)``
     (``fire=False``: counted, never killed)."""
@@ -217,9 +222,10 @@ def kill_points(rank: int) -> Callable[[str], None]:
         r, phase, n, wait, how = (item.split(":") + [""] * 5)[:5]
         if phase not in PHASES or not (r.isdigit() and n.isdigit()) \
                 or not (wait == "" or wait.replace(".", "", 1).isdigit()) \
-                or how not in ("", "bg", "sleep"):
+                or how not in ("", "bg", "sleep", "fail"):
             from ..errors import ConfigError
-            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N[:WAIT[:bg|sleep]] with "
+            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N[:WAIT[:bg|sleep|fail]] "
+                              f"with "
                               f"PHASE one "
                               f"of {', '.join(PHASES)}")
         if int(r) == rank:
@@ -239,6 +245,10 @@ def kill_points(rank: int) -> Callable[[str], None]:
             if wait:
                 import time
                 time.sleep(wait)
+            if how == "fail":
+                from ..errors import ProcessFailedError
+                raise ProcessFailedError(f"injected ({KILL_AT_ENV}): a collective failed here "
+                                         f"at {phase} {n}", [])
             if how != "sleep":
                 _kill(f"{rank} {phase} {n}")
     return point

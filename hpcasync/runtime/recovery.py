@@ -77,14 +77,17 @@ class SyncRecovery:
     def handles(self, exc: BaseException) -> bool:
         """True when ``exc`` is a process failure this object recovers from: ULFM's error
         classes, or ``MPI_ERR_IN_STATUS`` (a test/wait over several requests, e.g. the pieces of
-        a chunked nonblocking allreduce) while the world knows of a dead process."""
+        a chunked nonblocking allreduce) or ``MPI_ERR_OTHER`` (Open MPI 5's barrier on a rank
+        that enters it late, after a peer died and another revoked: "known error not in list")
+        while the world knows of a dead process or one of our communicators is revoked."""
         if not self.enabled:
             return False
         if proc_failure(exc):
             return True
         from mpi4py import MPI
 
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS:
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in (MPI.ERR_IN_STATUS,
+                                                                        MPI.ERR_OTHER):
             topo = self.ctx.topo
             if dead_ranks(topo.world):
                 return True
