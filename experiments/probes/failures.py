@@ -376,7 +376,7 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
         if "in init_mpi" in dump:
             return "start-up: the survivors in MPI_Init (their faulthandler stacks)"
     if "during start-up" in first:
-        return "start-up, before MPI was up (said by the CLI's watcher)"
+        return "start-up, before MPI was up (the start-up watcher's line)"
     if kind == "cli" and metrics.exists():
         records = read_metrics(metrics)
         s = [r for r in records if r["event"] == "summary"]
