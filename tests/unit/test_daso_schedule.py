@@ -201,3 +201,33 @@ def test_link_delay_arithmetic():
     assert time.perf_counter() - t0 < 0.05
     with pytest.raises(ConfigError):
         LinkDelay(-1)
+
+
+def test_an_epoch_end_redone_from_the_state_before_it_counts_the_epoch_once():
+    """What the DASO loop sends for a position at an epoch end after a death there (the
+    schedule before ``end_epoch``, docs/design/recovery.md): closing the epoch again from it
+    gives an undisturbed run's record and counters; closing the closed schedule again (the bug)
+    counts the epoch twice."""
+    def closed(sched, n=5, loss=1.0):
+        for _ in range(n):
+            sched.advance(n)
+        return sched.end_epoch(loss)
+
+    once = DasoSchedule(total_epochs=3, num_groups=2, warmup_epochs=0, cooldown_epochs=1)
+    redo = DasoSchedule(total_epochs=3, num_groups=2, warmup_epochs=0, cooldown_epochs=1)
+    want = closed(once)
+    for _ in range(5):
+        redo.advance(5)
+    before = {"epoch": redo.epoch, "batch": redo.batch, "knobs": list(redo.knobs),
+              "plateau": dict(redo.plateau.state_dict())}
+    redo.end_epoch(1.0)                       # the adopter had closed it, then the death
+    redo.epoch, redo.batch, redo.nbatches = before["epoch"], before["batch"], 5
+    redo.knobs = Knobs(*before["knobs"])
+    redo.plateau.load_state_dict(before["plateau"])
+    assert redo.end_epoch(1.0) == want and (want["daso_epoch"], want["daso_batches"]) == (1, 5)
+    assert (redo.epoch, redo.phase, redo.knobs) == (once.epoch, once.phase, once.knobs) == \
+        (2, "cycling", Knobs(4, 1, 1))
+    twice = DasoSchedule(total_epochs=3, num_groups=2, warmup_epochs=0, cooldown_epochs=1)
+    closed(twice)
+    twice.batch, twice.nbatches = 5, 5
+    assert twice.end_epoch(1.0)["daso_epoch"] == 2 and twice.phase == "cooldown"
