@@ -1,6 +1,7 @@
 """Preemption: a job signalled mid-training checkpoints at an agreed step and exits 75; a resumed
 run ends with the same final parameters as an uninterrupted one (SSGD: bitwise)."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,14 +48,22 @@ def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
     assert last_summary(tmp_path / "b.jsonl")["params_sha256"] == want
 
 
+_good: dict = {}         # one good checkpoint for the three damages (each damages its own copy)
+
+
 @pytest.mark.rank0
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong-model"])
 def test_bad_checkpoint_one_line_error(tmp_path, damage):
-    ckpt = tmp_path / "ckpt"
-    r = run_mpi(2, [*ARGS, "--epochs", "1", "--train-limit", "512", "--checkpoint-dir", str(ckpt)],
-                timeout=200)
-    assert r.returncode == 0, r.stderr[-2000:]
-    path = sorted(ckpt.glob("ckpt-*.pt"))[-1]
+    if "path" not in _good:
+        ckpt = tmp_path / "good"
+        r = run_mpi(2, [*ARGS, "--epochs", "1", "--train-limit", "512", "--checkpoint-dir",
+                        str(ckpt)], timeout=200)
+        assert r.returncode == 0, r.stderr[-2000:]
+        _good["path"] = sorted(ckpt.glob("ckpt-*.pt"))[-1]
+    good = _good["path"]
+    (tmp_path / "ckpt").mkdir()
+    path = tmp_path / "ckpt" / good.name
+    shutil.copyfile(good, path)
     extra = []
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
