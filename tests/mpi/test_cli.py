@@ -59,6 +59,7 @@ def test_config_file_errors(tmp_path):
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi   # read before MPI starts on every rank: test_bad_input.py[idx-truncated]'s path
 def test_missing_dataset_files(tmp_path):
     r = run_mpi(2, ["train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--epochs", "1"],
                 timeout=60)

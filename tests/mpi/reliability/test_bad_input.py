@@ -219,10 +219,12 @@ CASES = [
     Case("ckpt-truncated", "checkpoint", "--resume of a checkpoint cut in half (4 ranks)", "mpi4",
          _truncated_ckpt, "torn.pt: truncated"),
     Case("ckpt-garbage", "checkpoint", "--resume of a text file (4 ranks)", "mpi4", _garbage_ckpt,
-         "notes.pt: not a checkpoint file"),
+         "notes.pt: not a checkpoint file",
+         twin="ckpt-truncated"),
     Case("ckpt-other-model", "checkpoint", "lenet checkpoint, --model mlp (4 ranks)", "mpi4",
          lambda ws: ["--model", "mlp", "--resume", str(ws.good)],
-         "model is 'lenet', this run has 'mlp'"),
+         "model is 'lenet', this run has 'mlp'",
+         twin="ckpt-truncated"),
     Case("ckpt-other-algorithm", "checkpoint", "ssgd checkpoint, --algorithm daso (4 ranks)",
          "mpi4", lambda ws: ["--algorithm", "daso", "--resume", "auto"],
          "algorithm is 'ssgd', this run has 'daso'"),
@@ -288,9 +290,10 @@ def _launch_srun(full: list[str], n: int = 4) -> tuple[int, str, str]:
 def _marks(case: Case) -> list:
     """The "cli" cases are singletons that stop before MPI starts (checked with an atexit probe of
     mpi4py.MPI.Is_initialized() for each of them): no MPI job, so no_mpi; their 4-rank forms:
-    tests/mpi/test_cli.py. The data cases' files are all read before MPI starts, on every rank
-    alike, and rank 0 (from the launcher's environment) says it: idx-truncated takes that path
-    under every MPI, the others are one_mpi. CI's MPICH pass leaves both kinds out."""
+    tests/mpi/test_cli.py. The data cases' files, and a checkpoint named by --resume PATH, are all
+    read before MPI starts (train.precheck), on every rank alike, and rank 0 (from the launcher's
+    environment) says it: idx-truncated and ckpt-truncated take that path under every MPI, the
+    others (``twin``) are one_mpi. CI's MPICH pass leaves both kinds out."""
     if case.launch == "cli":
         return [pytest.mark.no_mpi]
     return [pytest.mark.one_mpi] if case.twin else []
