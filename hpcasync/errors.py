@@ -63,6 +63,19 @@ PRE_MPI_FOLLOWER_WAIT_S = 15.0
 #: an error every rank meets (a data file, a world size, a checkpoint) is then said once, by rank
 #: 0, whose MPI_Abort ends the wait; an error of this rank alone is reported after the wait.
 FOLLOWER_GRACE_S = 5.0
+#: After a peer's death the lowest survivor speaks; the next survivors wait FOLLOWER_GRACE_S, then
+#: this much longer per place in the survivors' order (capped at FOLLOWER_WAIT_CAP_S), so that when
+#: the lowest one is busy outside MPI (it has not met the failure) only the first follower speaks
+#: and its MPI_Abort ends the others' waits: one line, not one per survivor.
+FOLLOWER_STAGGER_S = 2.0
+FOLLOWER_WAIT_CAP_S = 20.0
+
+
+def follower_wait(place: int) -> float:
+    """Seconds survivor number ``place`` (0: the lowest) waits before naming a peer's death."""
+    if place <= 0:
+        return 0.0
+    return min(FOLLOWER_GRACE_S + FOLLOWER_STAGGER_S * (place - 1), FOLLOWER_WAIT_CAP_S)
 
 
 def launcher_rank() -> int:
@@ -196,7 +209,8 @@ def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
     """For a process failure reported by ULFM (``MPI_ERR_PROC_FAILED``/``REVOKED``, or a
     :class:`ProcessFailedError`) where no recovery applies: print one line naming the dead world
     ranks and return True. Every survivor meets the failure, so the lowest one says it; the
-    others first wait :data:`FOLLOWER_GRACE_S`, which its ``MPI_Abort`` ends."""
+    others first wait :func:`follower_wait` (staggered by their place), which the first
+    speaker's ``MPI_Abort`` ends."""
     if not proc_failure(exc):
         return False
     dead = getattr(exc, "dead_ranks", None)
@@ -205,8 +219,8 @@ def _dead_ranks_line(world, exc: BaseException, rank: int) -> bool:
             dead = dead_ranks(world)
         except Exception:       # noqa: BLE001 - best effort: the line below still names the failure
             dead = []
-    if rank != min(set(range(world.Get_size())) - set(dead), default=rank):
-        time.sleep(FOLLOWER_GRACE_S)
+    survivors = sorted(set(range(world.Get_size())) - set(dead)) or [rank]
+    time.sleep(follower_wait(survivors.index(rank) if rank in survivors else len(survivors)))
     who = f"rank(s) {', '.join(map(str, dead))} died" if dead else "a rank died"
     print(f"hpcasync: error (rank {rank}): {who}; this run cannot survive it here ({exc}); "
           "ending the job", file=sys.stderr, flush=True)

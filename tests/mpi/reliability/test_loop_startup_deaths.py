@@ -55,3 +55,39 @@ def test_own_loop_death_before_mpi_init_ends_the_job_with_one_line(tmp_path):
     ours = [line for line in out.splitlines() if line.startswith("hpcasync: error")]
     assert len(ours) == 1 and re.search(r"rank\(s\) 1 died during start-up", ours[0]), out[-3000:]
     assert "unreachable" not in out and "Traceback" not in out, out[-3000:]
+
+
+BUSY_LOWEST = """
+import os, signal, sys, time
+import hpcasync
+ctx = hpcasync.init("ssgd")
+world = ctx.topology.world
+world.Barrier()
+if ctx.rank == 1:
+    open(sys.argv[1], "w").write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+if ctx.rank == 0:
+    time.sleep(40)                  # busy outside MPI: it never meets the failure itself
+world.allreduce(1)                  # ranks 2 and 3 meet the death here
+print("unreachable: survived on rank", ctx.rank, flush=True)
+"""
+
+
+@pytest.mark.rank0
+def test_a_death_met_by_every_survivor_but_the_lowest_is_still_one_line(tmp_path):
+    """Rank 1 dies after MPI is up while rank 0 computes outside MPI: ranks 2 and 3 meet the
+    death, rank 0 does not. Found by the random-kill study (own loop: ranks 2 and 3 both printed
+    the line after their 5 s wait); followers now wait by their place, so rank 2 speaks alone
+    and its abort ends the job."""
+    need_ulfm()
+    script, killed = tmp_path / "busy.py", tmp_path / "killed"
+    script.write_text(BUSY_LOWEST)
+    job = subprocess.run([*mpiexec(4, ft=True), sys.executable, str(script), str(killed)],
+                         env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=LIMIT_S)
+    out = job.stdout + job.stderr
+    took = time.time() - float(killed.read_text())
+    assert job.returncode != 0 and took < 30, (took, out[-3000:])
+    ours = [line for line in out.splitlines() if "hpcasync: error" in line]
+    assert len(ours) == 1 and "(rank 2): rank(s) 1 died" in ours[0], out[-3000:]
+    assert "unreachable" not in out, out[-3000:]
