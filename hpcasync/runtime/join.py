@@ -167,7 +167,13 @@ class Growth:
 
         adopted = rec.recover(...)
         growth.grow(adopted, adopt=lambda same: cur.adopt(adopted, keep=..., ...),
-                    payload=lambda: {...})
+                    payload=lambda: live_state(ctx, cur, growth, snapshot()),
+                    check=lambda: state_digest(model, opt, cur))
+
+    A death during the grow itself (a survivor in the spawn or the merge, the joiner before the
+    merge) is not survived: the MPI error leaves the runtime's ``except`` and should end the job
+    with one line (:func:`hpcasync.errors.fail_fast`; not tested); a joiner that never merges
+    trips the watchdog.
     """
 
     def __init__(self, ctx, rec):
