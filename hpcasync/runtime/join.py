@@ -8,8 +8,9 @@ Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains
    ``sys.executable`` with the interpreter's own arguments, working directory kept) into the
    allocation's free slots (Open MPI: free slots of the job's hosts, or any with
    ``mpirun --oversubscribe``). The joiner starts like any rank (options, data, model checks),
-   knows it is one (``OMPI_PARENT_PORT``; :func:`prepare_joiner` drops the failure-injection
-   variables, which name the ranks of the first launch);
+   knows it is one (``OMPI_PARENT_PORT`` and the hidden option ``--grow-joiner`` added to its
+   command; :func:`prepare_joiner` drops the failure-injection variables, which name the ranks
+   of the first launch);
 2. **merge** the intercommunicator (``MPI_Intercomm_merge``) and **order** the merged world
    (``MPI_Comm_split`` by key): when the world returns to the size it had before the death, each
    joiner takes a dead rank's place (its rank, its data shard) and the survivors keep theirs, so
@@ -37,6 +38,7 @@ Design and measurements: docs/design/growth.md.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -50,6 +52,9 @@ log = logging.getLogger("hpcasync")
 
 #: set by Open MPI in a process started by MPI_Comm_spawn (the parent's port)
 PARENT_ENV = "OMPI_PARENT_PORT"
+#: the option a grow-back adds to the joiner's command (hidden): a process spawned by anything
+#: else (a user's own MPI program starting hpcasync) is no joiner
+JOINER_FLAG = "--grow-joiner"
 TIMEOUT_ENV = "HPCASYNC_JOIN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 #: failure injection meant for the first launch's ranks (a joiner inherits the launcher's env)
@@ -71,6 +76,7 @@ def add_arguments(group) -> None:
     group.add_argument("--max-ranks", type=int, default=None,
                        help="with --grow-back: grow back to this many ranks (default: the "
                             "starting size)")
+    group.add_argument(JOINER_FLAG, action="store_true", default=False, help=argparse.SUPPRESS)
     group.add_argument("--min-ranks", type=int, default=None,
                        help="ssgd under ULFM: fewer ranks than this (after a death and any "
                             "grow-back) end the job with one line (default 1)")
@@ -93,8 +99,8 @@ def validate(cfg) -> None:
 
 
 def is_joiner() -> bool:
-    """This process was started by ``MPI_Comm_spawn`` (Open MPI; no MPI call needed)."""
-    return PARENT_ENV in os.environ
+    """This process was started by a grow-back's ``MPI_Comm_spawn`` (Open MPI; no MPI call)."""
+    return PARENT_ENV in os.environ and JOINER_FLAG in sys.argv
 
 
 def prepare_joiner() -> None:
@@ -206,8 +212,9 @@ class Growth:
         info = MPI.Info.Create()
         info.Set("wdir", os.getcwd())
         try:
-            inter = topo.world.Spawn(sys.executable, args=list(sys.orig_argv[1:]),
-                                     maxprocs=want, info=info, root=0)
+            argv = [a for a in sys.orig_argv[1:] if a != JOINER_FLAG] + [JOINER_FLAG]
+            inter = topo.world.Spawn(sys.executable, args=argv, maxprocs=want, info=info,
+                                     root=0)
         except MPI.Exception as exc:
             inter, error = None, exc.Get_error_string()
         finally:
