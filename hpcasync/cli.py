@@ -144,5 +144,46 @@ def main(argv: list[str] | None = None) -> int:
     return code or 0
 
 
+def run_and_exit(argv: list[str] | None = None) -> None:
+    """``main``, then the process's exit without the interpreter's teardown.
+
+    Python's exit after torch (and torch._dynamo, which ``torch.optim`` imports) spends ~0.9 s of
+    CPU per process deallocating modules, for nothing: every rank of every job paid it (a 4-rank
+    training job: 13.5 -> 11.1 CPU-s). Everything an exit must do is done first, in the
+    interpreter's order: non-daemon threads joined (``threading._shutdown``), every ``atexit``
+    handler run (the metrics stream, hpcasync's MPI_Finalize, logging, temp files), stdout and
+    stderr flushed; then ``os._exit`` with main's status (SystemExit's too: argparse's 2, a
+    preempted run's 75). Any other exception takes Python's normal way out (its traceback, 1)."""
+    import atexit
+    import os
+    import threading
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit would run next
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:                      # C stdio too (a library's printf into a pipe is block-buffered)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+    os._exit(code & 0xFF)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
