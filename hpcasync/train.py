@@ -31,17 +31,12 @@ from .config import TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
 from .runtime import algorithms, ft, join, runtime_module, startup
+from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
 from .slurm import SlurmEnv
 
 log = logging.getLogger("hpcasync")
-
-
-def setup_logging(rank: int, verbose: bool = False, *, report_rank: int = 0) -> None:
-    level = logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level if rank == report_rank else logging.WARNING, stream=sys.stderr,
-                        format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
 
 
 def precheck(cfg: TrainConfig):

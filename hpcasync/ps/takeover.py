@@ -79,7 +79,7 @@ def _become_reporter(ctx, rank: int) -> None:
     m = ctx.metrics
     if not m.enabled and getattr(m, "path", None) is not None:
         m.reopen_append()
-    from ..train import setup_logging
+    from ..runtime.logs import setup_logging
 
     setup_logging(rank, report_rank=rank)
 

@@ -47,6 +47,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import ConfigError, HpcasyncError, ProcessFailedError
+from .logs import setup_logging
 
 log = logging.getLogger("hpcasync")
 
@@ -260,7 +261,7 @@ class Growth:
         if m.enabled and ctx.topo.rank != 0:    # a joiner is rank 0: it takes the stream and
             m.close(complete=False)             # the log over (after the broadcast)
             m.enabled = False
-            _setup_logging(ctx.topo.rank, report_rank=0)
+            setup_logging(ctx.topo.rank, report_rank=0)
         world.bcast({**payload(), "original": original, "record": record}
                     if world.Get_rank() == src else None, root=src)
         agree(world, check(), src)
@@ -387,7 +388,7 @@ def take_live_state(blob: dict, ctx, cur, growth, check: Callable[[], Any]) -> N
     growth.next_id = blob["next_id"]
     if ctx.topo.rank == 0:              # the writer of the metrics stream and the log is rank 0
         ctx.metrics.reopen_append()
-        _setup_logging(0, report_rank=0)
+        setup_logging(0, report_rank=0)
     agree(ctx.topo.world, check(), _joined["src"])
 
 
@@ -407,9 +408,3 @@ def release(topo) -> None:
             comm.Free()
         except Exception:   # noqa: BLE001 - already freed
             pass
-
-
-def _setup_logging(rank: int, *, report_rank: int) -> None:
-    from ..train import setup_logging
-
-    setup_logging(rank, report_rank=report_rank)

@@ -209,7 +209,7 @@ class SyncRecovery:
         if self.ctx.topo.rank != 0 or m.enabled or getattr(m, "path", None) is None:
             return
         m.reopen_append()
-        from ..train import setup_logging
+        from .logs import setup_logging
 
         setup_logging(self.original[0], report_rank=self.original[0])
         log.warning("rank %d takes over the metrics stream and the log (rank 0 died)",

@@ -83,7 +83,8 @@ def simulate(cfg) -> dict:
     from ..metrics import MetricsWriter
     from ..models import build_model
     from ..runtime.context import Progress, RunContext
-    from ..train import params_digest, seed_everything, setup_logging
+    from ..runtime.logs import setup_logging
+    from ..train import params_digest, seed_everything
 
     check(cfg)
     setup_logging(0)
