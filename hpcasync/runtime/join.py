@@ -333,7 +333,7 @@ def live_state(ctx, cur, growth, snapshot: dict) -> dict:
 def state_digest(model, opt, cur) -> tuple:
     """What every rank of a synchronous run holds alike once a joiner is in: the data position,
     the optimizer's step count, and a SHA-256 of the model's parameters and buffers and of the
-    optimizer's state tensors (momentum)."""
+    optimizer's state tensors (momentum), as bytes (any dtype: bfloat16 has no numpy type)."""
     import hashlib
 
     import torch
@@ -343,7 +343,7 @@ def state_digest(model, opt, cur) -> tuple:
     for state in opt.state_dict().get("state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return (tuple(cur.position), int(getattr(opt, "steps", 0)), h.hexdigest())
 
 
