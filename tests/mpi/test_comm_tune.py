@@ -131,6 +131,46 @@ def test_direct_path_equals_the_general_mpi_path_and_never_mixes_buffers(tune_fi
     assert handle not in direct._decisions                # freeing the comm forgets it
 
 
+def test_a_cached_call_sees_what_changes_under_the_same_tensor_object(tune_file, monkeypatch):
+    """The direct path caches a whole call per tensor object (``direct._calls``). Each change that
+    keeps the object but changes what it holds -- ``set_`` to other memory, ``resize_`` (same
+    address, fewer bytes), ``.data =`` a view of another dtype -- must reach MPI as the tensor is
+    now: the result equals the step machinery's (``algorithm="mpi"``) bitwise; ``transpose_``
+    (same address and bytes) gets the general path's error, not a reduction of the old layout."""
+    monkeypatch.setenv("HPCASYNC_ALLREDUCE", "mpi")
+    comm = COMM.Dup()
+    try:
+        def same(t, average=False):
+            ref = allreduce(comm, t.clone(), average=average, algorithm="mpi")
+            out = allreduce(comm, t, average=average)
+            assert out.dtype == ref.dtype and torch.equal(out, ref), (out, ref)
+
+        t = torch.arange(16, dtype=torch.float32) + RANK
+        same(t)
+        same(t)                                          # a repeat: the cached call
+        assert id(t) in direct._calls
+        t.set_(torch.arange(16, dtype=torch.float32) * (RANK + 2))   # other memory, same object
+        same(t)
+        t.resize_(8)                                     # same address, fewer bytes
+        rest = torch.empty(0).set_(t.untyped_storage(), 8, (8,))    # the storage beyond it
+        before = rest.clone()
+        same(t)
+        assert torch.equal(rest, before)                 # nothing past the tensor is reduced
+        t.data = t.data.view(torch.int32)                # same memory and bytes, another dtype
+        t.bitwise_and_(0x1F).add_(RANK + 1).mul_(1 << 23)    # as float32 bits: normal numbers
+        assert t.data_ptr() == direct._calls[id(t)][2]
+        same(t, average=True)                            # integer average: floor division
+        m = (torch.arange(16, dtype=torch.float32) * (RANK + 1)).reshape(4, 4)
+        same(m)
+        m.t_()                                           # same address and bytes, transposed
+        with pytest.raises(ConfigError, match="contiguous"):     # as the general path does
+            allreduce(comm, m)
+        assert len(direct._calls) <= direct.VIEW_SLOTS
+    finally:
+        comm.Free()
+    assert not direct._calls                             # freeing a communicator forgets calls
+
+
 @pytest.mark.skipif(SIZE != 4, reason="needs 2 virtual nodes of 2 ranks")
 @pytest.mark.timeout(60)
 def test_nodes_that_decide_differently_still_agree_in_the_hierarchical_allreduce(tune_file,
