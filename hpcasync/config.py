@@ -29,6 +29,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 #: the algorithms that train with --optimizer (the others have their own update rules); live
 OPTIMIZER_ALGORITHMS = registry.LiveNames(registry.user_optimizer_names)
 DEFAULT_LR = registry.DEFAULT_LR
+#: the algorithms that grow back after a death (--grow-back; hpcasync.runtime.join)
+GROW_ALGORITHMS = ("ssgd", "odsgd")
 #: per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset (``default_lr`` of the registry's
 #: entries: nag 0.02, why there); a live view
 ALGORITHM_LR = registry.LiveMapping(registry.algorithm_lrs)
@@ -85,9 +87,9 @@ class TrainConfig:
                               f"{self.algorithm} has its own update rule (leave --optimizer sgd)")
         grow = [f"--{k.replace('_', '-')}" for k in ("grow_back", "max_ranks", "min_ranks")
                 if self.options.get(k)]
-        if grow and self.algorithm != "ssgd":      # (hpcasync.runtime.join: ssgd only so far)
-            raise ConfigError(f"{', '.join(grow)} applies to ssgd only; {self.algorithm} does not "
-                              f"grow back yet (docs/design/growth.md)")
+        if grow and self.algorithm not in GROW_ALGORITHMS:    # (hpcasync.runtime.join)
+            raise ConfigError(f"{', '.join(grow)} applies to {', '.join(GROW_ALGORITHMS)} only; "
+                              f"{self.algorithm} does not grow back yet (docs/design/growth.md)")
         _choice("--device", self.device, ("auto", "cpu", "cuda"))
         _choice("--progress", self.progress, ("auto", "on", "off"))
         _positive("--epochs", self.epochs)

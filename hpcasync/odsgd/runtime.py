@@ -31,10 +31,11 @@ import torch
 
 from ..errors import ConfigError
 from ..hetero import StepDelay
+from ..runtime import join
 from ..runtime.context import RunContext, RunResult
 from ..runtime.ft import signal_hook, ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
-from .checkpoint import consistent_point, global_state, load_state
+from .checkpoint import consistent_point, global_state, load_state, local_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
 from .optimizer import ODSGD
 from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
@@ -93,6 +94,7 @@ def validate(cfg) -> None:
     if progress not in PROGRESS_MODES:
         raise ConfigError(f"--odsgd-progress {progress!r} is not one of: "
                           f"{', '.join(PROGRESS_MODES)}")
+    join.validate(cfg)
 
 
 def run(ctx: RunContext) -> RunResult:
@@ -111,8 +113,12 @@ def run(ctx: RunContext) -> RunResult:
                  delay.model.describe())
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
     inject = signal_hook(topo.rank)          # testing: HPCASYNC_INJECT_SIGNAL=RANK:STEP
-    state = ctx.resume_state()
     rec = SyncRecovery(ctx, enabled=ulfm_enabled())
+    growth = join.Growth(ctx, rec)           # --grow-back: replacements join after a death
+    # a replacement (runtime.join): the live state from a survivor, after ODSGD's constructor
+    # (its communicator Dup matches the survivors' set_comm in the grow's adopt)
+    joined = join.receive(ctx) if join.joined() else None
+    state = ctx.resume_state() if joined is None else None
     if state is not None:
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
@@ -126,6 +132,20 @@ def run(ctx: RunContext) -> RunResult:
         load_state(worker, blob["global"], {"local": blob["global"]["W"], "ms": worker.ws.ms,
                                             "buffers": blob["buffers"]})
 
+    def live_state() -> dict:
+        """What a joiner needs of the worker (no round in flight after a recovery): the global
+        state and the sender's own part — its local weights (W on every survivor after the
+        recovery), BatchNorm buffers and dc-adaptive mean square (the dead rank's is lost;
+        the sender's is the nearest estimate of the same gradients' statistics)."""
+        return {"global": global_state(worker), "local": local_state(worker)}
+
+    def digest() -> tuple:
+        """What every rank holds alike after a join (the mean square differs per rank)."""
+        g = worker.glob
+        return (tuple(cur.position), (worker.steps, worker.rounds),
+                join.tensors_digest([g.W, g.W_prev, g.buf, worker.flat.params,
+                                     worker.flat.buffers]))
+
     def setup(rank: int) -> None:
         worker.broadcast_parameters(root=0)
         if state is not None:                # (after the broadcast, which sets W from params)
@@ -133,6 +153,12 @@ def run(ctx: RunContext) -> RunResult:
 
     # positions (epoch, batches done, started), recovery and re-sharding as in hpcasync.ssgd
     cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
+    if joined is not None:
+        load_state(worker, joined["state"]["global"], joined["state"]["local"])
+        join.take_live_state(joined, ctx, cur, growth, check=digest)
+    # this epoch's counters (a joiner enters mid-epoch: its own from here, the epoch's steps)
+    before, steps_before, slept, compute = (StepTimes(**vars(worker.times)),
+                                            worker.steps - cur.done, delay.slept, 0.0)
     summary = None
     while summary is None:
         topo = ctx.topo
@@ -189,10 +215,17 @@ def run(ctx: RunContext) -> RunResult:
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):
                 raise
-            cur.adopt(rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
-                                  load=load_adopted, revoke=(worker.round_comm,)),
-                      size_before=rec.size_before)
-            opt.set_comm(ctx.topo.world)
+            adopted = rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
+                                  load=load_adopted, revoke=(worker.round_comm,))
+
+            def adopt(same: bool) -> None:
+                # (a grow: each joiner in a dead rank's place keeps the epoch's plan; the Dup of
+                # set_comm matches the one in a joiner's ODSGD constructor)
+                cur.adopt(adopted, size_before=rec.size_before,
+                          keep=list(range(ctx.topo.size)) if same else None)
+                opt.set_comm(ctx.topo.world)
+            growth.grow(adopted, adopt=adopt, check=digest,
+                        payload=lambda: join.live_state(ctx, cur, growth, live_state()))
     opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
     return RunResult(model=model, summary={
         "steps": worker.steps, "rounds": worker.rounds,
@@ -200,7 +233,7 @@ def run(ctx: RunContext) -> RunResult:
         "local_opt": hp.local_opt, "delta": hp.delta, "progress": worker.progress,
         "compute_time_s": round(sum(r["compute_time_s"] for r in ctx.history), 4),
         "wait_time_s": round(sum(r["wait_time_s"] for r in ctx.history), 4),
-        **summary, **delay.record(), **rec.summary()})
+        **summary, **delay.record(), **rec.summary(), **growth.summary()})
 
 
 def _epoch_times(comm, now: StepTimes, before: StepTimes, compute: float, nbatches: int) -> dict:

@@ -1,5 +1,6 @@
-"""Grow back: after a death, the survivors of an SSGD run spawn replacement ranks that join the
-running job, so the run returns to full size without a restart (ULFM, Open MPI).
+"""Grow back: after a death, the survivors of a synchronous run (``ssgd``, ``odsgd``, ``daso``)
+spawn replacement ranks that join the running job, so the run returns to full size without a
+restart (ULFM, Open MPI).
 
 Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains on. With
 ``--grow-back`` (``--max-ranks N``, default the starting size) the survivors then:
@@ -71,16 +72,16 @@ class JoinError(HpcasyncError, RuntimeError):
 def add_arguments(group) -> None:
     """``--grow-back``, ``--max-ranks``, ``--min-ranks`` (a runtime's argument group)."""
     group.add_argument("--grow-back", action="store_true", default=False,
-                       help="ssgd under ULFM: after a death, spawn replacement ranks that join "
-                            "the running job (up to --max-ranks); without it the run goes on "
-                            "with the survivors")
+                       help="ssgd, odsgd, daso under ULFM: after a death, spawn replacement "
+                            "ranks that join the running job (up to --max-ranks); without it the "
+                            "run goes on with the survivors")
     group.add_argument("--max-ranks", type=int, default=None,
                        help="with --grow-back: grow back to this many ranks (default: the "
                             "starting size)")
     group.add_argument(JOINER_FLAG, action="store_true", default=False, help=argparse.SUPPRESS)
     group.add_argument("--min-ranks", type=int, default=None,
-                       help="ssgd under ULFM: fewer ranks than this (after a death and any "
-                            "grow-back) end the job with one line (default 1)")
+                       help="ssgd, odsgd, daso under ULFM: fewer ranks than this (after a death "
+                            "and any grow-back) end the job with one line (default 1)")
 
 
 def validate(cfg) -> None:
@@ -166,8 +167,11 @@ def _topology(world, cfg, ps_rank: int = 0):
 class Growth:
     """The survivors' side of grow-back in a synchronous runtime (module doc).
 
-    Args: the run's context and its :class:`~hpcasync.runtime.recovery.SyncRecovery`. Sets the
-    recovery's ``min_ranks`` (``--min-ranks``; with ``--grow-back`` checked after the grow).
+    Args: the run's context and its :class:`~hpcasync.runtime.recovery.SyncRecovery`;
+    ``refill_only``: spawn only into the places the last recovery emptied (never beyond the size
+    before the death, so every joiner takes a dead rank's place: DASO, whose epoch plan fixes
+    each rank's shard and batch count). Sets the recovery's ``min_ranks`` (``--min-ranks``; with
+    ``--grow-back`` checked after the grow).
     Attributes: ``joins`` (one record per grow, as the ``rank_joined`` metrics records).
 
     Example (after ``rec.recover``, in the runtime's ``except``)::
@@ -183,9 +187,9 @@ class Growth:
     trips the watchdog.
     """
 
-    def __init__(self, ctx, rec):
+    def __init__(self, ctx, rec, *, refill_only: bool = False):
         o = ctx.cfg.options
-        self.ctx, self.rec = ctx, rec
+        self.ctx, self.rec, self.refill_only = ctx, rec, refill_only
         self.enabled = bool(o.get("grow_back")) and rec.enabled
         self.max_ranks = o.get("max_ranks") or ctx.topo.size
         self.min_ranks = o.get("min_ranks") or 1
@@ -201,7 +205,8 @@ class Growth:
         whether the world grew. Collective over the survivors."""
         ctx, rec = self.ctx, self.rec
         topo = ctx.topo
-        want = self.max_ranks - topo.size if self.enabled else 0
+        target = min(self.max_ranks, rec.size_before) if self.refill_only else self.max_ranks
+        want = target - topo.size if self.enabled else 0
         if want <= 0:
             self._check_min(None)
             adopt(False)
@@ -334,17 +339,24 @@ def state_digest(model, opt, cur) -> tuple:
     """What every rank of a synchronous run holds alike once a joiner is in: the data position,
     the optimizer's step count, and a SHA-256 of the model's parameters and buffers and of the
     optimizer's state tensors (momentum), as bytes (any dtype: bfloat16 has no numpy type)."""
+    import torch
+
+    tensors = [*model.state_dict().values()]
+    for state in opt.state_dict().get("state", {}).values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return (tuple(cur.position), int(getattr(opt, "steps", 0)), tensors_digest(tensors))
+
+
+def tensors_digest(tensors) -> str:
+    """SHA-256 of ``tensors``' bytes, in order (any dtype: bfloat16 has no numpy type)."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
-    tensors = [*model.state_dict().values()]
-    for state in opt.state_dict().get("state", {}).values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return (tuple(cur.position), int(getattr(opt, "steps", 0)), h.hexdigest())
+    return h.hexdigest()
 
 
 def agree(world, mine, ref: int) -> None:
