@@ -26,13 +26,19 @@ _EXPORTS = {
     "FlatModel": "hpcasync.comm.flat", "default_lr": "hpcasync.config",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "elastic"])
+
+
+#: submodules reached as attributes: ``hpcasync.elastic.State`` after ``import hpcasync``
+_SUBMODULES = ("elastic",)
 
 
 def __getattr__(name):
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hpcasync.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpcasync' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)

@@ -235,6 +235,34 @@ def release(roles: Roles, *, free_world: bool) -> None:
     _topology.forget_default_topology(topo)
 
 
+def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None) -> Roles:
+    """The front door re-initialised on ``world``, the survivors of the current topology's
+    world after a death (``MPI_Comm_shrink``; collective over ``world``): the old topology's
+    exit agreement and communicators are released locally (:func:`release`; its world too when
+    ``free_old``), the survivors' topology (:meth:`~hpcasync.topology.Topology.shrunk`: each
+    survivor stays on its node) becomes the default and gets the exit agreement if the old one
+    had it. Returns the survivors' :class:`Roles` (every rank trains: a synchronous algorithm).
+    Used by :mod:`hpcasync.elastic`."""
+    from .topology import default_topology, set_default_topology
+
+    old = default_topology()
+    had_exit_agreement = id(old.world) in _EXIT_HOOKS
+    topo = old.shrunk(world)
+    release(_sync_roles(old, algorithm), free_world=free_old)
+    set_default_topology(topo)
+    if had_exit_agreement and topo.size > 1:
+        _register_exit_agreement(topo.world)
+    return _sync_roles(topo, algorithm)
+
+
+def _sync_roles(topo, algorithm: str | None) -> Roles:
+    return Roles(rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
+                 local_size=topo.local_size, node=topo.node, num_nodes=topo.num_nodes,
+                 device=topo.device, algorithm=algorithm, ps_rank=topo.ps_rank, is_server=False,
+                 worker_index=topo.rank, num_workers=topo.size, topology=topo,
+                 workers_comm=topo.world)
+
+
 def _free(comm) -> None:
     try:
         comm.Free()

@@ -25,7 +25,7 @@ import torch
 from hpcasync.errors import ConfigError
 
 __all__ = ["mix_seed", "epoch_permutation", "shard_indices", "num_batches", "batches", "Sharder",
-           "EpochShards"]
+           "EpochShards", "ElasticSampler"]
 
 _U32 = 2 ** 32
 _MASK64 = 2 ** 64 - 1
@@ -193,3 +193,95 @@ class EpochShards:
         out = EpochShards.__new__(EpochShards)
         out.shards = [rest[k * per:(k + 1) * per].clone() for k in range(num_shards)]
         return out
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A distributed sampler whose world may shrink mid-epoch and which resumes at a position
+    (:mod:`hpcasync.elastic`; Horovod's ``ElasticSampler`` shape, without its padding).
+
+    The epoch's order is π_e (:func:`epoch_permutation` of (seed, epoch); ``0..L-1`` without
+    ``shuffle``). The position ``processed`` counts the samples of the epoch that the world has
+    trained (every rank's batches, :meth:`record_batch` after each step). The rest of the epoch,
+    ``r = π_e[processed:]``, is dealt round-robin to the S ranks in whole batches of B::
+
+        rank k, batch j = [r[(j·B + i)·S + k] for i in range(B)],   j < ⌊len(r) / (S·B)⌋
+
+    so batch j of all ranks together is the slice ``r[j·S·B : (j+1)·S·B]``: after n recorded
+    steps the trained samples are exactly the prefix ``π_e[:processed]``, whatever sizes the
+    world had. **Resuming** at a committed ``processed`` on another world (``set_world``) deals
+    ``π_e[processed:]`` over the new ranks: across the epoch every sample is trained at most
+    once, and all are trained but the tail left when the epoch ends (fewer than S·B samples, S
+    the size at the end; what ``drop_last`` drops). Pure: no communication.
+
+    Args:
+        length: the data set (its ``len``) or its size L.
+        batch_size: B, the batch size of every rank (the sampler yields whole batches only).
+        rank, num_replicas: this rank and the world size (:meth:`set_world` changes them).
+        seed: shared seed, ``0 <= seed < 2**32``; shuffle: permute each epoch (default True).
+    """
+
+    def __init__(self, length, *, batch_size: int, rank: int = 0, num_replicas: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        self.length = _check_int(length if isinstance(length, int) else len(length),
+                                 "dataset length", 0)
+        self.batch_size = _check_int(batch_size, "batch size", 1)
+        self.seed = _check_int(seed, "seed", 0, _U32)
+        self.shuffle = bool(shuffle)
+        self.epoch, self.processed = 0, 0
+        self.set_world(rank, num_replicas)
+
+    def set_world(self, rank: int, num_replicas: int) -> None:
+        """Deal the rest of the epoch over ``num_replicas`` ranks from here on."""
+        _check_int(num_replicas, "number of replicas", 1)
+        self.rank, self.num_replicas = _check_int(rank, "rank", 0, num_replicas), num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning."""
+        self.epoch, self.processed = _check_int(epoch, "epoch", 0, _U32), 0
+
+    def record_batch(self, batch_idx: int | None = None, batch_size: int | None = None) -> None:
+        """One step of every rank is done: ``processed += B·S`` (Horovod's arguments accepted;
+        a ``batch_size`` other than B is a one-line error: the position would be wrong)."""
+        if batch_size is not None and batch_size != self.batch_size:
+            raise ConfigError(f"record_batch(batch_size={batch_size}) but the sampler deals "
+                              f"batches of {self.batch_size}")
+        step = self.batch_size * self.num_replicas
+        if self.processed + step > self.length:
+            raise ConfigError(f"record_batch past the end of epoch {self.epoch}: {self.processed} "
+                              f"+ {step} samples of {self.length}")
+        self.processed += step
+
+    def order(self) -> torch.Tensor:
+        """π_e, the epoch's order."""
+        if self.shuffle:
+            return epoch_permutation(self.length, seed=self.seed, epoch=self.epoch)
+        return torch.arange(self.length, dtype=torch.int64)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches left for every rank in this epoch."""
+        return (self.length - self.processed) // (self.batch_size * self.num_replicas)
+
+    def indices(self) -> torch.Tensor:
+        """This rank's indices for the rest of the epoch (``num_batches`` whole batches)."""
+        rest = self.order()[self.processed:]
+        return rest[self.rank::self.num_replicas][:self.num_batches * self.batch_size].clone()
+
+    def __iter__(self):
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_batches * self.batch_size
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed": self.processed, "seed": self.seed,
+                "length": self.length, "batch_size": self.batch_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The position (epoch, processed) of ``state``; rank and world size are kept. A state of
+        another data set, seed, batch size or order is a one-line error."""
+        for k in ("seed", "length", "batch_size", "shuffle"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"ElasticSampler state of {k}={state[k]!r}, this sampler has "
+                                  f"{getattr(self, k)!r}")
+        self.epoch, self.processed = int(state["epoch"]), int(state["processed"])

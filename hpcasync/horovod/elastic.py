@@ -21,184 +21,70 @@ As Horovod: a collective that meets a dead peer fails (``HorovodInternalError`` 
 error) on every survivor, which restores its last commit; then the facade is reset on the
 survivors (``MPI_Comm_shrink``), the reset callbacks run, the state is broadcast from the new rank
 0 and ``train`` is called again. Without ULFM a death ends the job (fail-fast). Design and
-differences from Horovod: docs/design/horovod-elastic.md.
+differences from Horovod: docs/design/horovod-elastic.md. The retry loop, the error latch, the
+agreement and the shrink are :mod:`hpcasync.runtime.elastic`'s, shared with the own-loop API
+(:mod:`hpcasync.elastic`); this module says what the facade's world is (:class:`_Facade`).
 """
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import math
 import random
 
 import torch
 
+from ..runtime import elastic as _core
+from ..runtime.elastic import HostsUpdatedInterrupt
 from . import agree as _agree
 from . import basics as _basics
 from . import collectives as _coll
 from . import state as _st
-from .agree import HorovodInternalError
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters)
+from .agree import HorovodInternalError  # noqa: F401 (what a facade collective raises)
+from .functions import (broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 
 log = logging.getLogger("hpcasync")
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
 
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's: hosts were added or removed (never raised here: there is no host discovery)."""
+# -- state objects: the core's, broadcasting with the facade's collectives -------------------------
 
-    def __init__(self, skip_sync: bool = False):
-        super().__init__("hosts updated")
-        self.skip_sync = skip_sync
-
-
-# -- state objects ---------------------------------------------------------------------------------
-
-class State:
+class State(_core.State):
     """What survives a reset: ``commit()`` saves it in memory, ``restore()`` brings the last
     commit back, ``sync()`` makes every rank equal to rank 0 (Horovod's ``State``)."""
 
-    def __init__(self, bcast_object=None, get_rank=None):
-        self._bcast_object = bcast_object or broadcast_object
-        self._rank = get_rank or _basics.rank
-        self._reset_callbacks: list = []
+    def default_bcast_object(self, obj):
+        return broadcast_object(obj)
 
-    def register_reset_callbacks(self, callbacks) -> None:
-        """Functions called (no arguments) after each reset, on the new, smaller world."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self) -> None:
-        for callback in self._reset_callbacks:
-            callback()
-
-    def commit(self) -> None:
-        """Save the state (in memory, local: no communication), then :meth:`check_host_updates`."""
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self) -> None:
-        """A no-op: hpcasync has no host discovery (ranks only leave, by dying), so no
-        ``HostsUpdatedInterrupt`` is ever raised and no broadcast is needed."""
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
+    def default_rank(self) -> int:
+        return _basics.rank()
 
 
-class ObjectState(State):
+class ObjectState(_core.ObjectState, State):
     """Plain Python values given as keywords, kept as attributes (``state.epoch``)."""
 
-    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
-        self._saved_state = kwargs
-        self._set_attrs()
-        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
-    def save(self) -> None:
-        self._saved_state = {k: getattr(self, k) for k in self._saved_state}
-
-    def restore(self) -> None:
-        self._set_attrs()
-
-    def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def _set_attrs(self) -> None:
-        for k, v in self._saved_state.items():
-            setattr(self, k, v)
+def _sync_state_dict(value) -> None:
+    value.load_state_dict(broadcast_object(value.state_dict()))
 
 
-class _Handler:
-    """Save / restore / sync of one object of a :class:`TorchState` (by its type)."""
-
-    def __init__(self, value):
-        self.value = value
-        self.save()
-
-    def set_value(self, value) -> None:
-        self.value = value
-        self.save()
-
-
-class _ModelHandler(_Handler):
-    def save(self):
-        self.saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
-
-    def restore(self):
-        self.value.load_state_dict(self.saved)
-
-    def sync(self):
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
-
-
-class _StateDictHandler(_Handler):
-    """An object with ``state_dict``/``load_state_dict`` (a scheduler, an ElasticSampler): saved as
-    a deep copy, synced as rank 0's state dict."""
-
-    def save(self):
-        self.saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self):
-        self.value.load_state_dict(self.saved)
-
-    def sync(self):
-        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
-
-
-class _OptimizerHandler(_StateDictHandler):
-    def sync(self):
-        broadcast_optimizer_state(self.value, root_rank=0)
-
-
-def _handler(value):
-    for kind, cls in ((torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
-                      (torch.optim.lr_scheduler.LRScheduler, _StateDictHandler),
-                      (ElasticSampler, _StateDictHandler)):
-        if isinstance(value, kind):
-            return cls(value)
-    return None
-
-
-class TorchState(ObjectState):
+class TorchState(_core.TorchState, ObjectState):
     """Horovod's ``TorchState(model, optimizer, **kwargs)``: models, optimizers, LR schedulers
     and :class:`ElasticSampler` s (given under any keyword) are saved as state dicts and synced by
     broadcast from rank 0; the other keywords are plain values (:class:`ObjectState`)."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        kwargs.update(model=model, optimizer=optimizer)
-        handlers = {k: h for k, h in ((k, _handler(v)) for k, v in kwargs.items()) if h}
-        object.__setattr__(self, "_handlers", handlers)
-        for k, h in handlers.items():
-            object.__setattr__(self, k, h.value)
-        super().__init__(**{k: v for k, v in kwargs.items() if k not in handlers})
+        super().__init__(model=model, optimizer=optimizer, **kwargs)
 
-    def save(self) -> None:
-        for h in self._handlers.values():
-            h.save()
-        super().save()
-
-    def restore(self) -> None:
-        for h in self._handlers.values():
-            h.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        for h in self._handlers.values():
-            h.sync()
-        super().sync()
-
-    def __setattr__(self, name, value):
-        if name in self.__dict__.get("_handlers", {}):
-            self._handlers[name].set_value(value)
-        super().__setattr__(name, value)
+    def handler_for(self, value):
+        if isinstance(value, torch.nn.Module):
+            return _core.ModelHandler(value, lambda m: broadcast_parameters(m.state_dict(),
+                                                                            root_rank=0))
+        if isinstance(value, torch.optim.Optimizer):
+            return _core.Handler(value, lambda o: broadcast_optimizer_state(o, root_rank=0))
+        if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, ElasticSampler)):
+            return _core.Handler(value, _sync_state_dict)
+        return None
 
 
 # -- the sampler -----------------------------------------------------------------------------------
@@ -246,59 +132,54 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
-# -- run and reset ---------------------------------------------------------------------------------
+# -- the facade's world, and run ------------------------------------------------------------------
+
+class _Facade(_core.Membership):
+    """The facade's world for the core (:class:`hpcasync.runtime.elastic.Membership`)."""
+
+    @property
+    def comm(self):
+        return _st.current().comm
+
+    def comms(self) -> list:
+        return _comms()
+
+    def after_failure(self) -> None:
+        for opt in _optimizers():
+            opt._hvd_rebind()               # drop the requests on revoked comms
+
+    def check_reset(self) -> None:
+        st = _st.current()
+        if st.algorithm not in (None, "ssgd"):
+            raise NotImplementedError(f"hvd.elastic: a reset with algorithm={st.algorithm!r} "
+                                      "(elastic training runs SSGD only)")
+        if len(st.sets) > 1:
+            raise NotImplementedError("hvd.elastic: a reset with process sets registered "
+                                      "(Horovod drops them too; re-add them in a reset callback)")
+
+    def rebuild(self, new) -> None:
+        _rebuild(new)
+
+    def rank(self) -> int:
+        return _basics.rank()
+
+    def size(self) -> int:
+        return _basics.size()
+
 
 def run(func):
     """Horovod's decorator: ``func(state, ...)`` is called after ``state.sync()``; when a rank
     dies (ULFM) every survivor restores the last commit, the facade is reset over the survivors,
     the reset callbacks run and ``func`` is called again. Without ULFM errors propagate (the job
-    ends, fail-fast)."""
-
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
-        from ..runtime.ft import ulfm_enabled
-
-        ulfm = ulfm_enabled()
-        reset_required = False
-        while True:
-            if reset_required:
-                reset()
-                state.on_reset()
-            ok, result = True, None
-            try:
-                state.sync()
-                result = func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt:           # (never raised here; Horovod's branch)
-                ok = False
-            except Exception as exc:                # noqa: BLE001 - sorted by is_failure
-                if not (ulfm and is_failure(exc)):
-                    raise
-                revoke()                            # wake the survivors blocked elsewhere
-                for opt in _optimizers():
-                    opt._hvd_rebind()               # drop the requests on revoked comms
-                log.info("hvd.elastic: a peer died (%s); restoring the last commit", exc)
-                state.restore()
-                ok = False
-            if not ulfm or _all_done(ok):
-                return result
-            reset_required = True
-    return wrapper
+    ends, fail-fast). The loop is :func:`hpcasync.runtime.elastic.elastic_run`."""
+    return _core.elastic_run(lambda state: _core.FaultTolerance(_Facade()))(func)
 
 
 def is_failure(exc: BaseException) -> bool:
     """``exc`` reports a dead process or a revoked communicator (ULFM), directly or as the cause
     of a ``HorovodInternalError``; or ``MPI_ERR_IN_STATUS`` while a facade communicator is
     revoked or knows of a dead process."""
-    from mpi4py import MPI
-
-    from ..errors import dead_ranks, proc_failure
-
-    if proc_failure(exc):
-        return True
-    if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS:
-        comms = _comms()
-        return any(c.Is_revoked() for c in comms) or bool(dead_ranks(_st.current().comm))
-    return False
+    return _core.FaultTolerance(_Facade(), ulfm=True).is_failure(exc)
 
 
 def _comms() -> list:
@@ -334,42 +215,20 @@ def _optimizers() -> list:
 def revoke() -> None:
     """Revoke every facade communicator (local; a second revoke by another survivor is
     harmless): a survivor blocked in any facade collective gets ``MPI_ERR_REVOKED``."""
-    for c in _comms():
-        try:
-            c.Revoke()
-        except Exception:          # noqa: BLE001 - already revoked
-            pass
-
-
-def _all_done(ok: bool) -> bool:
-    """``MPI_Comm_agree`` over the facade's world: True on every survivor when each one
-    returned from ``func`` (a death during the agreement is a failure: False everywhere)."""
-    from ..errors import proc_failure
-
-    try:
-        return bool(_st.current().comm.Agree(int(ok)))
-    except Exception as exc:       # noqa: BLE001
-        if not proc_failure(exc):
-            raise
-        revoke()
-        return False
+    _core.revoke_all(_comms())
 
 
 def reset() -> None:
     """Shrink the facade's world over the survivors and initialise the facade on it (the old
     communicators are dropped without collectives: their groups hold dead ranks); the live
     DistributedOptimizers reduce over the new world from here on."""
+    _core.FaultTolerance(_Facade(), ulfm=True).reset()
+
+
+def _rebuild(new) -> None:
     from .. import api
 
     st = _st.current()
-    if st.algorithm not in (None, "ssgd"):
-        raise NotImplementedError(f"hvd.elastic: a reset with algorithm={st.algorithm!r} "
-                                  "(elastic training runs SSGD only)")
-    if len(st.sets) > 1:
-        raise NotImplementedError("hvd.elastic: a reset with process sets registered (Horovod "
-                                  "drops them too; re-add them in a reset callback)")
-    old_size = st.comm.Get_size()
-    new = st.comm.Shrink()
     _drop(st)
     # the old topology's exit barrier and communicators hold dead ranks: released locally
     api.release(st.roles, free_world=st.owns_world)
@@ -378,9 +237,6 @@ def reset() -> None:
     st = _st.current()
     for opt in _optimizers():
         opt._hvd_rebind(st.comm)
-    if st.comm.Get_rank() == 0:
-        log.warning("hvd.elastic: a rank died; reset from %d to %d ranks", old_size,
-                    st.comm.Get_size())
 
 
 def _drop(st) -> None:

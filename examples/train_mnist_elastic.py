@@ -1,0 +1,113 @@
+"""Your own SSGD loop that survives a dead rank: ``hpcasync.elastic`` (Horovod's elastic shape).
+
+    mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --epochs 2
+
+Kill one rank (``kill -9``) while it trains: the survivors roll back to the last commit, shrink
+the world, re-deal the rest of the epoch over themselves and go on; the script ends with exit 0.
+Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
+
+Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
+world rank R SIGKILL itself before its N-th step (counted from 0); ``--out DIR`` writes, on each
+survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
+the parameters) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data indices this
+rank trained on since the previous commit, with the sampler's position before and after.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+import hpcasync
+from hpcasync.data import load_dataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--lr", type=float, default=0.01)
+parser.add_argument("--commit-every", type=int, default=2, help="steps between commits")
+parser.add_argument("--limit", type=int, default=384, help="training images used")
+parser.add_argument("--dataset", default="fashion-mnist-mini")
+parser.add_argument("--out", default=None)
+parser.add_argument("--kill-rank", type=int, default=-1)
+parser.add_argument("--kill-at", type=int, default=-1)
+args = parser.parse_args()
+
+ctx = hpcasync.init("ssgd", seed=0)
+train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
+model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
+sgd = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.size, momentum=0.9)
+opt = hpcasync.optimizer("ssgd", model, sgd)
+sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size, rank=ctx.rank,
+                                          num_replicas=ctx.size, seed=1)
+state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
+                               steps=0)
+
+me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
+
+
+def on_reset():
+    resets.append(state.size)
+    pending.clear()                        # trained since the last commit: rolled back
+    for group in opt.param_groups:         # as Horovod's examples: lr scaled with the world
+        group["lr"] = args.lr * state.size
+
+
+state.register_reset_callbacks([on_reset])
+
+
+def commit(before):
+    state.commit()
+    if args.out:
+        with open(Path(args.out, f"windows{me}.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": state.sampler.epoch, "start": before,
+                                "end": state.sampler.processed, "size": state.size,
+                                "indices": pending}) + "\n")
+    pending.clear()
+    return state.sampler.processed
+
+
+@hpcasync.elastic.run
+def train(state):
+    before = state.sampler.processed
+    for state.epoch in range(state.epoch, args.epochs):
+        # the data set is in memory: the loader deals indices, the batch is sliced from tensors
+        loader = DataLoader(range(len(train_set)), batch_size=args.batch_size,
+                            sampler=state.sampler)
+        for state.batch, idx in enumerate(loader, start=state.batch):
+            if me == args.kill_rank and state.steps == args.kill_at:
+                Path(args.out, "killed").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = train_set.images[idx].to(ctx.device), train_set.labels[idx].to(ctx.device)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            executed[0] += 1
+            pending.extend(idx.tolist())
+            state.steps += 1
+            state.sampler.record_batch()
+            if state.steps % args.commit_every == 0:
+                before = commit(before)
+        before = commit(before)            # the epoch's tail (if any) is not trained
+        state.batch = 0
+        state.sampler.set_epoch(state.epoch + 1)
+        before = 0
+        state.commit()
+
+
+train(state)
+if state.rank == 0:
+    print(f"done: {state.steps} steps on {state.size} ranks (resets: {resets})", flush=True)
+if args.out:
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                     for p in model.parameters()))
+    Path(args.out, f"rank{me}.json").write_text(json.dumps({
+        "size": state.size, "resets": resets, "executed": executed[0], "steps": state.steps,
+        "epoch": state.epoch, "params": digest.hexdigest()}))

@@ -1,0 +1,177 @@
+"""``hpcasync.elastic``: your own loop survives a dead rank under Open MPI's ULFM.
+
+Horovod's elastic shape (``State``, ``commit``, ``@run``) over hpcasync's front door::
+
+    import hpcasync
+    ctx = hpcasync.init("ssgd")
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sampler = hpcasync.elastic.ElasticSampler(train, batch_size=64, rank=ctx.rank,
+                                              num_replicas=ctx.size, seed=0)
+    state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0)
+
+    @hpcasync.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            loader = DataLoader(data, batch_size=64, sampler=state.sampler)
+            for state.batch, (x, y) in enumerate(loader, start=state.batch):
+                opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+                state.sampler.record_batch()
+                if state.batch % 10 == 0:
+                    state.commit()
+            state.batch = 0
+            state.sampler.set_epoch(state.epoch + 1)
+            state.commit()
+
+    train(state)
+
+Started as ``mpirun --with-ft ulfm -n N python loop.py``: when a rank dies every survivor rolls
+back to its last ``commit()``, the world is shrunk, the topology, the optimizers and the sampler
+are rebuilt on the survivors (``state.rank``/``state.size``/``state.roles`` are the new ones), the
+reset callbacks run, rank 0's state is broadcast and ``train(state)`` is called again; the
+sampler deals the rest of the epoch from the committed position over the survivors
+(:class:`~hpcasync.data.sharding.ElasticSampler`: no sample of the epoch trained twice or lost).
+SSGD only: another algorithm's optimizer is a one-line ConfigError at ``State(...)`` under ULFM.
+Without ULFM a death ends the job (fail-fast, one line). The retry loop, latch, agreement and
+shrink are :mod:`hpcasync.runtime.elastic`'s, shared with ``hvd.elastic``. Design:
+docs/design/elastic.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import api
+from .data.sharding import ElasticSampler
+from .errors import ConfigError
+from .runtime import elastic as _core
+from .runtime.elastic import HostsUpdatedInterrupt
+
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "run"]
+
+#: algorithms whose optimizer survives a reset (set_comm over the survivors)
+SUPPORTED = ("ssgd",)
+_RESERVED = ("rank", "size", "roles", "ft")
+
+
+class _FrontDoor(_core.Membership):
+    """The front door's world: the default topology (:func:`hpcasync.init`'s), the
+    ``hpcasync.optimizer`` objects and the samplers of one :class:`State`."""
+
+    def __init__(self, state: "State", algorithm: str | None):
+        from .topology import default_topology
+
+        self.state, self.algorithm = state, algorithm
+        self.topo = default_topology()          # collective if init() built none
+        self.roles = api._sync_roles(self.topo, algorithm)
+        self._own_world = False                 # the world is a shrunk one of ours: freed later
+
+    @property
+    def comm(self):
+        return self.topo.world
+
+    def comms(self) -> list:
+        out = [self.topo.world, self.topo.local, self.topo.glob]
+        for opt in self.state._optimizers():
+            out += [getattr(opt, "comm", None), getattr(getattr(opt, "reducer", None), "comm",
+                                                        None)]
+        return [c for c in out if c is not None]
+
+    def rebuild(self, new) -> None:
+        self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
+                                             algorithm=self.algorithm)
+        self.topo, self._own_world = self.roles.topology, True
+        for opt in self.state._optimizers():
+            opt.set_comm(self.topo.world)
+        for sampler in self.state._samplers():
+            sampler.set_world(self.topo.rank, self.topo.size)
+
+
+class State(_core.TorchState):
+    """What your loop needs back after a death: ``model``, ``optimizer`` (an
+    ``hpcasync.optimizer``; a plain torch optimizer is saved too), ``sampler`` (an
+    :class:`ElasticSampler`) and plain values as keywords (``epoch=0, batch=0``); models,
+    optimizers, LR schedulers and samplers under any other keyword are tracked alike.
+
+    ``commit()`` copies it in memory (no communication), ``restore()`` brings the last commit
+    back, ``sync()`` broadcasts rank 0's; ``register_reset_callbacks([...])`` run after a
+    reset. ``state.rank``, ``state.size`` and ``state.roles`` (:class:`hpcasync.Roles`) are this
+    rank's in the current world (the ``ctx`` of :func:`hpcasync.init` is the world at the start).
+    Collective: construct it on every rank, after ``hpcasync.init`` and the optimizer."""
+
+    def __init__(self, model=None, optimizer=None, sampler=None, **extra):
+        bad = [k for k in _RESERVED if k in extra]
+        if bad:
+            raise ConfigError(f"hpcasync.elastic.State: {', '.join(bad)} is the current world's "
+                              "(a property): name your value otherwise")
+        values = {"model": model, "optimizer": optimizer, "sampler": sampler, **extra}
+        algos = sorted({getattr(v, "algorithm", None) for v in values.values()
+                        if isinstance(v, torch.optim.Optimizer)} - {None})
+        membership = _FrontDoor(self, algos[0] if algos else None)
+        ft = _core.FaultTolerance(membership)
+        unsupported = [a for a in algos if a not in SUPPORTED]
+        if ft.ulfm and unsupported:
+            raise ConfigError(f"hpcasync.elastic survives a death with {', '.join(SUPPORTED)} "
+                              f"only; this state holds a {', '.join(unsupported)} optimizer (run "
+                              "it without --with-ft: a death then ends the job, restart from a "
+                              "checkpoint)")
+        object.__setattr__(self, "ft", ft)
+        object.__setattr__(self, "_membership", membership)
+        super().__init__(**values)
+
+    # -- the core's hooks ------------------------------------------------------------------------
+    def default_bcast_object(self, obj):
+        return self._membership.bcast_object(obj)
+
+    def default_rank(self) -> int:
+        return self._membership.rank()
+
+    def handler_for(self, value):
+        m = self._membership
+        if isinstance(value, torch.nn.Module):
+            return _core.ModelHandler(value, m.sync_model)
+        if isinstance(value, torch.optim.Optimizer):
+            return _core.Handler(value, m.sync_optimizer)
+        if isinstance(value, ElasticSampler):
+            return _core.Handler(value, self._sync_sampler)    # restore keeps rank and size
+        if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+            return _core.Handler(value, lambda v: v.load_state_dict(
+                m.bcast_object(v.state_dict() if m.rank() == 0 else None)))
+        return None
+
+    def _sync_sampler(self, sampler: ElasticSampler) -> None:
+        m = self._membership
+        sampler.load_state_dict(m.bcast_object(sampler.state_dict() if m.rank() == 0 else None))
+        sampler.set_world(m.rank(), m.size())
+
+    def _optimizers(self) -> list:
+        return [h.value for h in self._handlers.values()
+                if isinstance(h.value, torch.optim.Optimizer) and hasattr(h.value, "set_comm")]
+
+    def _samplers(self) -> list:
+        return [h.value for h in self._handlers.values() if isinstance(h.value, ElasticSampler)]
+
+    # -- the current world -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._membership.rank()
+
+    @property
+    def size(self) -> int:
+        return self._membership.size()
+
+    @property
+    def roles(self) -> api.Roles:
+        return self._membership.roles
+
+
+def run(func):
+    """The decorator: ``func(state, ...)`` is called after ``state.sync()``; when a rank dies
+    (ULFM) every survivor restores the last commit, the world is shrunk and rebuilt, the reset
+    callbacks run and ``func`` is called again, until it returns on every survivor. Without ULFM
+    errors propagate (a death ends the job with one line)."""
+
+    def tolerance(state):
+        if not isinstance(state, State):
+            raise ConfigError(f"hpcasync.elastic.run: the first argument must be an "
+                              f"hpcasync.elastic.State, got {type(state).__name__}")
+        return state.ft
+    return _core.elastic_run(tolerance)(func)

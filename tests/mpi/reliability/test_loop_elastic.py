@@ -1,0 +1,156 @@
+"""``hpcasync.elastic`` (issue 23 item 5): a user's own SSGD loop (examples/train_mnist_elastic.py)
+survives a SIGKILLed rank under ULFM and resumes the epoch's data where the survivors committed.
+
+Under ``mpirun --with-ft ulfm -n 4`` rank 3 kills itself before step 3 (counted from 0; the
+survivors block in that step's allreduce); commits every 2 steps and at each epoch's end. 384
+images, batches of 16: an epoch is 6 steps of 64 samples on 4 ranks, 8 of 48 on 3. Expected:
+exit 0; three survivors at size 3, one reset each; epoch 0 = 2 committed steps on 4 ranks (128
+samples) + the other 256 dealt over 3 ranks = 5 steps (240; the last 16 are the epoch's tail),
+epoch 1 = 8 steps: 15 steps in the state, 16 executed (step 2 is redone after the rollback);
+replicas bitwise equal. Data: the indices each rank logged at each commit, the dead rank's
+included, cover each epoch's order π_e (``ElasticSampler``) from 0 to its end exactly once.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from hpcasync.data.sharding import epoch_permutation
+from tests.mpi_util import COMM, REPO, RANK, clean_env, mpiexec, need_ulfm
+
+SCRIPT = str(REPO / "examples" / "train_mnist_elastic.py")
+LENGTH, BATCH, SEED = 384, 16, 1
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, script: str = SCRIPT):
+    cmd = [*mpiexec(n, ft=ft), sys.executable, script, "--out", str(tmp_path),
+           "--kill-rank", str(n - 1), "--kill-at", "3", "--commit-every", "2",
+           "--limit", str(LENGTH), "--batch-size", str(BATCH)]
+    out = subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout)
+    return out
+
+
+def _check_windows(tmp_path) -> dict:
+    """The commit windows of every rank: per epoch, a chain from 0 whose every link is trained by
+    its world's ranks on disjoint indices that together are π_e[start:end]. Returns
+    ``{epoch: [(start, end, size), ...]}``."""
+    links = defaultdict(list)
+    for f in tmp_path.glob("windows*.jsonl"):
+        for line in f.read_text().splitlines():
+            w = json.loads(line)
+            if w["end"] > w["start"]:
+                links[(w["epoch"], w["start"], w["end"], w["size"])].append(w["indices"])
+    chains = defaultdict(list)
+    for (epoch, start, end, size), parts in sorted(links.items()):
+        order = epoch_permutation(LENGTH, seed=SEED, epoch=epoch).tolist()
+        assert len(parts) == size, (epoch, start, end, size, len(parts))
+        flat = [i for p in parts for i in p]
+        assert len(flat) == len(set(flat)) == end - start, (epoch, start, end)
+        assert sorted(flat) == sorted(order[start:end]), (epoch, start, end)
+        chains[epoch].append((start, end, size))
+    for epoch, chain in chains.items():
+        assert chain[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chain, chain[1:])), chain
+    return dict(chains)
+
+
+@pytest.mark.rank0
+def test_own_loop_survives_a_killed_rank_and_resumes_the_data_under_ulfm(tmp_path):
+    need_ulfm()
+    out = _run(tmp_path, ft=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1", "rank2"], out.stderr[-3000:]
+    for r in results.values():
+        assert (r["size"], r["resets"], r["epoch"]) == (3, [3], 1), r
+        assert (r["steps"], r["executed"]) == (15, 16), r
+    assert len({r["params"] for r in results.values()}) == 1, results
+    chains = _check_windows(tmp_path)
+    # epoch 0: 128 samples on 4 ranks (rank 3's share logged before it died), then 3 ranks
+    # to 368 (the tail of 16 < 3·16 is not trained); epoch 1: all 384 on 3 ranks
+    assert chains[0][0] == (0, 128, 4) and {s for _, _, s in chains[0][1:]} == {3}, chains
+    assert chains[0][-1][1] == 368 and chains[1][-1][1] == LENGTH, chains
+
+
+@pytest.mark.rank0
+def test_own_loop_without_ulfm_ends_fast_on_a_death(tmp_path):
+    out = _run(tmp_path, ft=False, n=2, timeout=120)
+    ended = time.time()
+    assert out.returncode != 0
+    assert not list(tmp_path.glob("rank*.json"))          # no survivor finished
+    took = ended - float((tmp_path / "killed").read_text())
+    assert took < 30, f"the job ended {took:.1f} s after the death"
+    assert out.stderr.count("hpcasync: error") <= 1, out.stderr[-3000:]
+
+
+REFUSE = """
+import torch, hpcasync
+ctx = hpcasync.init("daso")
+model = torch.nn.Linear(4, 2)
+opt = hpcasync.optimizer("daso", model, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1,
+                         steps_per_epoch=1)
+hpcasync.elastic.State(model=model, optimizer=opt, epoch=0)
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.rank0
+def test_an_unsupported_algorithm_is_refused_at_state_construction_under_ulfm(tmp_path):
+    need_ulfm()
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSE)
+    out = subprocess.run([*mpiexec(2, ft=True), sys.executable, str(script)], env=clean_env(),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "unreachable" not in out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if "hpcasync: error" in ln]
+    assert len(lines) == 1 and "with ssgd only; this state holds a daso optimizer" in lines[0], \
+        out.stderr[-2000:]
+
+
+def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
+    """In this job's world (no death, no ULFM): ``run`` starts from rank 0's model, optimizer,
+    sampler position and values on every rank; ``restore()`` brings the commit back bitwise."""
+    import hpcasync
+
+    torch.manual_seed(RANK)                          # every rank a different model
+    model = torch.nn.Linear(5, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = hpcasync.elastic.ElasticSampler(LENGTH, batch_size=BATCH, rank=COMM.Get_rank(),
+                                              num_replicas=COMM.Get_size(), seed=SEED)
+    sampler.set_epoch(RANK)
+    state = hpcasync.elastic.State(model=model, optimizer=sgd, sampler=sampler, epoch=RANK,
+                                   batch=0)
+    seen = []
+
+    @hpcasync.elastic.run
+    def train(state):
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        seen.append((COMM.allgather(flat.numpy().tobytes()), COMM.allgather(state.epoch),
+                     COMM.allgather(state.sampler.epoch), state.rank, state.size))
+        model(torch.ones(2, 5)).sum().backward()
+        sgd.step()
+        state.sampler.record_batch()
+        state.commit()
+        committed = [p.detach().clone() for p in model.parameters()]
+        momentum = [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        sgd.step()
+        state.sampler.record_batch()
+        state.batch = 9
+        state.restore()
+        assert state.batch == 0 and state.sampler.processed == BATCH * COMM.Get_size()
+        assert all(torch.equal(p, c) for p, c in zip(model.parameters(), committed))
+        assert all(torch.equal(sgd.state[p]["momentum_buffer"], m)
+                   for p, m in zip(model.parameters(), momentum))
+        return "done"
+
+    assert train(state) == "done"
+    params, epochs, sampler_epochs, rank, size = seen[0]
+    assert len(set(params)) == 1 and set(epochs) == {0} and set(sampler_epochs) == {0}
+    assert (rank, size) == (COMM.Get_rank(), COMM.Get_size())
