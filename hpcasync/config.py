@@ -30,7 +30,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 OPTIMIZER_ALGORITHMS = registry.LiveNames(registry.user_optimizer_names)
 DEFAULT_LR = registry.DEFAULT_LR
 #: the algorithms that grow back after a death (--grow-back; hpcasync.runtime.join)
-GROW_ALGORITHMS = ("ssgd", "odsgd")
+GROW_ALGORITHMS = ("ssgd", "odsgd", "daso")
 #: per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset (``default_lr`` of the registry's
 #: entries: nag 0.02, why there); a live view
 ALGORITHM_LR = registry.LiveMapping(registry.algorithm_lrs)

@@ -31,9 +31,11 @@ from . import DASO, DasoSchedule, LinkDelay
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..ssgd.horovod import check_backend
+from ..runtime import join
 from ..runtime.context import RunContext, RunResult, max_over
 from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
+from .optimizer import optimizer_state_tensors
 from .schedule import CYCLING
 from ..hetero import StepDelay
 
@@ -102,6 +104,7 @@ def validate(cfg) -> None:
                           f"got {kw['chunk_elems']!r}")
     LinkDelay(kw["link_delay_us_per_mb"])
     check_backend(cfg.backend)
+    join.validate(cfg)
 
 
 def run(ctx: RunContext) -> RunResult:
@@ -119,11 +122,18 @@ def run(ctx: RunContext) -> RunResult:
     if ctx.is_root and delay.active:
         log.info("daso: heterogeneity: %s", delay.model.describe())
     start_epoch = 1
-    state = ctx.resume_state()
     # a dead rank (ULFM): the survivors stay on their nodes (a node that lost a rank goes on
     # smaller: uneven nodes), adopt the most advanced position; in a blocking epoch they adopt
     # its replica, in a cycling one they average theirs
     rec = SyncRecovery(ctx, enabled=cfg.backend != "horovod" and ulfm_enabled())
+    # --grow-back: replacements take the dead ranks' places (and so their nodes: the topology is
+    # rebuilt with --ranks-per-node); only those places, since the epoch's plan fixes each
+    # rank's shard and the batch count the schedule runs on (runtime.join)
+    growth = join.Growth(ctx, rec, refill_only=True)
+    # a replacement: the live state from a survivor, after DASO's constructor (its global
+    # groups, a collective, match the survivors' set_topology in the grow's adopt)
+    joined = join.receive(ctx) if join.joined() else None
+    state = ctx.resume_state() if joined is None else None
     if state is not None:
         model.load_state_dict(state["model"])        # copies into the FlatModel views
         opt.load_state_dict(state["optimizer"])
@@ -174,9 +184,47 @@ def run(ctx: RunContext) -> RunResult:
             opt.optimizer.load_state_dict(blob["optimizer"])
         opt.set_topology(ctx.topo, average=cycling)
 
+    def live_state() -> dict:
+        """What a joiner gets (after the recovery: no global message in flight, every replica
+        the same — adopted in a blocking epoch, averaged in a cycling one)."""
+        sch = opt.schedule
+        return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
+                "steps": opt.steps, "batches_per_epoch": opt.batches_per_epoch,
+                "lost_before": opt._lost_before,
+                "schedule": {"epoch": sch.epoch, "batch": sch.batch, "nbatches": sch.nbatches,
+                             "knobs": list(sch.knobs), "plateau": dict(sch.plateau.state_dict())},
+                "rows": dict(rows), "counters": dict(counters), "undo": dict(undo)}
+
+    def load_live(blob: dict) -> None:
+        model.load_state_dict(blob["model"])         # (into the FlatModel views)
+        opt.optimizer.load_state_dict(blob["optimizer"])
+        opt.steps, opt.batches_per_epoch = blob["steps"], blob["batches_per_epoch"]
+        opt._lost_before = blob["lost_before"]       # receives of sends dropped in the recovery
+        sch, src = opt.schedule, blob["schedule"]
+        sch.epoch, sch.batch, sch.nbatches = src["epoch"], src["batch"], src["nbatches"]
+        sch.knobs = type(sch.knobs)(*src["knobs"])
+        sch.plateau.load_state_dict(src["plateau"])
+        rows.update(blob["rows"])
+        counters.update(blob["counters"])           # (the sender's per-rank totals)
+        undo.update(blob["undo"])
+
+    def digest() -> tuple:
+        """What every rank holds alike after a join (replicas, optimizer state, schedule)."""
+        sch = opt.schedule
+        return (tuple(cur.position),
+                (opt.steps, opt.batches_per_epoch, opt._lost_before, len(opt.inflight), sch.epoch,
+                 sch.batch, sch.nbatches, tuple(sch.knobs), repr(sch.plateau.state_dict())),
+                join.tensors_digest([*model.state_dict().values(),
+                                     *optimizer_state_tensors(opt.optimizer)]))
+
     device = topo.device
     cur = EpochCursor(ctx, epoch=start_epoch)
     summary = redo = None
+    if joined is not None:
+        load_live(joined["state"])
+        join.take_live_state(joined, ctx, cur, growth, check=digest)
+        redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
+    slept = delay.slept                  # (set at each epoch's start; a joiner enters mid-epoch)
     while summary is None:
         topo = ctx.topo
         try:
@@ -230,12 +278,22 @@ def run(ctx: RunContext) -> RunResult:
             def revoke():               # (the attempt's own, after a failed attempt)
                 return tuple(c for c in (ctx.topo.local, ctx.topo.glob,
                                          *opt.comm.group_comms()) if c is not None)
-            cur.adopt(rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
-                                  revoke=revoke), keep=rec.last_kept, size_before=rec.size_before)
+            adopted = rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
+                                  revoke=revoke)
+
+            def adopt(same: bool) -> None:
+                # each survivor finishes the epoch on its own shard; a grow fills the dead
+                # ranks' places (same), whose joiners take their shards
+                cur.adopt(adopted, keep=list(range(ctx.topo.size)) if same else rec.last_kept,
+                          size_before=rec.size_before)
+                if opt.topo is not ctx.topo:      # grown: DASO's groups over the new world
+                    opt.set_topology(ctx.topo, average=False)
+            growth.grow(adopted, adopt=adopt, check=digest,
+                        payload=lambda: join.live_state(ctx, cur, growth, live_state()))
             # an epoch end adopted before its end (all batches done) is redone: its checkpoint
             # is written then unless its writer had written it before the death (once)
             redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
-    return RunResult(model=model, summary={**summary, **rec.summary()})
+    return RunResult(model=model, summary={**summary, **rec.summary(), **growth.summary()})
 
 
 TOTALS = ("daso_global_wait_s", "daso_blocking_global_s", "daso_global_bytes")

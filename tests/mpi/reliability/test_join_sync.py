@@ -87,3 +87,22 @@ def test_odsgd_grows_back_in_warm_up_and_in_the_one_step_delay(tmp_path):
     assert grown[0]["test_loss"] == base[0]["test_loss"]                # = the undisturbed model
     assert grown[0]["test_accuracy"] == base[0]["test_accuracy"]
     assert s["warmup_steps"] == 30 and s["rounds"] in (2 * STEPS - 1, 2 * STEPS)
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 30)
+def test_daso_grows_back_into_its_node_in_a_blocking_and_a_cycling_epoch(tmp_path):
+    """2 nodes of 2. Rank 2 (node 1) dies at step 5 (blocking epoch): after the join epoch 1 ends
+    on the undisturbed model. Rank 1 (node 0) dies at its step 30 (cycling epoch, global sums in
+    flight): the joiner takes rank 1's place on node 0; nodes of 2 and 2 again, every replica
+    (both nodes) bitwise equal at the end."""
+    need_ulfm()
+    _, mbase = _run(tmp_path, "base", DASO)
+    out, metrics = _run(tmp_path, "grow", [*DASO, "--grow-back"], "2:step:5,1:step:30")
+    s = _grew_twice(out, metrics, [2, 1])
+    base, grown = _epochs(mbase), _epochs(metrics)
+    assert grown[0]["test_loss"] == base[0]["test_loss"]                # = the undisturbed model
+    assert grown[0]["test_accuracy"] == base[0]["test_accuracy"]
+    assert s["daso_node_sizes"] == [2, 2] and s["replicas_identical"]
+    assert s["daso_schedule"] == last_summary(mbase)["daso_schedule"]
+    assert [r["daso_phase"] for r in grown] == ["warmup", "cycling"]
