@@ -4,7 +4,8 @@ Under ``mpirun --with-ft ulfm`` a worker waiting on a dead server gets ``MPI_ERR
 and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then calls
 :func:`take_over`: the survivors shrink the world, the worker holding the freshest θ becomes the
 server with a fresh rule, and every worker resumes at the share of its budget the run had done.
-A death while the new server is set up runs the takeover again (``again=True``) from the θ the
+A death inside the takeover's exchange redoes it on the survivors (one ``MPI_Comm_agree`` ends
+it); a death while the new server is set up runs the takeover again (``again=True``) from the θ the
 workers hold; SHAT's and ENSEMBLE's workers keep their local models. With ``--ps-ranks K > 1``
 a dead shard server's slice is rebuilt from the workers' freshest reply for it.
 
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from ..errors import proc_failure
 from ..runtime.recovery import _kept, _revoke
 
 log = logging.getLogger("hpcasync")
@@ -62,16 +64,29 @@ def known_dead(comm) -> bool:
     return False
 
 
-def _shrink(ctx, comms) -> tuple:
-    """Revoke ``comms`` (the world first), shrink the world: ``(new world, ranks kept (old
-    numbering), dead ranks (original numbering))``; ``ctx.original_ranks`` follows."""
-    topo = ctx.topo
+def _shrink(ctx, comms, world=None) -> tuple:
+    """Revoke ``comms`` (the world first), shrink ``world`` (default ``ctx.topo.world``):
+    ``(new world, ranks kept (old numbering), dead ranks (original numbering))``;
+    ``ctx.original_ranks`` follows."""
+    world = ctx.topo.world if world is None else world
+    size = world.Get_size()
     _revoke(comms)
-    new = topo.world.Shrink()
-    kept = _kept(topo.world, new)
-    original = getattr(ctx, "original_ranks", list(range(topo.size)))
+    new = world.Shrink()
+    kept = _kept(world, new)
+    original = getattr(ctx, "original_ranks", list(range(size)))
     ctx.original_ranks = [original[r] for r in kept]
-    return new, kept, [original[r] for r in range(topo.size) if r not in kept]
+    return new, kept, [original[r] for r in range(size) if r not in kept]
+
+
+def _agreed(comm, done: int) -> bool:
+    """True on every survivor when each one completed the attempt (``MPI_Comm_agree``, a
+    bitwise AND; a failure it reports, it reports on every survivor)."""
+    try:
+        return bool(comm.Agree(done))
+    except Exception as exc:        # noqa: BLE001 - a death during the agreement
+        if not proc_failure(exc):
+            raise
+        return False
 
 
 def _become_reporter(ctx, rank: int) -> None:
@@ -180,7 +195,6 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
     t0 = time.perf_counter()
     opt, topo = lost.opt, ctx.topo
     K = opt.layout.K
-    new, _, dead = _shrink(ctx, (topo.world, *[c for c in opt.layout.comms if c is not None]))
     # the old optimizer's windows are on the revoked world (left to MPI_Finalize); it must not
     # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
     # communicator, MPI_Abort after the run had finished)
@@ -194,31 +208,33 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
         if again:
             share = previous.share
         mine = (version, share, -1, list(opt.versions))
-    every = new.allgather(mine)
-    workers = [r for r, e in enumerate(every) if e[2] < 0]
-    share = sum(every[r][1] for r in workers) / len(workers)
-    sources = _shard_sources(every, K) if K > 1 else None
-    servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)
-    server = (servers[0][1] if servers else
-              max(workers, key=lambda r: (every[r][3][0] if K > 1 else every[r][0], -r)))
     # every survivor's BatchNorm state as it is now, to the new server (the fresh models built
     # next must not reset it; restore_buffers)
     own = opt.flat.buffers.detach().cpu().clone()
     own_ints = _int_buffers(opt.flat.module)
-    states = new.gather((own, own_ints), root=server)
+    # atomic: the exchange completes on every survivor, or all shrink again and redo it (a
+    # death inside it: a gather can complete on its senders and fail on its root)
+    world, dead, first = topo.world, [], None
+    comms = (topo.world, *[c for c in opt.layout.comms if c is not None])
+    while True:
+        new, _, gone = _shrink(ctx, comms, world)
+        dead += gone
+        first = gone if first is None else first
+        try:
+            got = _exchange(ctx, new, opt, mine, own, own_ints, K)
+            done = 1
+        except Exception as exc:    # noqa: BLE001 - a death during the exchange (ULFM)
+            if not proc_failure(exc):
+                raise
+            done = 0
+        if _agreed(new, done):
+            break
+        world, comms = new, (new,)
+    every, server, sources, states, theta = got
+    share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
     int_max = (None if states is None else
                {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
-    theta = None
     me = new.Get_rank()
-    if K > 1:               # each shard's slice from its source, assembled on the new server
-        pieces = new.gather({s: (opt.rule.theta.detach().cpu().clone() if opt.is_server else
-                                 opt.layout.slice(opt.last_reply(), s))
-                             for s, (r, _) in enumerate(sources) if r == me}, root=server)
-        if pieces is not None:
-            merged = {s: t for part in pieces for s, t in part.items()}
-            theta = torch.cat([merged[s] for s in range(K)])
-    elif me == server:      # its last reply (before any: the broadcast start)
-        theta = opt.last_reply()
     ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
     original = ctx.original_ranks
     record = {"dead_ranks": dead, "new_server": original[server],
@@ -236,15 +252,21 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
         _become_reporter(ctx, original[server])
         what = ("a rank of the new server's set-up" if again else
                 "the parameter server" if K == 1 else "a shard server")
+        if len(dead) > len(first):     # more deaths inside this takeover's exchange
+            what += (f" (rank(s) {', '.join(map(str, first))}), and rank(s) "
+                     f"{', '.join(str(r) for r in dead if r not in first)} during the takeover,")
+            dead_said = ""
+        else:
+            dead_said = f" (rank(s) {', '.join(map(str, dead))})"
         if K == 1:
-            log.warning("%s (rank(s) %s) died; rank %d takes over with θ of version %d, %d "
+            log.warning("%s%s died; rank %d takes over with θ of version %d, %d "
                         "workers go on from %.1f %% of their budget", what,
-                        ", ".join(map(str, dead)), original[server], every[server][0],
+                        dead_said, original[server], every[server][0],
                         new.Get_size() - 1, 100 * share)
         else:
-            log.warning("%s (rank(s) %s) died; rank %d serves shard 0 of %d, θ rebuilt from %s, "
+            log.warning("%s%s died; rank %d serves shard 0 of %d, θ rebuilt from %s, "
                         "%d workers go on from %.1f %% of their budget", what,
-                        ", ".join(map(str, dead)), original[server], K,
+                        dead_said, original[server], K,
                         ", ".join(f"shard {s}: rank {original[r]}'s "
                                   f"{'θ' if every[r][2] >= 0 else 'reply'} (version {v})"
                                   for s, (r, v) in enumerate(sources)),
@@ -265,6 +287,32 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
                     buffers=None if states is None else [b for b, _ in states],
                     int_buffers=own_ints, int_max=int_max,
                     local=local if me != server else None)
+
+
+def _exchange(ctx, new, opt, mine, own, own_ints, K: int) -> tuple:
+    """The takeover's collectives over the shrunk world ``new``: who holds what (allgather), who
+    serves, every survivor's buffers and (K > 1) each shard's slice to it (gathers). Returns
+    ``(every, server, sources, states, theta)``; ``states``/``theta`` are None off the server."""
+    every = new.allgather(mine)
+    ctx.kill_point("takeover")          # testing hook: a death between the two collectives
+    workers = [r for r, e in enumerate(every) if e[2] < 0]
+    sources = _shard_sources(every, K) if K > 1 else None
+    servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)
+    server = (servers[0][1] if servers else
+              max(workers, key=lambda r: (every[r][3][0] if K > 1 else every[r][0], -r)))
+    states = new.gather((own, own_ints), root=server)
+    theta = None
+    me = new.Get_rank()
+    if K > 1:               # each shard's slice from its source, assembled on the new server
+        pieces = new.gather({s: (opt.rule.theta.detach().cpu().clone() if opt.is_server else
+                                 opt.layout.slice(opt.last_reply(), s))
+                             for s, (r, _) in enumerate(sources) if r == me}, root=server)
+        if pieces is not None:
+            merged = {s: t for part in pieces for s, t in part.items()}
+            theta = torch.cat([merged[s] for s in range(K)])
+    elif me == server:      # its last reply (before any: the broadcast start)
+        theta = opt.last_reply()
+    return every, server, sources, states, theta
 
 
 def _shard_sources(every: list, K: int) -> list[tuple[int, int]]:

@@ -109,3 +109,26 @@ def test_a_shard_servers_death_rebuilds_its_slice_from_the_freshest_reply(tmp_pa
     assert torch.equal(theta[kept[0]:kept[1]], held[alive]["server_theta"])
     assert not torch.equal(theta, _initial_theta())
     assert s["test_accuracy"] > 0.35, s["test_accuracy"]
+
+
+@pytest.mark.rank0
+def test_a_death_inside_the_takeovers_exchange_redoes_it_on_every_survivor(tmp_path):
+    """The server (rank 0) dies at its 40th accepted push; rank 3 dies inside the takeover, after
+    the survivors' allgather and before the gathers to the new server (kill phase ``takeover``).
+    A gather can then complete on its senders and fail on its root: the survivors agree
+    (``MPI_Comm_agree``) that the exchange did not complete everywhere, shrink again and redo it.
+    One takeover record names both dead ranks; the last two ranks (a server and a worker) finish
+    with exit 0 above 35 % accuracy."""
+    need_ulfm()
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
+                          "--algorithm", "asgd", "--metrics", str(metrics)],
+                         env=clean_env(HPCASYNC_INJECT_KILL="0:40",
+                                       HPCASYNC_INJECT_KILL_AT="3:takeover:1"),
+                         cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    [f] = s["server_failures"]
+    assert f["dead_ranks"] == [0, 3] and f["workers"] == 1 and f["new_server"] in (1, 2), f
+    assert "the parameter server (rank(s) 0), and rank(s) 3 during the takeover, died" in out.stderr
+    assert s["test_accuracy"] > 0.35, s["test_accuracy"]
