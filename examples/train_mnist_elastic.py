@@ -7,7 +7,8 @@ the world, re-deal the rest of the epoch over themselves and go on; the script e
 Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
-world rank R SIGKILL itself before its N-th step (counted from 0); ``--out DIR`` writes, on each
+world rank R SIGKILL itself before its N-th step (counted from 0; N = the steps of the whole
+run: after its last step, before ``train`` returns); ``--out DIR`` writes, on each
 survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
 the parameters) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data indices this
 rank trained on since the previous commit, with the sampler's position before and after.
@@ -74,6 +75,12 @@ def commit(before):
     return state.sampler.processed
 
 
+def maybe_die():
+    if me == args.kill_rank and state.steps == args.kill_at:
+        Path(args.out, "killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 @hpcasync.elastic.run
 def train(state):
     before = state.sampler.processed
@@ -82,9 +89,7 @@ def train(state):
         loader = DataLoader(range(len(train_set)), batch_size=args.batch_size,
                             sampler=state.sampler)
         for state.batch, idx in enumerate(loader, start=state.batch):
-            if me == args.kill_rank and state.steps == args.kill_at:
-                Path(args.out, "killed").write_text(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+            maybe_die()
             x, y = train_set.images[idx].to(ctx.device), train_set.labels[idx].to(ctx.device)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -96,10 +101,12 @@ def train(state):
             if state.steps % args.commit_every == 0:
                 before = commit(before)
         before = commit(before)            # the epoch's tail (if any) is not trained
-        state.batch = 0
-        state.sampler.set_epoch(state.epoch + 1)
+        state.epoch += 1                   # (not left at the last epoch: a call after the end,
+        state.batch = 0                    # when a rank dies after the last step, trains nothing)
+        state.sampler.set_epoch(state.epoch)
         before = 0
         state.commit()
+    maybe_die()                            # --kill-at the last step count: after training
 
 
 train(state)

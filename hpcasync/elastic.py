@@ -18,8 +18,9 @@ Horovod's elastic shape (``State``, ``commit``, ``@run``) over hpcasync's front 
                 state.sampler.record_batch()
                 if state.batch % 10 == 0:
                     state.commit()
-            state.batch = 0
-            state.sampler.set_epoch(state.epoch + 1)
+            state.epoch += 1             # past the last epoch at the end: a call after a death
+            state.batch = 0              # there (every survivor had returned) trains nothing
+            state.sampler.set_epoch(state.epoch)
             state.commit()
 
     train(state)

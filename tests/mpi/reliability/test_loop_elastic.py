@@ -29,9 +29,9 @@ LENGTH, BATCH, SEED = 384, 16, 1
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, script: str = SCRIPT):
-    cmd = [*mpiexec(n, ft=ft), sys.executable, script, "--out", str(tmp_path),
-           "--kill-rank", str(n - 1), "--kill-at", "3", "--commit-every", "2",
+def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at: int = 3):
+    cmd = [*mpiexec(n, ft=ft), sys.executable, SCRIPT, "--out", str(tmp_path),
+           "--kill-rank", str(n - 1), "--kill-at", str(kill_at), "--commit-every", "2",
            "--limit", str(LENGTH), "--batch-size", str(BATCH)]
     out = subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True,
                          timeout=timeout)
@@ -69,7 +69,7 @@ def test_own_loop_survives_a_killed_rank_and_resumes_the_data_under_ulfm(tmp_pat
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(results) == ["rank0", "rank1", "rank2"], out.stderr[-3000:]
     for r in results.values():
-        assert (r["size"], r["resets"], r["epoch"]) == (3, [3], 1), r
+        assert (r["size"], r["resets"], r["epoch"]) == (3, [3], 2), r
         assert (r["steps"], r["executed"]) == (15, 16), r
     assert len({r["params"] for r in results.values()}) == 1, results
     chains = _check_windows(tmp_path)
@@ -77,6 +77,26 @@ def test_own_loop_survives_a_killed_rank_and_resumes_the_data_under_ulfm(tmp_pat
     # to 368 (the tail of 16 < 3·16 is not trained); epoch 1: all 384 on 3 ranks
     assert chains[0][0] == (0, 128, 4) and {s for _, _, s in chains[0][1:]} == {3}, chains
     assert chains[0][-1][1] == 368 and chains[1][-1][1] == LENGTH, chains
+
+
+@pytest.mark.rank0
+def test_a_death_after_the_last_step_is_agreed_on_and_nothing_is_trained_again(tmp_path):
+    """Rank 3 dies after the run's last step (12 = 6 steps of 64 samples per epoch), when every
+    survivor's function returns: the agreement at the end of the attempt reports it, the
+    survivors shrink (so that their exit, whose barrier would meet the dead rank, and any
+    collective after ``train`` work) and call ``train`` again, which finds the loop done."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_at=12)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1", "rank2"], out.stderr[-3000:]
+    for r in results.values():
+        assert (r["size"], r["resets"], r["epoch"], r["steps"], r["executed"]) == \
+            (3, [3], 2, 12, 12), r
+    assert len({r["params"] for r in results.values()}) == 1, results
+    chains = _check_windows(tmp_path)
+    assert {e: (c[-1][1], {s for _, _, s in c}) for e, c in chains.items()} == \
+        {0: (LENGTH, {4}), 1: (LENGTH, {4})}, chains
 
 
 @pytest.mark.rank0
