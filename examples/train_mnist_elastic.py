@@ -7,7 +7,7 @@ the world, re-deal the rest of the epoch over themselves and go on; the script e
 Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
-world rank R SIGKILL itself before its N-th step (counted from 0; N = the steps of the whole
+world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its N-th step (counted from 0; N = the steps of the whole
 run: after its last step, before ``train`` returns); ``--out DIR`` writes, on each
 survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
 the parameters) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data indices this
@@ -37,9 +37,11 @@ parser.add_argument("--commit-every", type=int, default=2, help="steps between c
 parser.add_argument("--limit", type=int, default=384, help="training images used")
 parser.add_argument("--dataset", default="fashion-mnist-mini")
 parser.add_argument("--out", default=None)
-parser.add_argument("--kill-rank", type=int, default=-1)
-parser.add_argument("--kill-at", type=int, default=-1)
+parser.add_argument("--kill-rank", default="", help="world ranks, comma-separated")
+parser.add_argument("--kill-at", default="", help="their step counts, comma-separated")
 args = parser.parse_args()
+kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
+                 map(int, filter(None, args.kill_at.split(",")))))
 
 ctx = hpcasync.init("ssgd", seed=0)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
@@ -76,7 +78,7 @@ def commit(before):
 
 
 def maybe_die():
-    if me == args.kill_rank and state.steps == args.kill_at:
+    if kills.get(me) == state.steps:
         Path(args.out, "killed").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -2,12 +2,12 @@
 survives a SIGKILLed rank under ULFM and resumes the epoch's data where the survivors committed.
 
 Under ``mpirun --with-ft ulfm -n 4`` rank 3 kills itself before step 3 (counted from 0; the
-survivors block in that step's allreduce); commits every 2 steps and at each epoch's end. 384
-images, batches of 16: an epoch is 6 steps of 64 samples on 4 ranks, 8 of 48 on 3. Expected:
-exit 0; three survivors at size 3, one reset each; epoch 0 = 2 committed steps on 4 ranks (128
-samples) + the other 256 dealt over 3 ranks = 5 steps (240; the last 16 are the epoch's tail),
-epoch 1 = 8 steps: 15 steps in the state, 16 executed (step 2 is redone after the rollback);
-replicas bitwise equal. Data: the indices each rank logged at each commit, the dead rank's
+survivors block in that step's allreduce), rank 2 before step 9; commits every 2 steps and at
+each epoch's end. 384 images, batches of 16. Expected: exit 0; two survivors at size 2, two
+resets each (3, then 2 ranks); epoch 0 = 2 committed steps on 4 ranks (128 samples) + the other
+256 dealt over 3 ranks = 5 steps (240; the last 16 are the epoch's tail); epoch 1 = 1 committed
+step on 3 ranks (48) + 336 over 2 = 10 steps (320): 18 steps in the state, 20 executed (one step
+redone after each rollback); replicas bitwise equal. Data: the indices each rank logged at each commit, the dead rank's
 included, cover each epoch's order π_e (``ElasticSampler``) from 0 to its end exactly once.
 """
 from __future__ import annotations
@@ -29,9 +29,10 @@ LENGTH, BATCH, SEED = 384, 16, 1
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at: int = 3):
+def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at=3, kill_rank=None):
+    kill_rank = n - 1 if kill_rank is None else kill_rank
     cmd = [*mpiexec(n, ft=ft), sys.executable, SCRIPT, "--out", str(tmp_path),
-           "--kill-rank", str(n - 1), "--kill-at", str(kill_at), "--commit-every", "2",
+           "--kill-rank", str(kill_rank), "--kill-at", str(kill_at), "--commit-every", "2",
            "--limit", str(LENGTH), "--batch-size", str(BATCH)]
     out = subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True,
                          timeout=timeout)
@@ -62,21 +63,23 @@ def _check_windows(tmp_path) -> dict:
 
 
 @pytest.mark.rank0
-def test_own_loop_survives_a_killed_rank_and_resumes_the_data_under_ulfm(tmp_path):
+def test_own_loop_survives_two_killed_ranks_and_resumes_the_data_under_ulfm(tmp_path):
     need_ulfm()
-    out = _run(tmp_path, ft=True)
+    out = _run(tmp_path, ft=True, kill_rank="3,2", kill_at="3,9")
     assert out.returncode == 0, out.stderr[-3000:]
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
-    assert sorted(results) == ["rank0", "rank1", "rank2"], out.stderr[-3000:]
+    assert sorted(results) == ["rank0", "rank1"], out.stderr[-3000:]
     for r in results.values():
-        assert (r["size"], r["resets"], r["epoch"]) == (3, [3], 2), r
-        assert (r["steps"], r["executed"]) == (15, 16), r
+        assert (r["size"], r["resets"], r["epoch"]) == (2, [3, 2], 2), r
+        assert (r["steps"], r["executed"]) == (18, 20), r
     assert len({r["params"] for r in results.values()}) == 1, results
     chains = _check_windows(tmp_path)
-    # epoch 0: 128 samples on 4 ranks (rank 3's share logged before it died), then 3 ranks
-    # to 368 (the tail of 16 < 3·16 is not trained); epoch 1: all 384 on 3 ranks
+    # epoch 0: 128 samples on 4 ranks (rank 3's share logged before it died), then 3 ranks to
+    # 368 (the tail of 16 < 3·16 is not trained); epoch 1: 48 on 3 ranks (rank 2's share
+    # logged), then 2 ranks to 368
     assert chains[0][0] == (0, 128, 4) and {s for _, _, s in chains[0][1:]} == {3}, chains
-    assert chains[0][-1][1] == 368 and chains[1][-1][1] == LENGTH, chains
+    assert chains[1][0] == (0, 48, 3) and {s for _, _, s in chains[1][1:]} == {2}, chains
+    assert chains[0][-1][1] == 368 and chains[1][-1][1] == 368, chains
 
 
 @pytest.mark.rank0
