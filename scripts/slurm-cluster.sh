@@ -33,8 +33,13 @@ conf=$state/slurm.conf
 
 # A launcher's variables (this may be called from inside an mpiexec'd test) must not leak into the
 # daemons: they would hand them to every job (Open MPI's, PMIx's, and MPICH hydra's PMI_/HYDI_).
+# SLURM_ONEBOX_* are this script's own settings, kept (unset with the rest, the node had 8 CPUs
+# and the default ports whatever the caller asked, so the test's jobs ran two at a time).
 for v in $(compgen -e); do
-    case $v in OMPI_*|PMIX_*|PRTE_*|OPAL_*|SLURM_*|PMI_*|HYDI_*|HYDRA_*|MPIR_*) unset "$v";; esac
+    case $v in
+        SLURM_ONEBOX_*) ;;
+        OMPI_*|PMIX_*|PRTE_*|OPAL_*|SLURM_*|PMI_*|HYDI_*|HYDRA_*|MPIR_*) unset "$v";;
+    esac
 done
 export SLURM_CONF=$conf
 

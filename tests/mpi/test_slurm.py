@@ -3,7 +3,7 @@
 
 The cluster test runs on rank 0 only and is skipped — on every rank alike — when this is not root or
 the packages cannot be installed. All jobs are submitted at once and run side by side (the node
-declares 8 CPUs; each job takes 4), so the whole test stays near two minutes on 2 cores.
+declares 20 CPUs: the 2 preemption jobs take 2, the 4 template jobs 4 each).
 Set HPCASYNC_SKIP_SLURM=1 to skip it. (The environment reader: tests/unit/test_slurm.py.)
 """
 from __future__ import annotations
@@ -26,9 +26,10 @@ from tests.mpi_util import COMM, RANK, REPO, VENDOR, clean_env
 CLUSTER = REPO / "scripts" / "slurm-cluster.sh"
 LOCK = Path("/tmp/hpcasync-slurm-test.lock")        # one test cluster per machine at a time
 CURRENT = Path("/tmp/hpcasync-slurm-test.state")    # its state dir, to stop an orphan one
-# 16 CPUs declared on 2 cores: every job of the test runs at once (Slurm's scheduling waits overlap)
+# 20 CPUs declared on 2 cores: every job of the test runs at once (2 + 2 + 4 x 4 tasks; Slurm's
+# scheduling waits overlap)
 PORTS = {"SLURM_ONEBOX_CTLD_PORT": "16817", "SLURM_ONEBOX_SLURMD_PORT": "16818",
-         "SLURM_ONEBOX_CPUS": "16"}
+         "SLURM_ONEBOX_CPUS": "20"}
 JOB_TIMEOUT = 240
 SMALL = "--train-limit 2048 --test-limit 500"
 
