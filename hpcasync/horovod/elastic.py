@@ -160,6 +160,9 @@ class _Facade(_core.Membership):
     def rebuild(self, new) -> None:
         _rebuild(new)
 
+    def done_with(self, new) -> None:
+        new.Free()
+
     def rank(self) -> int:
         return _basics.rank()
 
@@ -232,9 +235,8 @@ def _rebuild(new) -> None:
     _drop(st)
     # the old topology's exit barrier and communicators hold dead ranks: released locally
     api.release(st.roles, free_world=st.owns_world)
-    _basics.init(comm=new)
-    new.Free()
-    st = _st.current()
+    _basics.init(comm=new)          # the facade runs on a duplicate: ``new`` is freed by
+    st = _st.current()              # done_with() once the reset is agreed on
     for opt in _optimizers():
         opt._hvd_rebind(st.comm)
 

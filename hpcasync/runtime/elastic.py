@@ -53,7 +53,8 @@ class Membership:
     ``after_failure()`` local: forget collectives in flight (their communicators are revoked);
     ``check_reset()``   refuse a reset this front end cannot do (one-line error);
     ``rebuild(new)``    collective over ``new``, the shrunk ``comm``: re-initialise topology and
-                        optimizers on the survivors;
+                        optimizers on the survivors (``new`` stays valid: the reset agrees on it);
+    ``done_with(new)``  after the reset was agreed on: free ``new`` if the rebuild copied it;
     ``rank()``/``size()``, ``bcast_object(obj)``, ``sync_model(m)``, ``sync_optimizer(o)``.
     """
 
@@ -70,6 +71,9 @@ class Membership:
 
     def rebuild(self, new) -> None:
         raise NotImplementedError
+
+    def done_with(self, new) -> None:
+        pass
 
     def rank(self) -> int:
         return self.comm.Get_rank()
@@ -131,6 +135,7 @@ class FaultTolerance:
         self.error: BaseException | None = None
         self.resets: list[dict] = []
         self._detected = None
+        self._kill_point = _kill_points() if self.ulfm else (lambda phase: None)
 
     def is_failure(self, exc: BaseException) -> bool:
         """``exc`` reports a dead process or a revoked communicator (ULFM), directly or as a
@@ -173,15 +178,33 @@ class FaultTolerance:
             return False
 
     def reset(self) -> None:
-        """Shrink the world over the survivors and rebuild the front end on them."""
+        """Shrink the world over the survivors and rebuild the front end on them. Atomic: the
+        rebuild ends in one ``MPI_Comm_agree``; if it failed anywhere (a death during the
+        rebuild's collectives), every survivor shrinks again and rebuilds on the smaller world."""
         m = self.membership
         m.check_reset()
         t0, before = time.perf_counter(), m.comm.Get_size()
-        new = m.comm.Shrink()
-        m.rebuild(new)
+        comm, attempts = m.comm, 0
+        while True:
+            new = comm.Shrink()
+            self._kill_point("reset")       # testing hook: a death inside the rebuild
+            attempts, error = attempts + 1, None
+            try:
+                m.rebuild(new)
+            except Exception as exc:       # noqa: BLE001 - an MPI error: agreed on below
+                if not _mpi_error(exc):
+                    raise
+                error = exc
+            if _agreed(new, error is None):
+                m.done_with(new)
+                break
+            if new.Get_size() == comm.Get_size() and error is not None and attempts > 1:
+                raise error                 # nobody died since the last attempt: not a death
+            revoke_all([new])
+            comm = new
         self.resets.append({"size_before": before, "size": m.size(),
-                            "detected_unix": self._detected, "reset_s":
-                            round(time.perf_counter() - t0, 4)})
+                            "detected_unix": self._detected, "attempts": attempts,
+                            "reset_s": round(time.perf_counter() - t0, 4)})
         self.error = self._detected = None
         if m.rank() == 0:
             log.warning("elastic: a rank died; reset from %d to %d ranks", before, m.size())
@@ -219,6 +242,33 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                 reset_required = True
         return wrapper
     return decorate
+
+
+def _mpi_error(exc: BaseException) -> bool:
+    """An MPI error (a rebuild's collective over a world with a dead member fails with the
+    process-failure class, or with the class of what it creates: ``MPI_ERR_WIN``, ...)."""
+    from mpi4py import MPI
+
+    return proc_failure(exc) or isinstance(exc, MPI.Exception)
+
+
+def _agreed(comm, ok: bool) -> bool:
+    """``MPI_Comm_agree`` of ``ok`` over ``comm``; a failure it reports is False everywhere."""
+    try:
+        return bool(comm.Agree(int(ok)))
+    except Exception as exc:           # noqa: BLE001 - a death during the agreement
+        if not proc_failure(exc):
+            raise
+        return False
+
+
+def _kill_points():
+    """``HPCASYNC_INJECT_KILL_AT``'s kill points for this process's ``MPI_COMM_WORLD`` rank."""
+    from mpi4py import MPI
+
+    from .ft import kill_points
+
+    return kill_points(MPI.COMM_WORLD.Get_rank())
 
 
 def _revoked(comm) -> bool:

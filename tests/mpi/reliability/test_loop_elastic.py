@@ -29,12 +29,13 @@ LENGTH, BATCH, SEED = 384, 16, 1
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at=3, kill_rank=None):
+def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at=3, kill_rank=None,
+         env=None):
     kill_rank = n - 1 if kill_rank is None else kill_rank
     cmd = [*mpiexec(n, ft=ft), sys.executable, SCRIPT, "--out", str(tmp_path),
            "--kill-rank", str(kill_rank), "--kill-at", str(kill_at), "--commit-every", "2",
            "--limit", str(LENGTH), "--batch-size", str(BATCH)]
-    out = subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True,
+    out = subprocess.run(cmd, env=clean_env(**(env or {})), cwd=REPO, capture_output=True, text=True,
                          timeout=timeout)
     return out
 
@@ -80,6 +81,27 @@ def test_own_loop_survives_two_killed_ranks_and_resumes_the_data_under_ulfm(tmp_
     assert chains[0][0] == (0, 128, 4) and {s for _, _, s in chains[0][1:]} == {3}, chains
     assert chains[1][0] == (0, 48, 3) and {s for _, _, s in chains[1][1:]} == {2}, chains
     assert chains[0][-1][1] == 368 and chains[1][-1][1] == 368, chains
+
+
+@pytest.mark.rank0
+def test_a_death_inside_the_reset_rebuilds_again_on_the_smaller_world(tmp_path):
+    """Rank 3 dies before step 3; rank 2 dies inside the reset, after the shrink, before the
+    rebuild (kill phase ``reset``): the rebuild's collectives fail on ranks 0 and 1, the
+    agreement that ends the rebuild says so on both, and they shrink again and rebuild on 2 ranks
+    — one reset of 2 attempts; the run ends with exit 0, equal replicas and the epoch's data
+    dealt from the commit exactly once."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_at=3, env={"HPCASYNC_INJECT_KILL_AT": "2:reset:1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1"], out.stderr[-3000:]
+    for r in results.values():
+        assert (r["size"], r["resets"], r["epoch"]) == (2, [2], 2), r
+        assert r["executed"] == r["steps"] + 1, r            # one step redone after the rollback
+    assert len({r["params"] for r in results.values()}) == 1, results
+    chains = _check_windows(tmp_path)
+    assert chains[0][0] == (0, 128, 4) and {s for _, _, s in chains[0][1:]} == {2}, chains
+    assert {s for _, _, s in chains[1]} == {2}, chains
 
 
 @pytest.mark.rank0
