@@ -28,7 +28,10 @@ def _suite(case: str, *, timeout: float = 120, **env: str):
 @pytest.mark.rank0
 def test_one_rank_failing_before_a_collective_ends_the_job_within_seconds():
     # Before the harness agreed on outcomes this hung until pytest-timeout's 600 s, silently.
-    proc, took, out = _suite("case_one_rank_fails_before_collective.py", timeout=90)
+    # the failing rank's wait for the others: 1 s instead of the default 5 (the same path, a
+    # shorter wait)
+    proc, took, out = _suite("case_one_rank_fails_before_collective.py", timeout=90,
+                             HPCASYNC_TEST_AGREE_TIMEOUT="1")
     assert proc.returncode != 0, out
     assert took < 60, f"took {took:.1f} s\n{out}"
     assert "[rank 2]" in out, out
@@ -61,7 +64,7 @@ def test_a_failure_on_every_rank_is_an_ordinary_failure():
 
 @pytest.mark.rank0
 def test_a_hang_ends_the_job_naming_the_test():
-    proc, took, out = _suite("case_hang.py", timeout=90, HPCASYNC_TEST_TIMEOUT_PER_TEST="5")
+    proc, took, out = _suite("case_hang.py", timeout=90, HPCASYNC_TEST_TIMEOUT_PER_TEST="2")
     assert proc.returncode != 0, out
     assert took < 30, f"took {took:.1f} s\n{out}"
     for rank in range(4):
