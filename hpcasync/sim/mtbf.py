@@ -203,8 +203,8 @@ NODE_MTBF = (("1 day", DAY), ("1 week", 7 * DAY), ("1 month", 30 * DAY), ("1 yea
 
 def table(costs: Costs, *, job_s: float = DAY, ranks=RANKS, node_mtbf=NODE_MTBF) -> str:
     """A markdown table of :func:`efficiency` per rank count and node MTBF, the three modes."""
-    lines = ["| ranks | node MTBF | job MTBF | deaths per job | shrink | grow back | restart "
-             "(τ) | best |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | node MTBF | job MTBF | deaths per job | shrink (ranks left) | grow back "
+             "| restart (τ) | best |", "|---|---|---|---|---|---|---|---|"]
     for n in ranks:
         for name, m in node_mtbf:
             eff = {k: efficiency(k, ranks=n, node_mtbf_s=m, job_s=job_s, costs=costs)
@@ -212,7 +212,8 @@ def table(costs: Costs, *, job_s: float = DAY, ranks=RANKS, node_mtbf=NODE_MTBF)
             best = max(eff, key=eff.get)
             tau = interval(costs, n, m, job_s)
             lines.append(
-                f"| {n} | {name} | {_dur(m / n)} | {n * job_s / m:.1f} | {_pct(eff['shrink'])} | "
+                f"| {n} | {name} | {_dur(m / n)} | {n * job_s / m:.1f} | {_pct(eff['shrink'])}"
+                f"{f' ({n * (1 - job_s / m):.0f})' if eff['shrink'] else ''} | "
                 f"{_pct(eff['grow'])} | {_pct(eff['restart'])} ({_dur(tau)}) | "
                 f"{'grow back' if best == 'grow' else best} |")
     return "\n".join(lines)
