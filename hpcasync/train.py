@@ -178,7 +178,8 @@ def train(cfg: TrainConfig) -> dict:
         raise
     finally:
         ctx.preempt.restore()
-    wall = time.time() - t0
+    # a replacement that joined (runtime.join) took the run's start (ctx.t0) with the live state
+    wall = time.time() - (ctx.t0 if join.joined() else t0)
     if ctx.topo is not topo:      # the run survived dead ranks (runtime.recovery, ps.takeover)
         topo = ctx.topo
         report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0

@@ -59,6 +59,8 @@ def test_ssgd_grows_back_to_the_undisturbed_runs_parameters(tmp_path):
     assert [r["event"] for r in records if r["event"] in ("rank_failed", "rank_joined")] == \
         ["rank_failed", "rank_joined"] * 2
     assert [r["world_size"] for r in records if r["event"] == "epoch"] == [4, 4]
+    # the summary's wall time is the run's, also when a joiner (rank 0's) writes it
+    assert s["wall_time_s"] >= max(r["wall_time_s"] for r in records if r["event"] == "epoch")
     assert out.stderr.count("grow-back: 1 rank(s) joined") == 2
     assert all(0 < j["join_s"] < 60 for j in joins)
 
