@@ -8,7 +8,8 @@ Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
 world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its N-th step (counted from 0; N = the steps of the whole
-run: after its last step, before ``train`` returns); ``--out DIR`` writes, on each
+run: after its last step, before ``train`` returns; N = -1: after loading the data, before the
+optimizer's first broadcast); ``--out DIR`` writes, on each
 survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
 the parameters) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data indices this
 rank trained on since the previous commit, with the sampler's position before and after.
@@ -45,6 +46,8 @@ kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
 
 ctx = hpcasync.init("ssgd", seed=0)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
+if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
+    os.kill(os.getpid(), signal.SIGKILL)
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
 sgd = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.size, momentum=0.9)
 opt = hpcasync.optimizer("ssgd", model, sgd)

@@ -341,7 +341,13 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
         hyper["batches_per_epoch"] = hyper.pop("steps_per_epoch")
         result = DASO(opt, model, **hyper)
     if broadcast:
-        result.broadcast_parameters(root=0)
+        try:
+            result.broadcast_parameters(root=0)
+        except Exception as exc:     # noqa: BLE001 - ULFM: a rank died before the loop began
+            from .runtime.elastic import defer_startup_failure
+
+            if not defer_startup_failure(exc, [result.comm]):
+                raise
     return result
 
 

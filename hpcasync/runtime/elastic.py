@@ -262,6 +262,24 @@ def _agreed(comm, ok: bool) -> bool:
         return False
 
 
+def defer_startup_failure(exc: BaseException, comms) -> bool:
+    """Under ULFM, a process failure met by a collective before any elastic loop ran -- an
+    optimizer's first broadcast, when a rank died while the ranks loaded their data: revoke
+    ``comms`` and return True (the caller goes on; its replicas are not equal yet). The next
+    collective on them then fails on every survivor: inside ``@hpcasync.elastic.run`` (its first
+    ``state.sync()``), which resets over the survivors and syncs rank 0's state; anywhere else
+    fail-fast ends the job with one line, as if it had been raised here. False (re-raise it):
+    not a process failure, or no ULFM."""
+    from .ft import ulfm_enabled
+
+    if not (ulfm_enabled() and proc_failure(exc)):
+        return False
+    revoke_all(comms)
+    log.info("a rank died before the training loop began (%s); the elastic loop resets first",
+             exc)
+    return True
+
+
 def _kill_points():
     """``HPCASYNC_INJECT_KILL_AT``'s kill points for this process's ``MPI_COMM_WORLD`` rank."""
     from mpi4py import MPI

@@ -105,6 +105,27 @@ def test_a_death_inside_the_reset_rebuilds_again_on_the_smaller_world(tmp_path):
 
 
 @pytest.mark.rank0
+def test_a_death_before_the_loop_began_is_survived_by_the_first_reset(tmp_path):
+    """Rank 3 dies after loading its data, before ``hpcasync.optimizer``'s first broadcast (the
+    window between ``hpcasync.init`` and ``train(state)``, where a random kill lands most
+    often): the broadcast fails on the survivors, which revoke and go on
+    (``runtime.elastic.defer_startup_failure``); the first ``state.sync()`` inside ``@run`` then
+    fails on every survivor, they reset to 3 ranks and sync rank 0's state. The whole run is on
+    3 ranks, nothing redone, replicas equal, each epoch's data dealt once."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_at=-1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1", "rank2"], out.stderr[-3000:]
+    for r in results.values():
+        assert (r["size"], r["resets"], r["epoch"]) == (3, [3], 2), r
+        assert r["executed"] == r["steps"], r
+    assert len({r["params"] for r in results.values()}) == 1, results
+    chains = _check_windows(tmp_path)
+    assert {e: {s for _, _, s in c} for e, c in chains.items()} == {0: {3}, 1: {3}}, chains
+
+
+@pytest.mark.rank0
 def test_a_death_after_the_last_step_is_agreed_on_and_nothing_is_trained_again(tmp_path):
     """Rank 3 dies after the run's last step (12 = 6 steps of 64 samples per epoch), when every
     survivor's function returns: the agreement at the end of the attempt reports it, the
