@@ -87,6 +87,29 @@ def last_summary(path) -> dict:
     return [r for r in read_metrics(path) if r["event"] == "summary"][-1]
 
 
+#: The uninterrupted 4-rank SSGD run that the kill and preemption tests (test_recovery.py,
+#: test_preemption.py) compare their resumed runs with, bitwise: one job serves both
+#: (:func:`reference_summary`). 16 steps an epoch, 3 epochs.
+SSGD_REFERENCE = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini",
+                  "--train-limit", "2048", "--test-limit", "300", "--epochs", "3", "--progress",
+                  "off", "--seed", "3"]
+_references: dict = {}
+
+
+def reference_summary(args: list[str], directory: Path, n: int = 4) -> dict:
+    """The summary record of ``mpiexec -n n python -m hpcasync.cli ARGS`` (run once per session
+    and argument list, on the rank that asks: rank 0 of a ``rank0`` test); its metrics go to
+    ``directory``. A failed run fails every test that asks for it."""
+    key = (n, tuple(args))
+    if key not in _references:
+        metrics = Path(directory) / "reference.jsonl"
+        r = run_mpi(n, [*args, "--metrics", str(metrics)], timeout=300)
+        _references[key] = (r, last_summary(metrics) if r.returncode == 0 else None)
+    r, summary = _references[key]
+    assert r.returncode == 0, f"the reference run failed:\n{r.stderr[-2000:]}"
+    return summary
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
     """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
     t0 = time.time()

@@ -9,17 +9,17 @@ import sys
 import pytest
 
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, run_mpi, wait_for
+from tests.mpi_util import (REPO, SSGD_REFERENCE, clean_env, last_summary, mpiexec,
+                            reference_summary, run_mpi, wait_for)
 
-ARGS = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--train-limit", "4096",
-        "--test-limit", "500", "--epochs", "3", "--progress", "off", "--seed", "7"]
+# 16 steps an epoch, 3 epochs; the ranks agree on a stop every 10 steps
+ARGS = SSGD_REFERENCE
 
 
 @pytest.mark.rank0
 def test_ssgd_preempted_and_resumed_is_bitwise_equal(tmp_path):
-    ref = run_mpi(4, [*ARGS, "--metrics", str(tmp_path / "ref.jsonl")], timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    want = last_summary(tmp_path / "ref.jsonl")["params_sha256"]
+    # the uninterrupted run (shared with reliability/test_recovery.py)
+    want = reference_summary(ARGS, tmp_path)["params_sha256"]
 
     ckpt = tmp_path / "ckpt"
     partial = tmp_path / "a.jsonl.partial"

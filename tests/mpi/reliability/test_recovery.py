@@ -20,7 +20,8 @@ import pytest
 
 from hpcasync.checkpoint import checkpoint_name, latest_checkpoint, read_checkpoint
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, run_mpi, wait_for
+from tests.mpi_util import (REPO, SSGD_REFERENCE, clean_env, last_summary, mpiexec,
+                            reference_summary, run_mpi, wait_for)
 
 
 def kill_job(job: subprocess.Popen) -> None:
@@ -66,17 +67,15 @@ def records_of(path) -> list[dict]:
 
 EVERY = 5
 NB = 2048 // 4 // 32                            # 16 steps per epoch
-SSGD = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--train-limit", "2048",
-        "--test-limit", "300", "--epochs", "3", "--progress", "off", "--seed", "3",
-        "--push-delay", "40"]                   # 40 ms a step: time to kill it mid-run
+SSGD = [*SSGD_REFERENCE, "--push-delay", "40"]  # 40 ms a step: time to kill it mid-run
 
 
 @pytest.mark.rank0
 @pytest.mark.one_mpi       # MPICH: the PS test below and test_restarts.py kill and resume there
 def test_ssgd_killed_resumes_from_latest_good_checkpoint_bitwise(tmp_path):
-    ref = run_mpi(4, [*SSGD, "--metrics", str(tmp_path / "ref.jsonl")], timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    want = last_summary(tmp_path / "ref.jsonl")
+    # the uninterrupted run, shared with test_preemption.py; it has no push delay (a sleep: no
+    # number changes)
+    want = reference_summary(SSGD_REFERENCE, tmp_path)
 
     ckpt, partial = tmp_path / "ckpt", tmp_path / "a.jsonl.partial"
     job = start_job([*SSGD, "--metrics", str(tmp_path / "a.jsonl"), "--checkpoint-dir", str(ckpt),
