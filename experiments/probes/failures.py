@@ -201,6 +201,8 @@ LOOP = ["examples/train_mnist.py", "--algorithm", "ssgd", "--epochs", "2",
         "--train-limit", "12000", "--log-interval", "40", "--seed", "0"]
 ELASTIC = ["tests/horovod_elastic_script.py", "--epochs", "2", "--limit", "4000",
            "--batch-size", "16", "--commit-every", "4"]
+LOOP_ELASTIC = ["examples/train_mnist_elastic.py", "--dataset", "fashion-mnist", "--epochs", "6",
+                "--limit", "24000", "--batch-size", "16", "--commit-every", "4"]
 # route -> (kind, algorithm, the ranks one of which is killed)
 ROUTES = {
     "ssgd": ("cli", "ssgd", (0, 1, 2, 3)),
@@ -212,6 +214,7 @@ ROUTES = {
     "smega2-server": ("cli", "smega2", (0,)),
     "own-loop": ("loop", "ssgd", (0, 1, 2, 3)),
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
+    "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -264,7 +267,8 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         for f in outdir.iterdir():
             f.unlink()
     outdir.mkdir(exist_ok=True)
-    return [*launch, *ELASTIC, "--out", str(outdir)], runs / f"{rid}.out"
+    script = LOOP_ELASTIC if route == "own-loop-elastic" else ELASTIC
+    return [*launch, *script, "--out", str(outdir)], runs / f"{rid}.out"
 
 
 def _phase(lines: list[tuple[float, str]], at: float, kind: str) -> str:
