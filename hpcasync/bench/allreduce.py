@@ -76,11 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, float]:
     """Median over iterations of the slowest rank's seconds per method.
 
-    The methods take turns inside every iteration (each call after a barrier; the first to go
-    and the buffer each method reduces rotate from one iteration to the next), so a burst of
-    background load hits all of them alike instead of whichever happened to be running, and no
-    method keeps a buffer whose pages happen to be faster (two identical MPI calls on two
-    different 16 MiB buffers differed by 6-9 % here).
+    The methods take turns inside every iteration (each call after a barrier; the order and the
+    buffer each method reduces are drawn afresh every iteration, from one seeded generator that
+    every rank shares), so a burst of background load hits all of them alike instead of
+    whichever happened to be running, no method keeps a buffer whose pages happen to be faster
+    (two identical MPI calls on two different 16 MiB buffers differed by 6-9 % here), and no
+    method always follows the same other one on the same buffer (a fixed rotation gave ``ours``
+    the buffer the window had just written, every iteration: 0.94-0.97x an identical MPI call at
+    1 MiB on 2 ranks, in three runs).
     """
     from mpi4py import MPI
 
@@ -90,12 +93,13 @@ def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, 
     tensors = [persistent.register(torch.zeros(nbytes // 4)) for _ in items]   # zeros: no overflow
     warmup = max(WARMUP, len(items))   # every method has met every buffer before timing
     times = np.empty((len(items), warmup + iters))
+    draw = np.random.default_rng(0)    # the same draws on every rank: the same calls in turn
     for i in range(warmup + iters):
-        for j in range(len(items)):    # rotate who goes first and which buffer each one gets:
-            k = (i + j) % len(items)   # neither the position nor a buffer's pages favour anyone
+        order, buffers = draw.permutation(len(items)), draw.permutation(len(items))
+        for k in order:
             comm.Barrier()
             t0 = time.perf_counter()
-            items[k][1](tensors[(k + i) % len(items)])
+            items[k][1](tensors[buffers[k]])
             times[k, i] = time.perf_counter() - t0
     slowest = np.ascontiguousarray(times[:, warmup:])
     comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
