@@ -277,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpcasync: error: {exc}", file=sys.stderr)
         return 2
-    print("\n".join([vendor, *cmd]))
+    try:                    # one write; a reader that took what it needed (`| head -n 1`) is fine
+        sys.stdout.write("\n".join([vendor, *cmd]) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no error at exit
     return 0
 
 

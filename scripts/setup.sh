@@ -40,7 +40,8 @@ if ! "$venv/bin/python" -c "import torch, mpi4py, hpcasync" 2>/dev/null || ! has
     "${pip[@]}" -e "$repo[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
     "$venv/bin/python" -c "import torch, mpi4py, hpcasync" || { say "install failed"; exit 1; }
     # mpi4py must load the MPI just installed (a system MPI found first would not match mpiexec)
-    got=$("$venv/bin/python" -m hpcasync.launch -n 1 | head -n 1) || { say "no usable MPI"; exit 1; }
+    got=$("$venv/bin/python" -m hpcasync.launch -n 1) || { say "no usable MPI"; exit 1; }
+    got=${got%%$'\n'*}                      # line 1: the MPI's name (then the launcher command)
     [ "$got" = "$mpi" ] || { say "mpi4py in $venv loads $got, not $mpi"; exit 1; }
     touch "$venv/.hpcasync-installed"
 fi
