@@ -151,10 +151,16 @@ def build(name: str, model_name: str, args, comm, hvd=None) -> Method:
 
 
 def time_turns(comm, methods: list[Method], batches, steps: int, warmup: int) -> None:
-    """Run ``warmup + steps`` steps, the methods taking turns in each; fill ``Method.times``."""
+    """Run ``warmup + steps`` steps, the methods taking turns in each; fill ``Method.times``.
+    The order of the turns is drawn afresh every step from one seeded generator that every rank
+    shares (the same calls in the same order everywhere), so no method always follows the same
+    other one (what the previous turn left in the caches and the allocator is not one method's
+    luck)."""
+    draw = np.random.default_rng(0)
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
-        for m in methods:
+        for k in draw.permutation(len(methods)):
+            m = methods[k]
             idle_barrier(comm, 0.0005)
             t0 = time.perf_counter()
             m.step(x, y)
