@@ -30,7 +30,7 @@ import time
 import torch
 
 from ..errors import proc_failure
-from ..runtime.recovery import _kept, _revoke
+from ..runtime.recovery import _kept, _revoke, agreed
 
 log = logging.getLogger("hpcasync")
 
@@ -76,17 +76,6 @@ def _shrink(ctx, comms, world=None) -> tuple:
     original = getattr(ctx, "original_ranks", list(range(size)))
     ctx.original_ranks = [original[r] for r in kept]
     return new, kept, [original[r] for r in range(size) if r not in kept]
-
-
-def _agreed(comm, done: int) -> bool:
-    """True on every survivor when each one completed the attempt (``MPI_Comm_agree``, a
-    bitwise AND; a failure it reports, it reports on every survivor)."""
-    try:
-        return bool(comm.Agree(done))
-    except Exception as exc:        # noqa: BLE001 - a death during the agreement
-        if not proc_failure(exc):
-            raise
-        return False
 
 
 def _become_reporter(ctx, rank: int) -> None:
@@ -227,7 +216,7 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
             if not proc_failure(exc):
                 raise
             done = 0
-        if _agreed(new, done):
+        if agreed(new, done):
             break
         world, comms = new, (new,)
     every, server, sources, states, theta = got

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import proc_failure
+from .recovery import agreed
 
 log = logging.getLogger("hpcasync")
 
@@ -195,7 +196,7 @@ class FaultTolerance:
                 if not _mpi_error(exc):
                     raise
                 error = exc
-            if _agreed(new, error is None):
+            if agreed(new, error is None):
                 m.done_with(new)
                 break
             if new.Get_size() == comm.Get_size() and error is not None and attempts > 1:
@@ -250,16 +251,6 @@ def _mpi_error(exc: BaseException) -> bool:
     from mpi4py import MPI
 
     return proc_failure(exc) or isinstance(exc, MPI.Exception)
-
-
-def _agreed(comm, ok: bool) -> bool:
-    """``MPI_Comm_agree`` of ``ok`` over ``comm``; a failure it reports is False everywhere."""
-    try:
-        return bool(comm.Agree(int(ok)))
-    except Exception as exc:           # noqa: BLE001 - a death during the agreement
-        if not proc_failure(exc):
-            raise
-        return False
 
 
 def defer_startup_failure(exc: BaseException, comms) -> bool:

@@ -150,7 +150,7 @@ class SyncRecovery:
                 done = 0                # wake whoever waits on this attempt's communicators
                 _revoke((new, self.ctx.topo.local, self.ctx.topo.glob,
                          *(revoke() if callable(revoke) else ())))
-            if self._agree(new, done):
+            if agreed(new, done):
                 break
             world = new
         else:                           # (each attempt that fails needs one more death)
@@ -178,15 +178,6 @@ class SyncRecovery:
                         new.Get_size(), took, self.original[src], tuple(positions[src]))
         return positions[src]
 
-    def _agree(self, comm, done: int) -> bool:
-        """True on every survivor when each one completed the attempt (``MPI_Comm_agree``: a
-        bitwise AND; a failure it reports is reported on every survivor alike)."""
-        try:
-            return bool(comm.Agree(done))
-        except Exception as exc:        # noqa: BLE001 - a death during the agreement
-            if not _mpi_failure(exc):
-                raise
-            return False
 
     def step_completed(self) -> None:
         """Call after each completed step: the first one after a recovery is timed (the record's
@@ -345,6 +336,19 @@ class EpochCursor:
 
 def _no_point(phase: str) -> None:
     """A context without failure injection (a user's own loop)."""
+
+
+def agreed(comm, done) -> bool:
+    """True on every survivor when each one completed its attempt (``MPI_Comm_agree`` of
+    ``done``: a bitwise AND); a death during the agreement, which it reports on every survivor
+    alike, is False. Ends every atomic step of a recovery: this module's, a PS takeover's
+    exchange (:mod:`hpcasync.ps.takeover`), an elastic reset (:mod:`.elastic`)."""
+    try:
+        return bool(comm.Agree(int(done)))
+    except Exception as exc:        # noqa: BLE001 - a death during the agreement
+        if not proc_failure(exc):
+            raise
+        return False
 
 
 def _mpi_failure(exc: BaseException) -> bool:
