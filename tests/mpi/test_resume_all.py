@@ -302,8 +302,13 @@ def test_several_workers_continue_from_the_saved_state(algorithm, tmp_path):
     ps = state["ps"]
     theta = ps["rule"]["theta"]
     # every collective before any assert (a rank failing alone would leave the others waiting)
-    own = COMM.allgather(RANK > 0 and not torch.equal(first["params"], theta))[1:]
+    trained = "params" in first       # no step after the resume: its budget was done at the stop
+    own = COMM.allgather(RANK > 0 and trained and not torch.equal(first["params"], theta))[1:]
     positions = ps["positions"]
+    # under load a worker can finish its whole budget before the stop (a clean-clone CI run:
+    # KeyError 'params' on rank 1): it then trains nothing after the resume, and what it
+    # resumes from is checked on the workers that have work left
+    left = [p < MULTI_BUDGET for p in positions]
     assert state["kind"] == "stop" and header["step"] == sum(positions) == ps["rule"]["version"]
     assert positions[1] == 21                  # worker 1 (rank 2) stopped with its 21st push
     assert s["resumed_at_push"] == header["step"]
@@ -314,6 +319,8 @@ def test_several_workers_continue_from_the_saved_state(algorithm, tmp_path):
         assert [r["epoch"] for r in ctx.history] == list(range(header["epoch"], 3))
         got, want = ctx.history[-1]["test_accuracy"], ref.history[-1]["test_accuracy"]
         assert got >= want - ACCURACY_MARGIN[algorithm in ("smega2", "nag")], (got, want)
+    elif not left[RANK - 1]:
+        assert not trained
     else:
         w = RANK - 1
         rule = build_rule(ctx.cfg, torch.zeros_like(theta), W)
@@ -326,8 +333,8 @@ def test_several_workers_continue_from_the_saved_state(algorithm, tmp_path):
             assert torch.equal(first["params"], rule.initial_reply(w).params)
         if algorithm == "ensemble":            # α = 0: a worker's path is its data's alone, so
             assert torch.equal(ctx.last_local, ref.last_local)     # resumed = uninterrupted
-    if algorithm == "ensemble":
-        assert all(own)                        # every worker had a model of its own
+    if algorithm == "ensemble":                # every worker with work left had its own model
+        assert all(o for o, more in zip(own, left) if more) and any(left)
     elif algorithm in ("shat", "shat-root"):
         assert any(own)
 
