@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import proc_failure
+from ..errors import TopologyError, proc_failure
 from .recovery import agreed
 
 log = logging.getLogger("hpcasync")
@@ -199,8 +199,11 @@ class FaultTolerance:
             if agreed(new, error is None):
                 m.done_with(new)
                 break
-            if new.Get_size() == comm.Get_size() and error is not None and attempts > 1:
-                raise error                 # nobody died since the last attempt: not a death
+            if new.Get_size() == comm.Get_size() and attempts > 1:
+                # nobody died since the last attempt: not a death; every survivor stops (a
+                # rank whose own rebuild went through must not try again alone, forever)
+                raise error or TopologyError("elastic reset: the rebuild failed on another "
+                                             "survivor, and no rank died since the last attempt")
             revoke_all([new])
             comm = new
         self.resets.append({"size_before": before, "size": m.size(),
