@@ -53,6 +53,15 @@ def _epochs(metrics) -> list[dict]:
     return [r for r in read_metrics(metrics) if r["event"] == "epoch"]
 
 
+def _epoch1_undisturbed(mbase, metrics) -> list[dict]:
+    """Epoch 1 (the first death and join inside it) ends on the undisturbed model: its test
+    loss and accuracy equal the undisturbed run's exactly. Returns the grown run's epochs."""
+    base, grown = _epochs(mbase), _epochs(metrics)
+    assert grown[0]["test_loss"] == base[0]["test_loss"]                # = the undisturbed model
+    assert grown[0]["test_accuracy"] == base[0]["test_accuracy"]
+    return grown
+
+
 def _grew_twice(out, metrics, places: list[int]) -> dict:
     """The common part: two deaths, two joins into the dead ranks' places, 4 ranks at the end
     with the undisturbed step count and bitwise equal replicas."""
@@ -83,9 +92,7 @@ def test_odsgd_grows_back_in_warm_up_and_in_the_one_step_delay(tmp_path):
     _, mbase = _run(tmp_path, "base", ODSGD)
     out, metrics = _run(tmp_path, "grow", [*ODSGD, "--grow-back"], "1:step:4,0:step:35")
     s = _grew_twice(out, metrics, [1, 0])
-    base, grown = _epochs(mbase), _epochs(metrics)
-    assert grown[0]["test_loss"] == base[0]["test_loss"]                # = the undisturbed model
-    assert grown[0]["test_accuracy"] == base[0]["test_accuracy"]
+    _epoch1_undisturbed(mbase, metrics)
     assert s["warmup_steps"] == 30 and s["rounds"] in (2 * STEPS - 1, 2 * STEPS)
 
 
@@ -100,9 +107,7 @@ def test_daso_grows_back_into_its_node_in_a_blocking_and_a_cycling_epoch(tmp_pat
     _, mbase = _run(tmp_path, "base", DASO)
     out, metrics = _run(tmp_path, "grow", [*DASO, "--grow-back"], "2:step:5,1:step:30")
     s = _grew_twice(out, metrics, [2, 1])
-    base, grown = _epochs(mbase), _epochs(metrics)
-    assert grown[0]["test_loss"] == base[0]["test_loss"]                # = the undisturbed model
-    assert grown[0]["test_accuracy"] == base[0]["test_accuracy"]
+    grown = _epoch1_undisturbed(mbase, metrics)
     assert s["daso_node_sizes"] == [2, 2] and s["replicas_identical"]
     assert s["daso_schedule"] == last_summary(mbase)["daso_schedule"]
     assert [r["daso_phase"] for r in grown] == ["warmup", "cycling"]
