@@ -4,6 +4,8 @@
 
 Kill one rank (``kill -9``) while it trains: the survivors roll back to the last commit, shrink
 the world, re-deal the rest of the epoch over themselves and go on; the script ends with exit 0.
+With ``mpirun -x HPCASYNC_GROW_BACK=1 ...`` they then spawn a replacement running this script,
+which takes the dead rank's number and the survivors' state: the run goes on with 4 ranks.
 Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
@@ -11,8 +13,10 @@ world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N
 run: after its last step, before ``train`` returns; N = -1: after loading the data, before the
 optimizer's first broadcast); ``--out DIR`` writes, on each
 survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
-the parameters) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data indices this
-rank trained on since the previous commit, with the sampler's position before and after.
+the parameters; ``joined``: a replacement; written by a replacement too, under the dead rank's
+number, which it took) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data
+indices this rank trained on since the previous commit, with the sampler's position before and
+after. A replacement ignores ``--kill-rank``.
 """
 import argparse
 import hashlib
@@ -43,6 +47,8 @@ parser.add_argument("--kill-at", default="", help="their step counts, comma-sepa
 args = parser.parse_args()
 kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
                  map(int, filter(None, args.kill_at.split(",")))))
+if hpcasync.elastic.is_joiner():           # a replacement takes a dead rank's number: the kills
+    kills = {}                             # name ranks of the first launch
 
 ctx = hpcasync.init("ssgd", seed=0)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
@@ -122,4 +128,5 @@ if args.out:
                                      for p in model.parameters()))
     Path(args.out, f"rank{me}.json").write_text(json.dumps({
         "size": state.size, "resets": resets, "executed": executed[0], "steps": state.steps,
-        "epoch": state.epoch, "params": digest.hexdigest()}))
+        "epoch": state.epoch, "params": digest.hexdigest(), "rank": state.rank,
+        "joined": hpcasync.elastic.is_joiner()}))

@@ -89,6 +89,10 @@ class Roles:
         return self.rank == (self.ps_rank if self.algorithm in PS_ALGORITHMS else 0)
 
 
+#: the options of the first :func:`init` of this process (an elastic grow-back repeats them)
+INIT_OPTIONS: dict[str, Any] = {}
+
+
 def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
          device: str = "auto", ps_rank: int = 0, threads: int | None = None,
          seed: int | None = None, fail_fast: bool = True, verbose: bool = False,
@@ -108,12 +112,21 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         fail_fast: install the exception hook that ends the job on any rank's error
             (docs/design/front-door.md#front-door).
         comm: the intracommunicator the job runs on (default ``COMM_WORLD``); only its ranks call
-            ``init``, and ranks, sizes and roles count inside it.
+            ``init``, and ranks, sizes and roles count inside it. In a replacement spawned by an
+            elastic grow-back (:mod:`hpcasync.elastic`) the default is the grown world.
     """
     from .topology import Topology, set_default_topology
 
     if algorithm is not None and algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
+    if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats it
+        INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,
+                            fail_fast=fail_fast, ps_ranks=ps_ranks)
+    if comm is None:
+        from .runtime.elastic import is_joiner, join_world
+
+        if is_joiner():             # a replacement spawned by an elastic grow-back
+            comm = join_world()
     if fail_fast:
         install_fail_fast()
     topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)

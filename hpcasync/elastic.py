@@ -32,11 +32,23 @@ reset callbacks run, rank 0's state is broadcast and ``train(state)`` is called 
 sampler deals the rest of the epoch from the committed position over the survivors
 (:class:`~hpcasync.data.sharding.ElasticSampler`: no sample of the epoch trained twice or lost).
 SSGD only: another algorithm's optimizer is a one-line ConfigError at ``State(...)`` under ULFM.
+
+**Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
+HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
+shrink the survivors spawn replacements running the same command; each takes a dead rank's
+number, builds its world inside its ``hpcasync.init`` (the grown one: ``ctx.rank``/``ctx.size``
+are the grown world's), and in its ``@run`` function runs the reset callbacks and receives the
+survivors' state at the first ``state.sync()``, as the survivors do after their reset; the world
+is back to its starting size (or ``max_ranks``). Between ``hpcasync.init`` and ``train(state)`` a
+script makes no collective call of its own (a replacement would make it alone).
+:func:`is_joiner` tells a replacement (e.g. to skip a testing hook keyed on a dead rank).
 Without ULFM a death ends the job (fail-fast, one line). The retry loop, latch, agreement and
 shrink are :mod:`hpcasync.runtime.elastic`'s, shared with ``hvd.elastic``. Design:
 docs/design/elastic.md.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -46,7 +58,9 @@ from .errors import ConfigError
 from .runtime import elastic as _core
 from .runtime.elastic import HostsUpdatedInterrupt
 
-__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "run"]
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "is_joiner", "run"]
+
+is_joiner = _core.is_joiner
 
 #: algorithms whose optimizer survives a reset (set_comm over the survivors)
 SUPPORTED = ("ssgd",)
@@ -85,6 +99,22 @@ class _FrontDoor(_core.Membership):
         for sampler in self.state._samplers():
             sampler.set_world(self.topo.rank, self.topo.size)
 
+    def regrow(self, grown) -> None:
+        """What a replacement's ``hpcasync.init`` (the first call's options) does over
+        ``grown``, then the optimizers and samplers onto it (local, as a replacement's
+        :class:`State` does)."""
+        from .topology import default_topology
+
+        api.release(self.roles, free_world=self._own_world)       # local
+        api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(),
+                 **api.INIT_OPTIONS)
+        self.topo, self._own_world = default_topology(), True
+        self.roles = api._sync_roles(self.topo, self.algorithm)
+        for opt in self.state._optimizers():
+            opt.set_comm(self.topo.world)
+        for sampler in self.state._samplers():
+            sampler.set_world(self.topo.rank, self.topo.size)
+
 
 class State(_core.TorchState):
     """What your loop needs back after a death: ``model``, ``optimizer`` (an
@@ -117,6 +147,9 @@ class State(_core.TorchState):
         object.__setattr__(self, "ft", ft)
         object.__setattr__(self, "_membership", membership)
         super().__init__(**values)
+        if _core.is_joiner():   # a replacement: its optimizers reduce over the grown world
+            for opt in self._optimizers():  # (built on its own COMM_WORLD: local, as regrow)
+                opt.set_comm(membership.topo.world)
 
     # -- the core's hooks ------------------------------------------------------------------------
     def default_bcast_object(self, obj):
@@ -135,12 +168,12 @@ class State(_core.TorchState):
             return _core.Handler(value, self._sync_sampler)    # restore keeps rank and size
         if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
             return _core.Handler(value, lambda v: v.load_state_dict(
-                m.bcast_object(v.state_dict() if m.rank() == 0 else None)))
+                m.bcast_object(v.state_dict() if m.is_root() else None)))
         return None
 
     def _sync_sampler(self, sampler: ElasticSampler) -> None:
         m = self._membership
-        sampler.load_state_dict(m.bcast_object(sampler.state_dict() if m.rank() == 0 else None))
+        sampler.load_state_dict(m.bcast_object(sampler.state_dict() if m.is_root() else None))
         sampler.set_world(m.rank(), m.size())
 
     def _optimizers(self) -> list:
@@ -164,15 +197,36 @@ class State(_core.TorchState):
         return self._membership.roles
 
 
-def run(func):
+def run(func=None, *, grow_back: bool | None = None, max_ranks: int | None = None):
     """The decorator: ``func(state, ...)`` is called after ``state.sync()``; when a rank dies
     (ULFM) every survivor restores the last commit, the world is shrunk and rebuilt, the reset
     callbacks run and ``func`` is called again, until it returns on every survivor. Without ULFM
-    errors propagate (a death ends the job with one line)."""
+    errors propagate (a death ends the job with one line).
+
+    ``@run(grow_back=True, max_ranks=N)``: after the shrink, spawn replacements up to N ranks
+    (default ``HPCASYNC_GROW_BACK`` / ``HPCASYNC_MAX_RANKS``; N defaults to the starting size);
+    module doc."""
+    if func is None:
+        return functools.partial(run, grow_back=grow_back, max_ranks=max_ranks)
 
     def tolerance(state):
         if not isinstance(state, State):
             raise ConfigError(f"hpcasync.elastic.run: the first argument must be an "
                               f"hpcasync.elastic.State, got {type(state).__name__}")
+        if grow_back is not None or max_ranks is not None:
+            state.ft.set_growth(grow_back, max_ranks)
         return state.ft
     return _core.elastic_run(tolerance)(func)
+
+
+def _release_at_exit() -> None:
+    """In a process of a grown job, at exit (after the exit agreement): free the front door's
+    communicators, which span the replacements' job, before ``MPI_Finalize``."""
+    from . import topology
+
+    topo = topology._DEFAULT
+    if topo is not None:
+        api.release(api._sync_roles(topo, None), free_world=True)
+
+
+_core._RELEASE.append(_release_at_exit)

@@ -34,6 +34,10 @@ def _state() -> _State:
     return _st.current()
 
 
+#: the options of the first :func:`init` of this process (``hvd.elastic``'s grow-back repeats them)
+INIT_OPTIONS: dict = {}
+
+
 def init(comm=None, process_sets=None, *, algorithm: str | None = None,
          ranks_per_node: int | None = None, ps_rank: int = 0, ps_ranks: int = 1) -> None:
     """Start MPI and the facade (collective; a second call does nothing).
@@ -55,6 +59,14 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
     """
     if _st.STATE is not None:
         return
+    if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats them
+        INIT_OPTIONS.update(algorithm=algorithm, ranks_per_node=ranks_per_node, ps_rank=ps_rank,
+                            ps_ranks=ps_ranks)
+    if comm is None:
+        from ..runtime.elastic import is_joiner, join_world
+
+        if is_joiner():             # a replacement spawned by hvd.elastic's grow-back: the
+            comm = join_world()     # grown world, as the survivors' init(comm=grown)
     from . import process_sets as _ps
 
     process_sets = _ps.check(process_sets, comm_given=comm is not None)

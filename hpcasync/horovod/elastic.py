@@ -20,13 +20,25 @@ A Horovod elastic script runs with its import line changed, started as
 As Horovod: a collective that meets a dead peer fails (``HorovodInternalError`` or ULFM's MPI
 error) on every survivor, which restores its last commit; then the facade is reset on the
 survivors (``MPI_Comm_shrink``), the reset callbacks run, the state is broadcast from the new rank
-0 and ``train`` is called again. Without ULFM a death ends the job (fail-fast). Design and
+0 and ``train`` is called again. Without ULFM a death ends the job (fail-fast).
+
+Growing back (horovodrun's ``--max-np``, here ``mpirun -x HPCASYNC_GROW_BACK=1`` with
+``HPCASYNC_MAX_RANKS=N`` optional, default the starting size; or ``@hvd.elastic.run(grow_back=True,
+max_ranks=N)``): after the shrink the survivors spawn replacements running the same command; a
+replacement's ``hvd.init()`` merges with them and takes a dead rank's number, so ``hvd.size()`` is
+back to N; then every rank — survivors and replacements — runs the reset callbacks once and the
+state is broadcast from the lowest surviving rank. Unlike Horovod, where a new worker starts in
+``state.sync()`` without the callbacks, a replacement runs them too: it then makes the same calls
+as the survivors in the same order (a callback may communicate). Between ``hvd.init()`` and
+``train(state)`` a script builds its optimizer and state and makes no collective call of its own
+(``hvd.broadcast_parameters`` there: the replacement would make it alone). Design and
 differences from Horovod: docs/design/horovod-elastic.md. The retry loop, the error latch, the
 agreement and the shrink are :mod:`hpcasync.runtime.elastic`'s, shared with the own-loop API
 (:mod:`hpcasync.elastic`); this module says what the facade's world is (:class:`_Facade`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -44,7 +56,11 @@ from .functions import (broadcast_object, broadcast_optimizer_state, broadcast_p
 
 log = logging.getLogger("hpcasync")
 
-__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState",
+           "is_joiner", "run"]
+
+#: hpcasync's: this process is a replacement spawned by a grow-back
+is_joiner = _core.is_joiner
 
 
 # -- state objects: the core's, broadcasting with the facade's collectives -------------------------
@@ -54,7 +70,7 @@ class State(_core.State):
     commit back, ``sync()`` makes every rank equal to rank 0 (Horovod's ``State``)."""
 
     def default_bcast_object(self, obj):
-        return broadcast_object(obj)
+        return broadcast_object(obj, root_rank=_core.sync_root())
 
     def default_rank(self) -> int:
         return _basics.rank()
@@ -65,7 +81,7 @@ class ObjectState(_core.ObjectState, State):
 
 
 def _sync_state_dict(value) -> None:
-    value.load_state_dict(broadcast_object(value.state_dict()))
+    value.load_state_dict(broadcast_object(value.state_dict(), root_rank=_core.sync_root()))
 
 
 class TorchState(_core.TorchState, ObjectState):
@@ -78,10 +94,11 @@ class TorchState(_core.TorchState, ObjectState):
 
     def handler_for(self, value):
         if isinstance(value, torch.nn.Module):
-            return _core.ModelHandler(value, lambda m: broadcast_parameters(m.state_dict(),
-                                                                            root_rank=0))
+            return _core.ModelHandler(value, lambda m: broadcast_parameters(
+                m.state_dict(), root_rank=_core.sync_root()))
         if isinstance(value, torch.optim.Optimizer):
-            return _core.Handler(value, lambda o: broadcast_optimizer_state(o, root_rank=0))
+            return _core.Handler(value, lambda o: broadcast_optimizer_state(
+                o, root_rank=_core.sync_root()))
         if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, ElasticSampler)):
             return _core.Handler(value, _sync_state_dict)
         return None
@@ -163,6 +180,9 @@ class _Facade(_core.Membership):
     def done_with(self, new) -> None:
         new.Free()
 
+    def regrow(self, grown) -> None:
+        _regrow(grown)
+
     def rank(self) -> int:
         return _basics.rank()
 
@@ -170,12 +190,17 @@ class _Facade(_core.Membership):
         return _basics.size()
 
 
-def run(func):
+def run(func=None, *, grow_back: bool | None = None, max_ranks: int | None = None):
     """Horovod's decorator: ``func(state, ...)`` is called after ``state.sync()``; when a rank
     dies (ULFM) every survivor restores the last commit, the facade is reset over the survivors,
     the reset callbacks run and ``func`` is called again. Without ULFM errors propagate (the job
-    ends, fail-fast). The loop is :func:`hpcasync.runtime.elastic.elastic_run`."""
-    return _core.elastic_run(lambda state: _core.FaultTolerance(_Facade()))(func)
+    ends, fail-fast). The loop is :func:`hpcasync.runtime.elastic.elastic_run`.
+    hpcasync's keywords ``grow_back``, ``max_ranks``: grow back after the shrink (module doc;
+    default ``HPCASYNC_GROW_BACK``, ``HPCASYNC_MAX_RANKS``)."""
+    if func is None:
+        return functools.partial(run, grow_back=grow_back, max_ranks=max_ranks)
+    return _core.elastic_run(lambda state: _core.FaultTolerance(
+        _Facade(), grow_back=grow_back, max_ranks=max_ranks))(func)
 
 
 def is_failure(exc: BaseException) -> bool:
@@ -239,6 +264,57 @@ def _rebuild(new) -> None:
     st = _st.current()              # done_with() once the reset is agreed on
     for opt in _optimizers():
         opt._hvd_rebind(st.comm)
+
+
+def _regrow(grown) -> None:
+    """The survivors' facade over ``grown`` by the calls a replacement makes: its ``hvd.init()``
+    (the first call's options, ``comm=grown``), then, per live DistributedOptimizer in the order
+    they were built, its constructor's collectives (the descriptor agreement, the reducer's
+    duplicate)."""
+    from .. import api
+
+    st = _st.current()
+    _drop(st)
+    api.release(st.roles, free_world=st.owns_world)          # local
+    _basics.init(comm=grown, **_basics.INIT_OPTIONS)
+    grown.Free()                    # the facade runs on a duplicate, as in a replacement
+    st = _st.current()
+    for opt in _optimizers():
+        _agree.agree(st.comm, _init_desc(opt))
+        opt._hvd_rebind(st.comm)
+
+
+def _init_desc(opt):
+    """The descriptor a DistributedOptimizer's constructor agrees on (``_hvd_setup``'s
+    ``OPTIMIZER-INIT``: a replacement's constructor sends it; kept in step with it)."""
+    params = opt._hvd_params
+    return _agree.Desc("OPTIMIZER-INIT", "DistributedOptimizer", opt._hvd_desc.op,
+                       [(str(p.dtype)[6:], tuple(p.shape),
+                         opt._hvd_names.get(id(p), f"parameter {k}"))
+                        for k, p in enumerate(params)],
+                       None, (float(opt._hvd_predivide), float(opt.backward_passes_per_step)),
+                       params[0].device.type if params else "cpu")
+
+
+def _release_at_exit() -> None:
+    """In a process of a grown job, at exit: free the facade's communicators (they span the
+    replacements' job) before ``MPI_Finalize``; local, no collective."""
+    st = _st.STATE
+    if st is None:
+        return
+    from .. import api
+
+    comms = [getattr(o._hvd_reducer, "comm", None) for o in _optimizers()
+             if o._hvd_flat is not None]
+    comms += [_agree._W.comm, st.local, st.cross, st.comm]
+    _drop(st)
+    for c in comms:
+        if c is not None:
+            api._free(c)
+    api.release(st.roles, free_world=st.owns_world)
+
+
+_core._RELEASE.insert(0, _release_at_exit)      # before the front door's (its topology)
 
 
 def _drop(st) -> None:

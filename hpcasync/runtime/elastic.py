@@ -14,26 +14,54 @@ on the survivors, how to broadcast); :func:`elastic_run` is the retry loop::
         ...                                  # collectives fail on every survivor after a death
     train(state)
 
-Without ULFM nothing is caught: a death ends the job (fail-fast, one line). Design:
-docs/design/elastic.md.
+Without ULFM nothing is caught: a death ends the job (fail-fast, one line).
+
+**Growing back** (opt-in: ``HPCASYNC_GROW_BACK=1``, or ``run(grow_back=True)`` of a front end):
+after the shrink the survivors spawn replacements running the user's own command (``MPI_Comm_spawn``
+of ``sys.executable`` with ``sys.orig_argv``, marked by ``HPCASYNC_ELASTIC_JOINER=1`` in their
+environment, not by an option the script's argparse would refuse), merge with them, and each
+replacement takes a dead rank's number (:func:`hpcasync.runtime.join._order`). The front end is
+rebuilt on the grown world (``Membership.regrow``) by the same calls a replacement makes in its
+``hpcasync.init`` / ``hvd.init`` (:func:`join_world`) and its optimizers' constructors; then
+every rank runs the reset callbacks and syncs from the lowest surviving rank (:func:`sync_root`),
+and one allgather of a digest of the state checks that the replacements hold the survivors'
+(:func:`check_synced`). Design: docs/design/elastic.md.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
+import hashlib
 import logging
+import os
+import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-from ..errors import TopologyError, proc_failure
+from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
 from .recovery import agreed
 
 log = logging.getLogger("hpcasync")
 
 __all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState", "State",
-           "TorchState", "elastic_run", "revoke_all"]
+           "TorchState", "elastic_run", "is_joiner", "join_world", "revoke_all", "sync_root"]
+
+#: grow back after a death (``1``/``true``/``on``); ``HPCASYNC_MAX_RANKS`` the size to grow to
+GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
+#: set (through the spawn's ``PMIX_ENVAR`` info key) in the environment of a replacement
+JOINER_ENV = "HPCASYNC_ELASTIC_JOINER"
+#: failure injection names ranks of the first launch: a replacement drops it
+_INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
+
+#: this process's part in a grow: ``root`` (the rank ``sync()`` broadcasts from: the lowest
+#: survivor after a grow, else 0); on a replacement also ``world``, ``max_ranks``, ``pending``
+#: (its first attempt has not run yet)
+_GROWN: dict[str, Any] = {"root": 0}
+#: front ends' functions freeing their communicators at exit in a process of a grown job
+_RELEASE: list[Callable[[], None]] = []
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -76,6 +104,12 @@ class Membership:
     def done_with(self, new) -> None:
         pass
 
+    def regrow(self, grown) -> None:
+        """Collective over ``grown`` (the survivors and their replacements, each replacement in a
+        dead rank's place): rebuild the front end on it with exactly the collectives a
+        replacement's ``init`` and optimizer constructors make; ``grown`` is the front end's."""
+        raise NotImplementedError
+
     def rank(self) -> int:
         return self.comm.Get_rank()
 
@@ -83,17 +117,21 @@ class Membership:
         return self.comm.Get_size()
 
     def bcast_object(self, obj):
-        return self.comm.bcast(obj, root=0)
+        """``obj`` of :func:`sync_root` (rank 0, or the lowest survivor after a grow)."""
+        return self.comm.bcast(obj, root=sync_root())
+
+    def is_root(self) -> bool:
+        return self.rank() == sync_root()
 
     def sync_model(self, model: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank, bitwise (in place: views stay views)."""
-        state = self.bcast_object(model.state_dict() if self.rank() == 0 else None)
+        """The root's parameters and buffers on every rank, bitwise (in place: views stay views)."""
+        state = self.bcast_object(model.state_dict() if self.is_root() else None)
         with torch.no_grad():
             for k, v in model.state_dict().items():
                 v.copy_(state[k])
 
     def sync_optimizer(self, opt) -> None:
-        opt.load_state_dict(self.bcast_object(opt.state_dict() if self.rank() == 0 else None))
+        opt.load_state_dict(self.bcast_object(opt.state_dict() if self.is_root() else None))
 
 
 def revoke_all(comms) -> None:
@@ -127,7 +165,8 @@ class FaultTolerance:
     ``resets`` (one record per reset: ``size_before``, ``size``, ``detected_unix``,
     ``reset_s``), ``ulfm`` (ULFM is on: otherwise nothing is caught)."""
 
-    def __init__(self, membership: Membership, *, ulfm: bool | None = None):
+    def __init__(self, membership: Membership, *, ulfm: bool | None = None,
+                 grow_back: bool | None = None, max_ranks: int | None = None):
         if ulfm is None:
             from .ft import ulfm_enabled
 
@@ -137,6 +176,30 @@ class FaultTolerance:
         self.resets: list[dict] = []
         self._detected = None
         self._kill_point = _kill_points() if self.ulfm else (lambda phase: None)
+        self.grow_back, self.max_ranks = False, None
+        self.set_growth(grow_back, max_ranks)
+        #: after a grow (or on a replacement): the first sync is checked (:func:`check_synced`)
+        self.check_pending = False
+
+    def set_growth(self, grow_back: bool | None = None, max_ranks: int | None = None) -> None:
+        """Grow back after a death (None: ``HPCASYNC_GROW_BACK``), to ``max_ranks`` ranks (None:
+        ``HPCASYNC_MAX_RANKS``, else the size of the world now, the starting size). On a
+        replacement both are the survivors' (sent with its place)."""
+        if "world" in _GROWN:                    # a replacement: what the survivors grow with
+            self.grow_back, self.max_ranks = True, _GROWN["max_ranks"]
+            return
+        if grow_back is None:
+            grow_back = _env_flag(GROW_ENV)
+        if max_ranks is None:
+            raw = os.environ.get(MAX_ENV, "")
+            if raw and not raw.isdigit():
+                raise ConfigError(f"{MAX_ENV}={raw!r} is not a positive integer")
+            max_ranks = int(raw) if raw else None
+        if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int)
+                                      or max_ranks < 1):
+            raise ConfigError(f"max_ranks must be an integer >= 1, got {max_ranks!r}")
+        self.grow_back = bool(grow_back)
+        self.max_ranks = max_ranks or (self.max_ranks or self.membership.size())
 
     def is_failure(self, exc: BaseException) -> bool:
         """``exc`` reports a dead process or a revoked communicator (ULFM), directly or as a
@@ -184,8 +247,9 @@ class FaultTolerance:
         rebuild's collectives), every survivor shrinks again and rebuilds on the smaller world."""
         m = self.membership
         m.check_reset()
-        t0, before = time.perf_counter(), m.comm.Get_size()
+        t0, before, before_rank = time.perf_counter(), m.comm.Get_size(), m.rank()
         comm, attempts = m.comm, 0
+        _GROWN["root"] = 0
         while True:
             new = comm.Shrink()
             self._kill_point("reset")       # testing hook: a death inside the rebuild
@@ -206,12 +270,77 @@ class FaultTolerance:
                                              "survivor, and no rank died since the last attempt")
             revoke_all([new])
             comm = new
-        self.resets.append({"size_before": before, "size": m.size(),
+        shrunk = m.size()
+        grew = self._grow(before, before_rank) if self.grow_back else None
+        self.resets.append({"size_before": before, "size_shrunk": shrunk, "size": m.size(),
                             "detected_unix": self._detected, "attempts": attempts,
-                            "reset_s": round(time.perf_counter() - t0, 4)})
+                            "reset_s": round(time.perf_counter() - t0, 4), **(grew or {})})
         self.error = self._detected = None
-        if m.rank() == 0:
-            log.warning("elastic: a rank died; reset from %d to %d ranks", before, m.size())
+        if m.rank() == sync_root():     # a survivor (a replacement may be rank 0)
+            log.warning("elastic: a rank died; reset from %d to %d ranks%s", before, m.size(),
+                        f" ({grew['joined']} replacement(s) joined in {grew['grow_s']:.3f} s)"
+                        if grew else "")
+
+    def _grow(self, before: int, before_rank: int) -> dict | None:
+        """The survivors' side of a grow (module doc), right after the shrink and rebuild:
+        spawn ``max_ranks - survivors`` replacements, merge, give each a dead rank's place when
+        the world returns to its size before the death (else the replacements come last), and
+        rebuild the front end on the grown world. A spawn that fails on any survivor: the run
+        goes on shrunk, with one warning line. A death or a replacement that never starts while
+        growing ends the job with one line (not survived; ``HPCASYNC_JOIN_TIMEOUT``'s
+        watchdog for a replacement that never merges). Returns the record, None if not grown."""
+        from mpi4py import MPI
+
+        from .join import _order, _Watchdog
+
+        m = self.membership
+        world, want = m.comm, self.max_ranks - m.size()
+        if want <= 0:
+            return None
+        t0 = time.perf_counter()
+        try:
+            kept = world.allgather(before_rank)
+            info = MPI.Info.Create()
+            info.Set("wdir", os.getcwd())
+            info.Set("PMIX_ENVAR", f"{JOINER_ENV}=1")     # Open MPI 5 (the deprecated "env")
+            error = ""
+            try:
+                with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))"):
+                    inter = world.Spawn(sys.executable, args=list(sys.orig_argv[1:]),
+                                        maxprocs=want, info=info, root=0)
+            except MPI.Exception as exc:
+                inter, error = None, exc.Get_error_string()
+            finally:
+                info.Free()
+            if not world.allreduce(inter is not None, op=MPI.LAND):
+                if inter is not None:
+                    inter.Free()
+                if m.rank() == 0:
+                    log.warning("elastic grow-back: spawning %d replacement(s) failed (%s); going "
+                                "on with %d ranks", want, error or "on another rank", m.size())
+                return None
+            spawned = time.perf_counter()
+            keys, joiner_keys, same = _order(before, kept, m.size(), want)
+            root = min(keys)
+            with _Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
+                merged = inter.Merge(high=False)
+                merged.bcast({"joiner_keys": joiner_keys, "survivors": len(keys), "root": root,
+                              "max_ranks": self.max_ranks}, root=0)
+                grown = merged.Split(0, key=keys[m.rank()])
+            merged.Free()
+            inter.Free()
+            _GROWN["root"] = root
+            _register_release()
+            m.regrow(grown)
+        except Exception as exc:       # noqa: BLE001 - a death while growing: not survived
+            if not _mpi_error(exc):
+                raise
+            raise ProcessFailedError(f"elastic grow-back: a rank died while growing from "
+                                     f"{m.size()} to {self.max_ranks} ranks ({exc}); ending the "
+                                     "job") from exc
+        self.check_pending = True
+        return {"joined": want, "joiner_ranks": joiner_keys, "same_places": same, "root": root,
+                "spawn_s": round(spawned - t0, 4), "grow_s": round(time.perf_counter() - t0, 4)}
 
 
 def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
@@ -225,6 +354,12 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
         def wrapper(state, *args, **kwargs):
             tol = ft(state) if callable(ft) and not isinstance(ft, FaultTolerance) else ft
             reset_required = False
+            if _GROWN.get("pending"):
+                # a replacement's first attempt: the survivors are in their reset, which runs
+                # the reset callbacks and then syncs: the same calls, in the same order, here
+                _GROWN["pending"] = False
+                tol.check_pending = True
+                state.on_reset()
             while True:
                 if reset_required:
                     tol.reset()
@@ -232,6 +367,9 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                 ok, result = True, None
                 try:
                     state.sync()
+                    if tol.check_pending:
+                        tol.check_pending = False
+                        check_synced(tol.membership, state)
                     result = func(state, *args, **kwargs)
                 except HostsUpdatedInterrupt:           # (never raised here; Horovod's branch)
                     ok = False
@@ -254,6 +392,112 @@ def _mpi_error(exc: BaseException) -> bool:
     from mpi4py import MPI
 
     return proc_failure(exc) or isinstance(exc, MPI.Exception)
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ConfigError(f"{name}={raw!r}: use 1 or 0")
+
+
+def sync_root() -> int:
+    """The rank ``State.sync()`` broadcasts from: 0, or after a grow the lowest surviving rank
+    (a replacement may hold a dead rank 0's place)."""
+    return _GROWN["root"]
+
+
+def is_joiner() -> bool:
+    """This process is a replacement spawned by a grow-back (no MPI call)."""
+    return "world" in _GROWN or (os.environ.get(JOINER_ENV) == "1"
+                                and "OMPI_PARENT_PORT" in os.environ)
+
+
+def join_world():
+    """A replacement's side of a grow (``hpcasync.init`` / ``hvd.init`` call it first): merge with
+    the survivors that spawned it, take the place they give, and return the grown world
+    (intracommunicator; the same object on a second call). Drops ``HPCASYNC_INJECT_*``."""
+    if "world" in _GROWN:
+        return _GROWN["world"]
+    from ..topology import init_mpi
+    from .join import _Watchdog
+
+    for name in (*_INJECT_ENV, JOINER_ENV):
+        os.environ.pop(name, None)
+    MPI = init_mpi()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise ConfigError(f"{JOINER_ENV}=1 but this process has no parent: not started by "
+                          "hpcasync's elastic grow-back")
+    with _Watchdog("elastic grow-back (a replacement's merge with the survivors)"):
+        merged = parent.Merge(high=True)
+        order = merged.bcast(None, root=0)
+        me = merged.Get_rank() - order["survivors"]
+        world = merged.Split(0, key=order["joiner_keys"][me])
+    merged.Free()
+    parent.Free()
+    _GROWN.update(world=world, root=order["root"], max_ranks=order["max_ranks"], pending=True)
+    _register_release()
+    log.warning("elastic grow-back: joined as rank %d of %d", world.Get_rank(), world.Get_size())
+    return world
+
+
+def check_synced(membership: Membership, state: "State") -> None:
+    """After the first sync on a grown world: every rank compares a SHA-256 of its state
+    (:func:`state_digest`) with the root's (one allgather); a replacement that holds something
+    else ends the job with one line on every rank instead of training on other state."""
+    every = membership.comm.allgather(state_digest(state))
+    root = sync_root()
+    bad = [r for r, d in enumerate(every) if d != every[root]]
+    if bad:
+        raise TopologyError(f"elastic grow-back: rank(s) {', '.join(map(str, bad))} of the grown "
+                            f"world do not hold the state of rank {root} (a survivor) after the "
+                            "sync")
+
+
+def state_digest(state: "State") -> str:
+    """SHA-256 of what ``state`` holds: its handlers' state dicts (tensors as bytes, other leaves
+    by ``repr``) and its plain values."""
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            h.update(x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    for name, handler in sorted(getattr(state, "_handlers", {}).items()):
+        h.update(name.encode())
+        walk(handler.value.state_dict())
+    walk(getattr(state, "_saved_state", {}))
+    return h.hexdigest()
+
+
+def _register_release() -> None:
+    """Once per process of a grown job: free the front ends' communicators at exit, before
+    ``MPI_Finalize`` (registered before the exit agreement of the grown world's ``init``, so
+    it runs after it). Open MPI 5.0.11 hung in finalize with dynamic communicators left
+    (docs/design/growth.md, "Feasibility and a finalize hang")."""
+    if not _GROWN.get("release"):
+        _GROWN["release"] = True
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    for fn in _RELEASE:
+        try:
+            fn()
+        except Exception as exc:        # noqa: BLE001 - freeing at exit: never fatal
+            log.debug("elastic: freeing at exit failed: %s", exc)
 
 
 def defer_startup_failure(exc: BaseException, comms) -> bool:
@@ -315,7 +559,8 @@ class State:
         raise NotImplementedError
 
     def register_reset_callbacks(self, callbacks) -> None:
-        """Functions called (no arguments) after each reset, on the new, smaller world."""
+        """Functions called (no arguments) after each reset, on the new world (smaller, or grown
+        back: then on the replacements too, before their first sync)."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -328,8 +573,9 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """A no-op: there is no host discovery (ranks only leave, by dying), so no
-        ``HostsUpdatedInterrupt`` is ever raised and no broadcast is needed."""
+        """A no-op: there is no host discovery (ranks leave by dying and come back only by a
+        grow-back inside the reset), so no ``HostsUpdatedInterrupt`` is ever raised and no
+        broadcast is needed."""
 
     def save(self) -> None:
         raise NotImplementedError

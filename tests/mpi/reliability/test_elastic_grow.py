@@ -1,0 +1,97 @@
+"""Grow back in ``hpcasync.elastic`` and ``hvd.elastic`` (issue 24 item 1): after a SIGKILLed
+rank under ``mpirun --with-ft ulfm`` with ``HPCASYNC_GROW_BACK=1``, the survivors spawn a
+replacement running the same script; it takes the dead rank's number and the survivors' state.
+
+4 ranks, 384 images, batches of 16 (64 samples a step: 6 steps an epoch), commits every 2 steps
+and at each epoch's end, 2 epochs. The killed rank dies before step 3, so the last commit is at
+2 steps (128 samples); the survivors roll back, shrink to 3, grow to 4 and redo step 2.
+Expected, on every rank: exit 0; 4 result files, rank r's written by the process at rank r at the
+end, the replacement's in the dead rank's file (its number); the world back to 4; one reset
+callback per rank, seeing 4 ranks (the survivors' after their reset, the replacement's at its
+first attempt: ``resets == [4]``); 12 committed steps (the undisturbed count: 2 x 384 / 64);
+executed: 13 on a survivor (step 2 redone), 10 on the replacement (steps 2..11); parameters
+bitwise equal on the 4 ranks; and every commit window of both epochs on 4 ranks, each window
+exactly its slice of the epoch's order, disjoint across ranks, chaining from 0 to 384 — each
+sample of the epoch dealt exactly once, the dead rank's logged window and the replacement's
+included.
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from hpcasync.data.sharding import epoch_permutation
+from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
+
+LENGTH, BATCH, SEED, STEPS = 384, 16, 1, 12
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(tmp_path, script: str, kill_rank: int):
+    cmd = [*mpiexec(4, ft=True), sys.executable, str(REPO / "examples" / script),
+           "--out", str(tmp_path), "--kill-rank", str(kill_rank), "--kill-at", "3",
+           "--commit-every", "2", "--limit", str(LENGTH), "--batch-size", str(BATCH)]
+    return subprocess.run(cmd, env=clean_env(HPCASYNC_GROW_BACK="1", HPCASYNC_JOIN_TIMEOUT="120"),
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def _check(tmp_path, out, killed: int, order) -> None:
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
+    for r, res in results.items():
+        assert res["rank"] == r and res["size"] == 4, (r, res)        # the dead rank's place
+        assert res["joined"] == (r == killed), (r, res)
+        assert res["resets"] == [4], (r, res)                          # one callback, grown world
+        assert (res["steps"], res["epoch"]) == (STEPS, 2), (r, res)
+        assert res["executed"] == (10 if r == killed else STEPS + 1), (r, res)
+    assert len({res["params"] for res in results.values()}) == 1, results
+    links = defaultdict(list)
+    for f in tmp_path.glob("windows*.jsonl"):
+        for line in f.read_text().splitlines():
+            w = json.loads(line)
+            if w["end"] > w["start"]:
+                links[(w["epoch"], w["start"], w["end"], w["size"])].append(w["indices"])
+    chains = defaultdict(list)
+    for (epoch, start, end, size), parts in sorted(links.items()):
+        assert len(parts) == size == 4, (epoch, start, end, size, len(parts))
+        flat = [i for p in parts for i in p]
+        assert len(flat) == len(set(flat)) == end - start, (epoch, start, end)
+        assert sorted(flat) == sorted(order(epoch)[start:end]), (epoch, start, end)
+        chains[epoch].append((start, end))
+    for chain in chains.values():
+        assert chain[0][0] == 0 and chain[-1][1] == LENGTH, chain
+        assert all(a[1] == b[0] for a, b in zip(chain, chain[1:])), chain
+    assert sorted(chains) == [0, 1], chains
+
+
+@pytest.mark.rank0
+def test_own_loop_grows_back_after_rank0_dies(tmp_path):
+    """``examples/train_mnist_elastic.py``: rank 0 dies, so the replacement becomes rank 0 and
+    the state comes from rank 1, the lowest survivor."""
+    need_ulfm()
+    out = _run(tmp_path, "train_mnist_elastic.py", 0)
+    _check(tmp_path, out, 0,
+           lambda e: epoch_permutation(LENGTH, seed=SEED, epoch=e).tolist())
+    assert "grow-back: joined as rank 0 of 4" in out.stderr, out.stderr[-3000:]
+
+
+def _horovod_order(epoch: int) -> list:
+    """Horovod's ElasticSampler's order of an epoch (``random.Random(seed + epoch)``)."""
+    order = list(range(LENGTH))
+    random.Random(SEED + epoch).shuffle(order)
+    return order
+
+
+@pytest.mark.rank0
+def test_horovod_elastic_script_grows_back_and_runs_the_reset_callbacks(tmp_path):
+    """``examples/horovod_mnist_elastic.py`` (``hvd.elastic``): rank 2 dies; ``hvd.size()`` is
+    4 again and every rank's reset callback ran once, with 4 ranks."""
+    need_ulfm()
+    out = _run(tmp_path, "horovod_mnist_elastic.py", 2)
+    _check(tmp_path, out, 2, _horovod_order)
