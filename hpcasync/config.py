@@ -29,8 +29,9 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 #: the algorithms that train with --optimizer (the others have their own update rules); live
 OPTIMIZER_ALGORITHMS = registry.LiveNames(registry.user_optimizer_names)
 DEFAULT_LR = registry.DEFAULT_LR
-#: the algorithms that grow back after a death (--grow-back; hpcasync.runtime.join)
-GROW_ALGORITHMS = ("ssgd", "odsgd", "daso")
+#: the algorithms that grow back after a death (--grow-back; hpcasync.runtime.join, and
+#: hpcasync.ps.growth for the parameter server's); a live view
+GROW_ALGORITHMS = registry.LiveNames(lambda: ("ssgd", "odsgd", "daso", *registry.ps_names()))
 #: per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset (``default_lr`` of the registry's
 #: entries: nag 0.02, why there); a live view
 ALGORITHM_LR = registry.LiveMapping(registry.algorithm_lrs)

@@ -30,8 +30,12 @@ from ..runtime import ft
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
+from ..runtime import join
+from .growth import PSGrowth, Regrow, worker_view
+from .growth import validate as validate_growth
 from .takeover import (ServerLost, StartupLost, Takeover, dump_buffers, known_dead,
                        restart_without_the_dead, restore_buffers, take_over)
+from .wire import END_GROW
 
 log = logging.getLogger("hpcasync")
 
@@ -110,8 +114,12 @@ def validate(cfg) -> None:
         raise ConfigError(f"--ps-warmup-epochs must be a finite number >= 0, got {warm}")
     build_rule(cfg, torch.zeros(1), 1)
     check_hetero(opt)
+    join.validate(cfg)
+    validate_growth(cfg)
     shards = opt.get("ps_ranks", 1)
     world = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if join.is_joiner():                # a replacement's own launch: the grown world counts
+        world = None
     check_shards(shards, int(world) if world and world.isdigit() else shards + 1,
                  algorithm=cfg.algorithm)
 
@@ -123,22 +131,96 @@ def reporting_rank(topo) -> int:
 
 def run(ctx: RunContext) -> RunResult:
     """The PS runtime; under ULFM a dead server is replaced by a worker and the run goes on
-    (:mod:`.takeover`)."""
-    takeover = lost = None
+    (:mod:`.takeover`); with ``--grow-back`` a replacement takes each dead rank's place
+    (:mod:`.growth`)."""
+    takeover = lost = state = None
+    if not hasattr(ctx, "original_ranks"):      # (ids in records: the first launch's ranks)
+        ctx.original_ranks = list(range(ctx.topo.size))
+    growth = PSGrowth(ctx)
+    if join.joined():                   # a replacement: what the survivors go on from
+        state, takeover = _joiner_start(growth.receive(ctx))
     while True:
         try:
-            return _run(ctx, takeover)
+            result = _run(ctx, takeover, growth, state)
+            result.summary.update(growth.summary())
+            return result
         except ServerLost as exc:
-            lost = exc
-            takeover = take_over(ctx, lost, takeover)
+            lost, state, before = exc, None, (list(ctx.original_ranks), ctx.topo.size)
+            takeover = _grown(ctx, growth, before, take_over(ctx, lost, takeover))
         except StartupLost:
+            state, before = None, (list(ctx.original_ranks), ctx.topo.size)
             if takeover is None:        # every copy of θ is the initial one
                 restart_without_the_dead(ctx)
             else:                       # not from the initial θ: from what the workers hold
-                takeover = take_over(ctx, lost, takeover, again=True)
+                takeover = _grown(ctx, growth, before,
+                                  take_over(ctx, lost, takeover, again=True))
+        except Regrow as stop:
+            state, takeover = _regrow(ctx, growth, stop), None
 
 
-def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
+def _grown(ctx: RunContext, growth: PSGrowth, before: tuple[list, int],
+           takeover: Takeover) -> Takeover:
+    """After a takeover (collective over the survivors; ``before``: the original ranks and the
+    size of the world before it): with ``--grow-back`` the new server spawns a replacement for
+    each dead rank, which joins as a worker in its place; every worker then resumes at the
+    takeover's share of its budget."""
+    if not growth.enabled:
+        return takeover
+    ids, size = before
+    kept = [ids.index(r) for r in ctx.original_ranks]
+    grew, _ = growth.connect(ctx, ctx.topo.world, kept, size, ctx.topo.ps_rank,
+                             position=[round(takeover.share, 6)])
+    if not grew:
+        return takeover
+    growth.send(ctx, {"kind": "takeover", "share": takeover.share, "records": takeover.records})
+    if takeover.buffers is not None:    # the new server's table, in the grown world's order
+        rows: list = [None] * ctx.topo.size
+        for r, b in enumerate(takeover.buffers):
+            rows[kept[r]] = b
+        takeover.buffers = rows
+    return takeover
+
+
+def _joiner_start(blob: dict) -> tuple[dict | None, Takeover | None]:
+    """A replacement's start (:mod:`.growth`): after a worker's death the server's state (a
+    worker's view of it), after a takeover the takeover's share of the budget."""
+    if blob["kind"] == "takeover":
+        return None, Takeover(share=blob["share"], theta=None, records=blob["records"])
+    return blob["state"], None
+
+
+def _regrow(ctx: RunContext, growth: PSGrowth, stop: Regrow) -> dict:
+    """Every survivor, after the server stopped the workers for a grow-back (collective over
+    them and the joiners): the grown world, and the state the run goes on from — the server's
+    own state on the server, a worker's view of it elsewhere (its own local model kept)."""
+    topo = ctx.topo
+    ids = list(ctx.original_ranks)
+    kept = [r for r in range(topo.size) if r not in stop.lost]
+    ctx.original_ranks = [ids[r] for r in kept]
+    position = None
+    if stop.state is not None:
+        position = list(stop.state["ps"]["positions"])
+    grew, _ = growth.connect(ctx, stop.comm, kept, topo.size, stop.root, position=position)
+    if not grew:        # (cannot happen: the server stopped the workers once a spawn worked)
+        raise TopologyError("grow-back: no replacement joined after the stop")
+    blob = growth.send(ctx, {"kind": "worker", "state": (worker_view(stop.state)
+                                                         if stop.state is not None else None)})
+    if ctx.topo.rank == ctx.topo.ps_rank:
+        return stop.state
+    state = dict(blob["state"])
+    if stop.local is not None:          # SHAT/ENSEMBLE: this worker's own model goes on
+        worker = [r for r in range(ctx.topo.size) if r != ctx.topo.ps_rank].index(ctx.topo.rank)
+        locals_ = [None] * len(state["seen"])
+        locals_[worker] = stop.local
+        state["worker_locals"] = locals_
+    return state
+
+
+def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
+         grown: dict | None = None) -> RunResult:
+    """One run over the current world: from ``takeover`` (a worker took over a dead server),
+    from ``grown`` (the state in memory after a grow-back, :mod:`.growth`), else from the start
+    or ``--resume``."""
     from mpi4py import MPI
 
     from ..topology import server_ranks
@@ -159,7 +241,7 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
                           f"fewer than one batch of {cfg.batch_size}")
     delay = DelayModel.from_options(cfg.options, worker_ranks=worker_ranks, seed=cfg.seed)
     batches_per_worker = (len(ctx.train) // W) // cfg.batch_size
-    state = ctx.resume_state() if takeover is None else None
+    state = grown if grown is not None else ctx.resume_state() if takeover is None else None
     if state is not None and state.get("ps_ranks", 1) != K:
         raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
                               f"ranks (--ps-ranks), this run has {K}")       # every rank raises
@@ -191,7 +273,7 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
         if topo.is_ps:
             dump_buffers(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
                          theta=flat.params)
-    if state is not None:          # K > 1: each server its shard's file, positions aligned
+    if state is not None and K > 1:    # each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
                 else os.path.dirname(os.path.abspath(cfg.resume)))
         state = align_resume(opt, base, state, ctx.checkpoint_header())
@@ -203,7 +285,7 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
                  delay.describe(), ft.describe(ulfm))
         try:
             summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag,
-                                      ulfm, takeover)
+                                      ulfm, takeover, growth)
         except Exception as exc:    # noqa: BLE001 - K > 1: another server died (ps.takeover)
             if not (ulfm and K > 1 and proc_failure(exc)):
                 raise
@@ -215,6 +297,8 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             start = int(state["ps"]["positions"][opt.worker])
             if state["seen"][opt.worker]:
                 flat.buffers.copy_(state["buffers"][opt.worker])
+            elif state.get("mean_buffers") is not None:     # a replacement (.growth)
+                flat.buffers.copy_(state["mean_buffers"])
             saved = state.get("worker_locals")     # SHAT/ENSEMBLE: its own model (stop checkpoint)
             if opt.keeps_local and saved and saved[opt.worker] is not None:
                 opt.resume_local(saved[opt.worker])
@@ -242,7 +326,9 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
             stopping = opt.finish(stop_requested=None if wstats.stop_sent or wstats.stopped
                                   else stop_flag,
                                   collective=False)
-            if stopping and opt.keeps_local and ctx.checkpoints is not None:
+            if opt.transport.end_code == END_GROW:
+                stopping = "grow"               # every rank leaves for a grow-back (.growth)
+            elif stopping and opt.keeps_local and ctx.checkpoints is not None:
                 send_local(opt)                 # into the PS's stop checkpoint
         except MPI.Exception as exc:
             dead = ft.failed_ranks(topo.world, exc) if ulfm else None
@@ -261,6 +347,9 @@ def _run(ctx: RunContext, takeover: Takeover | None) -> RunResult:
     comm, lost = ft.survivors(topo.world, ulfm)
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
     opt.close(comm, root, collective=not lost, broadcast_model=False)
+    if stopping == "grow" and root >= 0:
+        raise Regrow(comm, lost, root, growth.state if opt.is_server else None,
+                     opt.local_model() if opt.keeps_local and not opt.is_server else None)
     if root < 0:             # the PS died after the end messages
         if comm.Get_rank():  # the first survivor says it once; its MPI_Abort ends this wait
             time.sleep(10)

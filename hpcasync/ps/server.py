@@ -26,6 +26,7 @@ from ..rules import PushMeta
 from ..runtime.ft import WorkerFailed
 from .stats import PushStats
 from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, KIND_PUSH, KIND_STOP
+from .wire import END_GROW
 
 log = logging.getLogger("hpcasync")
 
@@ -107,6 +108,7 @@ class PSServer:
         self.finished = [False] * W
         self.stopping = False
         self.stop_reason = ""
+        self.grow = False              # the stop is a grow-back's (ps.growth), not a preemption
         self.on_failure = on_failure
         self.on_accept = on_accept
         self.failed: dict[int, dict] = {}
@@ -153,7 +155,8 @@ class PSServer:
             self.finished[push.worker] |= push.last
             if push.last or self.stopping:
                 done[push.worker] = True
-        if all(f or w in self.failed for w, f in enumerate(self.finished)):
+        if all(f or w in self.failed for w, f in enumerate(self.finished)) and not (
+                self.grow and any(not self.finished[w] for w in self.failed)):
             if self.stopping:
                 log.info("PS: every worker had finished; completing the run instead of stopping")
             self.stopping = False
@@ -178,6 +181,14 @@ class PSServer:
             log.warning("PS: stopping after %d accepted pushes (%s); each worker's next push is "
                         "its last", self.stats.accepted, reason)
 
+    def begin_grow(self) -> None:
+        """Stop every worker after its current push for a grow-back (:mod:`.growth`): the end
+        message then says :data:`~.wire.END_GROW`. A stop already under way for a preemption
+        stays one (the run ends; the replacements are not taken in)."""
+        if not self.stopping:
+            self.grow = True
+            self._begin_stop("grow-back: a replacement takes a dead worker's place")
+
     def finish(self) -> list[int]:
         """After :meth:`serve`: send every live worker the end message (with ``stopping``) and
         collect its ``KIND_DONE``; returns each worker's step count (its position, as the PS
@@ -187,7 +198,7 @@ class PSServer:
         for w in range(t.num_workers):
             if w not in self.failed:
                 try:
-                    t.send_end(w, self.stopping)
+                    t.send_end(w, END_GROW if self.grow else self.stopping)
                 except WorkerFailed as exc:
                     self._lose(exc.ranks)
         steps: list[int | None] = [self.positions[w] if w in self.failed else None

@@ -24,9 +24,10 @@ log = logging.getLogger("hpcasync")
 
 def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
           state: dict | None, stop_flag, ulfm: bool,
-          takeover: Takeover | None = None) -> tuple[dict, bool]:
+          takeover: Takeover | None = None, growth=None) -> tuple[dict, bool | str]:
     """The PS rank's part of :func:`hpcasync.ps.runtime.run`: serve, record epochs, write checkpoints, leave θ in
-    the model. Returns the summary and whether the run stops for a preemption."""
+    the model. Returns the summary and whether the run stops for a preemption (True) or for a
+    grow-back (``"grow"``: ``growth.state`` holds the server's state, :mod:`.growth`)."""
     from mpi4py import MPI
 
     from .worker import collect_locals
@@ -80,8 +81,18 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                                    world_size=ctx.topo.size, ulfm=ulfm)
     transport.idle_hook = sigterm.poll
 
+    grow_wanted = [False]
+
     def stop_requested() -> bool:
         sigterm.poll()
+        if grow_wanted[0] and not transport.receiving():
+            # a replacement for a dead worker, spawned while no receive from any worker is
+            # pending (Open MPI 5.0.11: a spawn while the receive that reported the death is
+            # still posted makes that receive fail again at every wait, acknowledged or not)
+            grow_wanted[0] = False
+            if growth.replace(ctx, dead=len(server.failed),
+                              alive=ctx.topo.size - len(server.failed)):
+                server.begin_grow()     # (the replacement started while the others trained)
         return stop_flag is not None and stop_flag()
 
     def on_failure(record: dict) -> None:
@@ -90,6 +101,8 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             opt.load_theta()
             dump_buffers(f"worker-failed-{record['worker']}", model=opt.flat.buffers,
                          **opt.buffer_state())
+        if growth is not None and not record["finished"]:
+            grow_wanted[0] = True       # spawned between two pushes (stop_requested)
 
     pushes_per_epoch = W * batches_per_worker
     server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
@@ -105,12 +118,16 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         server.finished = [p >= budget for p in server.positions]
         opt.load_buffer_state(state)
         resumed_at = server.stats.accepted
-        if opt.keeps_local and not state.get("worker_locals"):
+        if state.get("kind") == "grow":         # not a resume: the same run, grown back
+            resumed_at = state["resumed_at_push"]
+            server.failed_before = list(state["ps"]["failed_workers"])
+        elif opt.keeps_local and not state.get("worker_locals"):
             log.warning("%s: this %s checkpoint holds no worker-local models (only stop "
                         "checkpoints do): every worker restarts from θ", cfg.algorithm,
                         state.get("kind", "PS"))
-        log.info("PS: resuming after %d accepted pushes; worker positions %s", resumed_at,
-                 server.positions)
+        log.info("PS: %s after %d accepted pushes; worker positions %s",
+                 "going on" if state.get("kind") == "grow" else "resuming",
+                 server.stats.accepted, server.positions)
     if takeover is not None:        # a worker took over: the clock starts where they resume
         server.start_at(int(takeover.share * cfg.epochs * batches_per_worker))
     done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
@@ -119,6 +136,14 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     stats = server.serve()
     ctx.progress.close()
     server.finish()
+    if server.grow:                     # every worker left: the run goes on in memory
+        ps = server.state_dict()        # the workers replaced now: records, not resumes
+        ps["failed_workers"] = server.failed_before + [dict(r, replaced=True)
+                                                       for r in server.failed.values()]
+        growth.state = {"ps": ps, **opt.buffer_state(), "kind": "grow",
+                        "batches_per_worker": batches_per_worker, "resumed_at_push": resumed_at,
+                        "divergence": ctx.divergence.state_dict()}
+        return {}, "grow"
     if server.stopping:
         if ctx.checkpoints is not None:
             save("stop", collect_locals(opt, server.failed)

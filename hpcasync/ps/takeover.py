@@ -144,14 +144,16 @@ def restore_buffers(opt, takeover: Takeover) -> None:
             buf.copy_(ints[name].to(buf))
     if not flat.buffer_numel:
         return
-    if opt.is_server:
+    if opt.is_server:            # (a replacement that joined since, ps.growth: no row yet)
+        have = [takeover.buffers[r] for r in opt.worker_ranks if takeover.buffers[r] is not None]
         if opt.sync_buffers:
-            rows = torch.stack([takeover.buffers[r] for r in opt.worker_ranks])
-            opt.load_buffer_state({"buffers": rows, "seen": [True] * len(opt.worker_ranks)})
+            rows = torch.stack([takeover.buffers[r] if takeover.buffers[r] is not None
+                                else torch.zeros_like(have[0]) for r in opt.worker_ranks])
+            opt.load_buffer_state({"buffers": rows, "seen": [takeover.buffers[r] is not None
+                                                             for r in opt.worker_ranks]})
             opt.load_theta()
         else:                    # no average: the mean of the workers' buffers all the same
-            flat.buffers.copy_(torch.stack([takeover.buffers[r] for r in opt.worker_ranks])
-                               .mean(0).to(flat.buffers))
+            flat.buffers.copy_(torch.stack(have).mean(0).to(flat.buffers))
     else:
         flat.buffers.copy_(takeover.own_buffers.to(flat.buffers))
     dump_buffers(f"takeover-{'server' if opt.is_server else 'worker'}-{opt.comm.Get_rank()}",

@@ -47,6 +47,11 @@ def wait_all(reqs, **kw) -> float:
     return sum(wait(r, **kw) for r in reqs)
 
 
+#: the end message's value that sends every worker out of the run for a grow-back (0: the
+#: work is done, 1: a stop for a preemption; :mod:`.growth`)
+END_GROW = 2
+
+
 @dataclass
 class Push:
     """One message received by the PS: what the worker sent (``grad``/``extra`` are views of
@@ -106,6 +111,7 @@ class _Base:
         self.bytes_out = 0         # PS: payload bytes sent (replies)
         self.wait_time = 0.0       # seconds spent waiting (PS: idle; worker: for replies)
         self._end = np.zeros(1, np.float64)
+        self.end_code = 0                   # the last end message (END_GROW: a grow-back)
         self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
         self.idle_hook = None      # PS: called while waiting for a header
         self.before_header = None  # worker: called between a push's data and its header
@@ -153,6 +159,10 @@ class _Base:
         return WorkerFailed([self.workers.index(r) for r in ranks if r in self.workers])
 
     # -- PS side -------------------------------------------------------------------------------
+    def receiving(self) -> bool:
+        """PS: a header receive is posted (from any worker) and not yet completed."""
+        return self._head_req is not None
+
     def recv_header(self) -> tuple[int, np.ndarray]:
         """PS: wait for the next push's header; ``(worker, header)``. ``complete_push`` takes
         the rest (the ordered view of a sharded server calls the two apart, :mod:`.ordering`)."""
@@ -200,8 +210,9 @@ class _Base:
             head[3:] = np.asarray(tuple(scalars), np.float64)[: self.reply_scalars]
         return head
 
-    def send_end(self, w: int, stop: bool) -> None:
-        """PS: tell worker ``w`` there is no more work, and whether the job stops (preemption)."""
+    def send_end(self, w: int, stop: bool | int) -> None:
+        """PS: tell worker ``w`` there is no more work, and whether the job stops (preemption;
+        :data:`END_GROW`: every rank leaves the run for a grow-back, :mod:`.growth`)."""
         msg = np.array([float(stop)])
         try:
             self.wait_time += wait(self.comm.Isend([msg, self.MPI.DOUBLE], dest=self.workers[w],
@@ -242,6 +253,7 @@ class _Base:
             time.sleep(pause)
             pause = min(1e-3, pause * 2)
         self.wait_time += time.perf_counter() - t0
+        self.end_code = int(self._end[0])
         return bool(self._end[0])
 
 

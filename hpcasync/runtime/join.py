@@ -72,16 +72,17 @@ class JoinError(HpcasyncError, RuntimeError):
 def add_arguments(group) -> None:
     """``--grow-back``, ``--max-ranks``, ``--min-ranks`` (a runtime's argument group)."""
     group.add_argument("--grow-back", action="store_true", default=False,
-                       help="ssgd, odsgd, daso under ULFM: after a death, spawn replacement "
-                            "ranks that join the running job (up to --max-ranks); without it the "
-                            "run goes on with the survivors")
+                       help="under ULFM: after a death, spawn replacement ranks that join the "
+                            "running job (up to --max-ranks; the parameter server's algorithms: "
+                            "into the dead ranks' places, --ps-ranks 1); without it the run goes "
+                            "on with the survivors")
     group.add_argument("--max-ranks", type=int, default=None,
                        help="with --grow-back: grow back to this many ranks (default: the "
                             "starting size)")
     group.add_argument(JOINER_FLAG, action="store_true", default=False, help=argparse.SUPPRESS)
     group.add_argument("--min-ranks", type=int, default=None,
-                       help="ssgd, odsgd, daso under ULFM: fewer ranks than this (after a death "
-                            "and any grow-back) end the job with one line (default 1)")
+                       help="under ULFM: fewer ranks than this (after a death and any "
+                            "grow-back) end the job with one line (default 1)")
 
 
 def validate(cfg) -> None:
@@ -290,7 +291,10 @@ class Growth:
 
 def joiner_topology(cfg):
     """The joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: merge with the
-    parents, take the place they give, build the topology over the grown world. Returns it."""
+    parents, take the place they give, build the topology over the grown world. Returns it.
+    Two ways in: spawned by every survivor (:meth:`Growth.grow`: the merge is the grown world),
+    or by one rank alone while the others went on (:class:`Spawned`: the merge holds that rank
+    and this group; :func:`connect` bridges it to the survivors later)."""
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
@@ -298,13 +302,126 @@ def joiner_topology(cfg):
         raise ConfigError(f"{PARENT_ENV} is set but this process has no parent: not started by "
                           "hpcasync's grow-back")
     merged = parent.Merge(high=True)
-    order = merged.bcast(None, root=0)
-    me = merged.Get_rank() - len(order["survivor_keys"])
-    world = merged.Split(0, key=order["keys"][me])
+    msg = merged.bcast(None, root=0)
+    if msg.get("bridge"):           # spawned by one rank: join the survivors through it
+        grown = _bridge_joiner(merged, msg)
+        merged.Free()
+        merged = grown
+        msg = merged.bcast(None, root=0)
+    me = merged.Get_rank() - len(msg["survivor_keys"])
+    world = merged.Split(0, key=msg["keys"][me])
     merged.Free()
     parent.Free()
-    _joined.update(order, src=min(order["survivor_keys"]))
-    return _topology(world, cfg)
+    _joined.update(msg, src=msg.get("src", min(msg["survivor_keys"])))
+    return _topology(world, cfg, msg.get("ps_rank", 0))
+
+
+# -- replacements spawned by one rank while the others go on (the parameter server) ----------------
+
+class Spawned:
+    """Replacements spawned by one rank alone (``MPI_Comm_spawn`` over ``MPI_COMM_SELF``) while
+    the other ranks go on working; they join the survivors' world later, in one collective
+    (:func:`connect`). The parameter server's grow-back (:mod:`hpcasync.ps.growth`): its workers
+    are asynchronous, so a spawn by every survivor would first stop them all for the joiner's
+    whole start-up (seconds); here they train on while it starts, and a spawn that fails is known
+    before anything was stopped.
+
+    Attributes: ``groups`` (per spawn: the merged communicator of this rank (rank 0) and the
+    group, its size, the seconds the spawn took), ``count`` (processes spawned so far)."""
+
+    def __init__(self):
+        self.groups: list[tuple[Any, int, float]] = []
+
+    @property
+    def count(self) -> int:
+        return sum(n for _, n, _ in self.groups)
+
+    def spawn(self, n: int) -> str | None:
+        """Spawn ``n`` copies of this command (the joiner flag added) and merge with them; the
+        MPI error string if the spawn failed (nothing spawned), else None."""
+        from mpi4py import MPI
+
+        t0 = time.perf_counter()
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())
+        try:
+            argv = [a for a in sys.orig_argv[1:] if a != JOINER_FLAG] + [JOINER_FLAG]
+            inter = MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=n, info=info, root=0)
+        except MPI.Exception as exc:
+            return exc.Get_error_string()
+        finally:
+            info.Free()
+        with _Watchdog(f"grow-back (waiting for {n} spawned rank(s) to start)"):
+            merged = inter.Merge(high=False)
+        inter.Free()
+        self.groups.append((merged, n, time.perf_counter() - t0))
+        return None
+
+    def take(self) -> list[tuple[Any, int, float]]:
+        """The groups spawned so far, handed to :func:`connect` (forgotten here)."""
+        groups, self.groups = self.groups, []
+        return groups
+
+
+def connect(world, spawner: int, groups: list | None, order: Callable[[int], dict]):
+    """Collective over the survivors ``world`` and every process of ``groups`` (significant on
+    rank ``spawner`` of ``world`` only: :meth:`Spawned.take`): merge the groups into the world
+    one by one — each group gets a port of its own through its merged communicator with the
+    spawner, connects (``MPI_Comm_connect``) while the world accepts (``MPI_Comm_accept``), and
+    the two merge (``MPI_Intercomm_merge``) —, then order it as ``order(joiners)`` says
+    (``{"keys", "survivor_keys", ...}``, computed on rank 0 of ``world``; every process gets it)
+    and split. Returns ``(grown world, order)``.
+
+    (``MPI_Intercomm_create`` through the spawner does not do: with Open MPI 5.0.11 a rank of
+    the world and a joiner that never met hang in their first message — measured, a bcast over
+    the merged world; connect/accept wires every pair.)"""
+    from mpi4py import MPI
+
+    me = world.Get_rank()
+    sizes = world.bcast([n for _, n, _ in groups] if me == spawner else None, root=spawner)
+    ports = [MPI.Open_port() for _ in sizes] if me == spawner else [""] * len(sizes)
+    if me == spawner:               # tell each group where it stands (it waits in a bcast)
+        for i, (sj, _, _) in enumerate(groups):
+            sj.bcast({"bridge": True, "port": ports[i], "index": i, "groups": len(sizes),
+                      "leader": spawner}, root=0)
+    grown = world
+    with _Watchdog(f"grow-back (merging {sum(sizes)} spawned rank(s))"):
+        for i in range(len(sizes)):
+            inter = grown.Accept(ports[i], root=spawner)
+            merged = inter.Merge(high=False)
+            inter.Free()
+            if grown is not world:
+                grown.Free()
+            grown = merged
+    if me == spawner:
+        for sj, _, _ in groups:
+            sj.Free()
+        for port in ports:
+            MPI.Close_port(port)
+    msg = grown.bcast(order(sum(sizes)) if me == 0 else None, root=0)
+    new = grown.Split(0, key=msg["survivor_keys"][me])
+    if grown is not world:
+        grown.Free()
+    return new, msg
+
+
+def _bridge_joiner(sj, msg: dict):
+    """The joiner's side of :func:`connect`: connect its group to the survivors' world through
+    its port, merge, then take part in the merges of the groups spawned after it. Returns the
+    merged world (before the split)."""
+    from mpi4py import MPI
+
+    index, n, leader = msg["index"], msg["groups"], msg["leader"]
+    inter = MPI.COMM_WORLD.Connect(msg["port"], root=0)
+    grown = inter.Merge(high=True)
+    inter.Free()
+    for _ in range(index + 1, n):
+        inter = grown.Accept("", root=leader)
+        merged = inter.Merge(high=False)
+        inter.Free()
+        grown.Free()
+        grown = merged
+    return grown
 
 
 def receive(ctx) -> dict:

@@ -100,8 +100,7 @@ def test_grow_options_are_checked_before_mpi_and_the_places_of_the_joiners():
         join.validate(cfg)
 
     check(grow_back=True, max_ranks=4, min_ranks=2)
-    for bad, says in ((dict(algorithm="asgd", grow_back=True), "applies to ssgd"),
-                      (dict(max_ranks=4), "give --grow-back too"),
+    for bad, says in ((dict(max_ranks=4), "give --grow-back too"),
                       (dict(grow_back=True, max_ranks=2, min_ranks=3), "above --max-ranks"),
                       (dict(grow_back=True, min_ranks=0), "--min-ranks must be")):
         with pytest.raises(ConfigError, match=says):
