@@ -156,6 +156,7 @@ class PSGrowth:
             return {"keys": joiner_keys, "survivor_keys": keys, "ps_rank": keys[server],
                     "src": keys[server]}
 
+        ctx.kill_point("grow")          # testing hook: a death before the connect
         world, msg = join.connect(comm, server, groups, order)
         from .. import topology
 

@@ -305,7 +305,8 @@ class FaultTolerance:
             info.Set("PMIX_ENVAR", f"{JOINER_ENV}=1")     # Open MPI 5 (the deprecated "env")
             error = ""
             try:
-                with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))"):
+                with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))",
+                               connect=False):
                     inter = world.Spawn(sys.executable, args=list(sys.orig_argv[1:]),
                                         maxprocs=want, info=info, root=0)
             except MPI.Exception as exc:

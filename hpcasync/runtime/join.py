@@ -33,7 +33,9 @@ unless fewer than ``--min-ranks`` remain, which ends the job with one line
 records the failed spawn and exits with status 213 after every rank finished with 0: the
 metrics stream is complete (``summary``), the warning line says so. A joiner that never reaches the merge (it died
 while starting) would leave the survivors in ``MPI_Intercomm_merge``: after
-``HPCASYNC_JOIN_TIMEOUT`` seconds (default 300) a watchdog ends the job with one line.
+``HPCASYNC_JOIN_TIMEOUT`` seconds (default 300) a watchdog ends the job with one line; a death
+once the spawn has returned (in the merge) ends it after ``HPCASYNC_JOIN_CONNECT_TIMEOUT``
+(default 20 s) at the latest.
 
 Design and measurements: docs/design/growth.md.
 """
@@ -59,6 +61,10 @@ PARENT_ENV = "OMPI_PARENT_PORT"
 JOINER_FLAG = "--grow-joiner"
 TIMEOUT_ENV = "HPCASYNC_JOIN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
+#: once the spawn has returned (the joiners are past MPI_Init), the merge or connect takes
+#: milliseconds: a death during it (a survivor's, a joiner's) must end the job within 30 s
+CONNECT_TIMEOUT_ENV = "HPCASYNC_JOIN_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
 #: failure injection meant for the first launch's ranks (a joiner inherits the launcher's env)
 _INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
 
@@ -119,25 +125,32 @@ def joined() -> dict | None:
     return _joined or None
 
 
-def _timeout() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "")
+def _timeout(connect: bool = False) -> float:
+    name, default = ((CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S) if connect
+                     else (TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    raw = os.environ.get(name, "")
     try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
+        return float(raw) if raw else default
     except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
 
 
 class _Watchdog:
-    """End the job with one line when a join does not complete in time (a spawned process that
-    died before the merge leaves its parents in ``MPI_Intercomm_merge``)."""
+    """End the job with one line when a join does not complete in time. ``connect``: a step
+    after the spawn returned — a merge, a connect, the order's broadcast —, which a death (of a
+    survivor or a joiner) would otherwise leave waiting for good: ``HPCASYNC_JOIN_CONNECT_TIMEOUT``
+    (default 20 s); else a wait that includes a joiner's start-up (``HPCASYNC_JOIN_TIMEOUT``,
+    default 300 s)."""
 
-    def __init__(self, what: str):
-        self.timer = threading.Timer(_timeout(), self._fire, args=(what,))
+    def __init__(self, what: str, *, connect: bool = True):
+        self.limit = _timeout(connect)
+        self.env = CONNECT_TIMEOUT_ENV if connect else TIMEOUT_ENV
+        self.timer = threading.Timer(self.limit, self._fire, args=(what,))
         self.timer.daemon = True
 
     def _fire(self, what: str) -> None:
-        sys.stderr.write(f"hpcasync: error: {what} did not complete in {_timeout():g} s "
-                         f"({TIMEOUT_ENV}); ending the job\n")
+        sys.stderr.write(f"hpcasync: error: {what} did not complete in {self.limit:g} s "
+                         f"({self.env}); ending the job\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -237,6 +250,7 @@ class Growth:
             adopt(False)
             return False
         spawned = time.perf_counter()
+        ctx.kill_point("grow")          # testing hook: a death between the spawn and the merge
         with _Watchdog(f"grow-back (waiting for {want} spawned rank(s) to start)"):
             merged = inter.Merge(high=False)
         merged_at = time.perf_counter()
@@ -301,15 +315,19 @@ def joiner_topology(cfg):
     if parent == MPI.COMM_NULL:
         raise ConfigError(f"{PARENT_ENV} is set but this process has no parent: not started by "
                           "hpcasync's grow-back")
-    merged = parent.Merge(high=True)
-    msg = merged.bcast(None, root=0)
-    if msg.get("bridge"):           # spawned by one rank: join the survivors through it
-        grown = _bridge_joiner(merged, msg)
-        merged.Free()
-        merged = grown
+    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
+        merged = parent.Merge(high=True)
+    with _Watchdog("grow-back (waiting for the survivors to take this replacement in)",
+                   connect=False):      # (the server first stops its workers: ps.growth)
         msg = merged.bcast(None, root=0)
-    me = merged.Get_rank() - len(msg["survivor_keys"])
-    world = merged.Split(0, key=msg["keys"][me])
+    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
+        if msg.get("bridge"):       # spawned by one rank: join the survivors through it
+            grown = _bridge_joiner(merged, msg)
+            merged.Free()
+            merged = grown
+            msg = merged.bcast(None, root=0)
+        me = merged.Get_rank() - len(msg["survivor_keys"])
+        world = merged.Split(0, key=msg["keys"][me])
     merged.Free()
     parent.Free()
     _joined.update(msg, src=msg.get("src", min(msg["survivor_keys"])))
@@ -412,7 +430,11 @@ def _bridge_joiner(sj, msg: dict):
     from mpi4py import MPI
 
     index, n, leader = msg["index"], msg["groups"], msg["leader"]
-    inter = MPI.COMM_WORLD.Connect(msg["port"], root=0)
+    try:
+        inter = MPI.COMM_WORLD.Connect(msg["port"], root=0)
+    except MPI.Exception as exc:    # (measured: a survivor killed before its accept)
+        raise JoinError(f"grow-back: this replacement could not connect to the survivors "
+                        f"({exc.Get_error_string()}): one of them died during the grow") from None
     grown = inter.Merge(high=True)
     inter.Free()
     for _ in range(index + 1, n):

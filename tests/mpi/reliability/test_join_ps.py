@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -122,6 +123,30 @@ def test_no_free_slot_goes_on_shrunk_or_ends_below_min_ranks(tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if "fewer than --min-ranks 4" in ln]
     assert len(lines) == 1 and "rank(s) 2 died" in lines[0], out.stderr[-3000:]
     assert not metrics.exists()                  # no finished stream: the job ended
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_death_during_the_grow_ends_the_job_with_one_line_in_seconds(tmp_path):
+    """Worker rank 3 dies at step 5; when the replacement is about to connect, worker rank 1
+    dies too (kill phase ``grow``). The grow is not survived: the job ends, non-zero, within
+    30 s of that death (``HPCASYNC_JOIN_CONNECT_TIMEOUT`` bounds any wait left), a survivor
+    naming both dead ranks in one line and the replacement saying it could not connect."""
+    need_ulfm()
+    log = tmp_path / "kills.log"
+    metrics = tmp_path / "g.jsonl"
+    cmd = [*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *DATA,
+           "--metrics", str(metrics), "--grow-back"]
+    env = clean_env(HPCASYNC_INJECT_KILL_AT="3:step:5,1:grow:1", HPCASYNC_INJECT_KILL_LOG=str(log))
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=JOB_TIMEOUT)
+    ended = time.time()
+    assert out.returncode != 0, out.stderr[-3000:]
+    killed = {ln.split()[1]: float(ln.split()[3]) for ln in log.read_text().splitlines()}
+    assert set(killed) == {"step", "grow"}
+    assert ended - killed["grow"] < 30, (ended - killed["grow"], out.stderr[-3000:])
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("hpcasync: error")]
+    assert any("rank(s) 1, 3 died" in ln for ln in lines), out.stderr[-3000:]
 
 
 @pytest.mark.rank0
