@@ -135,6 +135,9 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                        f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
     stats = server.serve()
     ctx.progress.close()
+    if grow_wanted[0] and not server.grow:
+        log.warning("grow-back: every other worker had finished before the replacement could be "
+                    "spawned; the dead worker's rest of its shard is not trained")
     server.finish()
     if server.grow:                     # every worker left: the run goes on in memory
         ps = server.state_dict()        # the workers replaced now: records, not resumes
