@@ -5,8 +5,10 @@ and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then cal
 :func:`take_over`: the survivors shrink the world, the worker holding the freshest θ becomes the
 server with a fresh rule, and every worker resumes at the share of its budget the run had done.
 A death inside the takeover's exchange redoes it on the survivors (one ``MPI_Comm_agree`` ends
-it); a death while the new server is set up runs the takeover again (``again=True``) from the θ the
-workers hold; SHAT's and ENSEMBLE's workers keep their local models. With ``--ps-ranks K > 1``
+it: the loop is :func:`hpcasync.runtime.elastic.atomic_shrink`, the elastic reset's and the
+synchronous recovery's too); a death while the new server is set up runs the takeover again
+(``again=True``) from the θ the workers hold; SHAT's and ENSEMBLE's workers keep their local
+models. With ``--ps-ranks K > 1``
 a dead shard server's slice is rebuilt from the workers' freshest reply for it.
 
 Example (``ps.runtime.run``)::
@@ -30,7 +32,8 @@ import time
 import torch
 
 from ..errors import proc_failure
-from ..runtime.recovery import _kept, _revoke, agreed
+from ..runtime.elastic import atomic_shrink, revoke_all
+from ..runtime.recovery import _kept
 
 log = logging.getLogger("hpcasync")
 
@@ -69,13 +72,19 @@ def _shrink(ctx, comms, world=None) -> tuple:
     ``(new world, ranks kept (old numbering), dead ranks (original numbering))``;
     ``ctx.original_ranks`` follows."""
     world = ctx.topo.world if world is None else world
-    size = world.Get_size()
-    _revoke(comms)
+    revoke_all(comms)
     new = world.Shrink()
+    return (new, *_follow(ctx, world, new))
+
+
+def _follow(ctx, world, new) -> tuple:
+    """After ``new = world.Shrink()``: ``(ranks kept (old numbering), dead ranks (original
+    numbering))``; ``ctx.original_ranks`` follows."""
+    size = world.Get_size()
     kept = _kept(world, new)
     original = getattr(ctx, "original_ranks", list(range(size)))
     ctx.original_ranks = [original[r] for r in kept]
-    return new, kept, [original[r] for r in range(size) if r not in kept]
+    return kept, [original[r] for r in range(size) if r not in kept]
 
 
 def _become_reporter(ctx, rank: int) -> None:
@@ -203,24 +212,21 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
     # next must not reset it; restore_buffers)
     own = opt.flat.buffers.detach().cpu().clone()
     own_ints = _int_buffers(opt.flat.module)
-    # atomic: the exchange completes on every survivor, or all shrink again and redo it (a
-    # death inside it: a gather can complete on its senders and fail on its root)
-    world, dead, first = topo.world, [], None
-    comms = (topo.world, *[c for c in opt.layout.comms if c is not None])
-    while True:
-        new, _, gone = _shrink(ctx, comms, world)
-        dead += gone
-        first = gone if first is None else first
-        try:
-            got = _exchange(ctx, new, opt, mine, own, own_ints, K)
-            done = 1
-        except Exception as exc:    # noqa: BLE001 - a death during the exchange (ULFM)
-            if not proc_failure(exc):
-                raise
-            done = 0
-        if agreed(new, done):
-            break
-        world, comms = new, (new,)
+    # atomic (runtime.elastic.atomic_shrink): the exchange completes on every survivor, or all
+    # shrink again and redo it (a death inside it: a gather can complete on its senders and fail
+    # on its root)
+    dead, firsts = [], []
+
+    def on_shrink(world, new) -> None:
+        gone = _follow(ctx, world, new)[1]
+        dead.extend(gone)
+        firsts.append(gone)
+
+    new, got, _ = atomic_shrink(
+        topo.world, lambda new: _exchange(ctx, new, opt, mine, own, own_ints, K),
+        first_revoke=(topo.world, *[c for c in opt.layout.comms if c is not None]),
+        on_shrink=on_shrink, failed=proc_failure)
+    first = firsts[0]
     every, server, sources, states, theta = got
     share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
     int_max = (None if states is None else

@@ -16,6 +16,13 @@ on the survivors, how to broadcast); :func:`elastic_run` is the retry loop::
 
 Without ULFM nothing is caught: a death ends the job (fail-fast, one line).
 
+**One loop for every recovery**: :func:`atomic_shrink` is hpcasync's only "shrink, attempt,
+``MPI_Comm_agree``, retry on a fresh shrink" loop. :meth:`FaultTolerance.reset` runs it, and so
+do the CLI's synchronous recovery (:meth:`hpcasync.runtime.recovery.SyncRecovery.recover`) and
+the parameter server's takeover (:func:`hpcasync.ps.takeover.take_over`), each passing only its
+attempt, its bookkeeping per shrink and what to revoke; :func:`is_process_failure` is their one
+test of "this exception is a process failure".
+
 **Growing back** (opt-in: ``HPCASYNC_GROW_BACK=1``, or ``run(grow_back=True)`` of a front end):
 after the shrink the survivors spawn replacements running the user's own command (``MPI_Comm_spawn``
 of ``sys.executable`` with ``sys.orig_argv``, marked by ``HPCASYNC_ELASTIC_JOINER=1`` in their
@@ -42,12 +49,12 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
-from .recovery import agreed
 
 log = logging.getLogger("hpcasync")
 
 __all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState", "State",
-           "TorchState", "elastic_run", "is_joiner", "join_world", "revoke_all", "sync_root"]
+           "TorchState", "agreed", "atomic_shrink", "elastic_run", "is_joiner",
+           "is_process_failure", "join_world", "revoke_all", "sync_root"]
 
 #: grow back after a death (``1``/``true``/``on``); ``HPCASYNC_MAX_RANKS`` the size to grow to
 GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
@@ -155,6 +162,96 @@ def revoke_all(comms) -> None:
                 pass
 
 
+def is_process_failure(exc: BaseException, world, comms=()) -> bool:
+    """``exc`` reports a dead process or a revoked communicator (ULFM's classes), directly or as
+    a cause; or ``MPI_ERR_IN_STATUS`` (a test/wait over several requests, e.g. the pieces of a
+    chunked nonblocking allreduce) or ``MPI_ERR_OTHER`` (Open MPI 5's barrier on a rank that
+    enters it late, after a peer died and another revoked: "known error not in list") while one
+    of ``comms`` or a duplicate hpcasync cached on it is revoked (a peer revoked it before this
+    rank learnt of the death), or ``world`` knows of a dead process. The one test of
+    :meth:`FaultTolerance.is_failure` and :meth:`~.recovery.SyncRecovery.handles`."""
+    if proc_failure(exc):
+        return True
+    from mpi4py import MPI
+
+    if isinstance(exc, MPI.Exception) and exc.Get_error_class() in (MPI.ERR_IN_STATUS,
+                                                                    MPI.ERR_OTHER):
+        from ..comm.cache import cached_comms
+        from ..errors import dead_ranks
+
+        every = [d for c in comms if isinstance(c, MPI.Comm) and c != MPI.COMM_NULL
+                 for d in (c, *cached_comms(c))]
+        return any(_revoked(c) for c in every) or bool(dead_ranks(world))
+    return False
+
+
+def agreed(comm, done) -> bool:
+    """True on every survivor when each one completed its attempt (``MPI_Comm_agree`` of
+    ``done``: a bitwise AND); a death during the agreement, which it reports on every survivor
+    alike, is False. Ends every attempt of :func:`atomic_shrink`."""
+    try:
+        return bool(comm.Agree(int(done)))
+    except Exception as exc:        # noqa: BLE001 - a death during the agreement
+        if not proc_failure(exc):
+            raise
+        return False
+
+
+def atomic_shrink(world, attempt: Callable[[Any], Any], *, first_revoke=(),
+                  on_shrink: Callable[[Any, Any], None] | None = None,
+                  revoke: Callable[[Any], Any] | None = None,
+                  failed: Callable[[BaseException], bool] | None = None,
+                  no_death: str | None = None, max_attempts: int | None = None,
+                  exhausted: Callable[[int], BaseException] | None = None) -> tuple:
+    """The one atomic "shrink, rebuild, agree, retry on a fresh shrink" loop of hpcasync's fault
+    tolerance (docs/design/elastic.md, "One loop"): an elastic reset
+    (:meth:`FaultTolerance.reset`), a synchronous runtime's recovery
+    (:meth:`~.recovery.SyncRecovery.recover`) and a parameter server's takeover
+    (:func:`hpcasync.ps.takeover.take_over`) all run it. Collective over the survivors of
+    ``world``.
+
+    Each attempt: revoke (``first_revoke`` before the first shrink; the attempt's world before
+    each later one), ``new = world.Shrink()``, ``on_shrink(world, new)`` (per-shrink bookkeeping,
+    outside the attempt: what it raises ends the loop on every survivor alike), then
+    ``attempt(new)``: what one attempt does on the shrunk communicator. An exception ``failed``
+    accepts (default: an MPI error, :func:`_mpi_error`) is a failed attempt here: the
+    communicators ``revoke(new)`` returns are revoked at once (so nobody stays blocked in one of
+    them); any other exception propagates. The attempt ends in ``MPI_Comm_agree`` (:func:`agreed`)
+    on whether it completed on every survivor; if not, every survivor starts another on a fresh
+    shrink of ``new``. ``no_death``: when an attempt after the first failed and its shrink lost
+    no rank, every survivor stops (a rank whose attempt went through must not retry alone,
+    forever) with the attempt's error, else ``TopologyError(no_death)``. ``max_attempts``: more
+    failed attempts raise ``exhausted(max_attempts)``.
+
+    Returns ``(new, attempt's result, number of attempts)``: the same ``new`` on every survivor.
+    """
+    failed = failed or _mpi_error
+    comms, attempts = first_revoke, 0
+    while True:
+        if max_attempts is not None and attempts >= max_attempts:
+            raise exhausted(attempts) if exhausted else TopologyError(
+                f"no attempt completed in {attempts}")
+        revoke_all(comms)
+        new = world.Shrink()
+        attempts += 1
+        if on_shrink is not None:
+            on_shrink(world, new)
+        error, result = None, None
+        try:
+            result = attempt(new)
+        except Exception as exc:       # noqa: BLE001 - a failed attempt: agreed on below
+            if not failed(exc):
+                raise
+            error = exc
+            if revoke is not None:
+                revoke_all(revoke(new))
+        if agreed(new, error is None):
+            return new, result, attempts
+        if no_death is not None and attempts > 1 and new.Get_size() == world.Get_size():
+            raise error or TopologyError(no_death)
+        world, comms = new, (new,)
+
+
 # -- the fault-tolerance object ----------------------------------------------------------------------
 
 class FaultTolerance:
@@ -202,20 +299,9 @@ class FaultTolerance:
         self.max_ranks = max_ranks or (self.max_ranks or self.membership.size())
 
     def is_failure(self, exc: BaseException) -> bool:
-        """``exc`` reports a dead process or a revoked communicator (ULFM), directly or as a
-        cause; or ``MPI_ERR_IN_STATUS``/``MPI_ERR_OTHER`` while a communicator of the world is
-        revoked or knows of a dead process."""
-        if proc_failure(exc):
-            return True
-        from mpi4py import MPI
-
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in (MPI.ERR_IN_STATUS,
-                                                                        MPI.ERR_OTHER):
-            from ..errors import dead_ranks
-
-            comms = self.membership.comms()
-            return any(_revoked(c) for c in comms) or bool(dead_ranks(self.membership.comm))
-        return False
+        """``exc`` is a process failure of this world (:func:`is_process_failure` over the
+        membership's communicators)."""
+        return is_process_failure(exc, self.membership.comm, self.membership.comms())
 
     def report_error(self, exc: BaseException) -> bool:
         """Latch ``exc`` if it is a process failure under ULFM (the first one is kept), revoke
@@ -248,28 +334,14 @@ class FaultTolerance:
         m = self.membership
         m.check_reset()
         t0, before, before_rank = time.perf_counter(), m.comm.Get_size(), m.rank()
-        comm, attempts = m.comm, 0
         _GROWN["root"] = 0
-        while True:
-            new = comm.Shrink()
-            self._kill_point("reset")       # testing hook: a death inside the rebuild
-            attempts, error = attempts + 1, None
-            try:
-                m.rebuild(new)
-            except Exception as exc:       # noqa: BLE001 - an MPI error: agreed on below
-                if not _mpi_error(exc):
-                    raise
-                error = exc
-            if agreed(new, error is None):
-                m.done_with(new)
-                break
-            if new.Get_size() == comm.Get_size() and attempts > 1:
-                # nobody died since the last attempt: not a death; every survivor stops (a
-                # rank whose own rebuild went through must not try again alone, forever)
-                raise error or TopologyError("elastic reset: the rebuild failed on another "
-                                             "survivor, and no rank died since the last attempt")
-            revoke_all([new])
-            comm = new
+        # the world was revoked by report_error: nothing more to revoke before the first shrink
+        new, _, attempts = atomic_shrink(
+            m.comm, m.rebuild,
+            on_shrink=lambda world, new: self._kill_point("reset"),  # a death inside the rebuild
+            no_death="elastic reset: the rebuild failed on another survivor, and no rank died "
+                     "since the last attempt")
+        m.done_with(new)
         shrunk = m.size()
         grew = self._grow(before, before_rank) if self.grow_back else None
         self.resets.append({"size_before": before, "size_shrunk": shrunk, "size": m.size(),

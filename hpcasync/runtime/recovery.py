@@ -22,8 +22,11 @@ called on every survivor from the ``except`` of its step:
    write a ``rank_failed`` record: who died (original world ranks), when, what the recovery cost.
 
 A death during the recovery itself (in the broadcast after the shrink) is one more failure: the
-steps repeat on the shrunk communicator. Without ULFM nothing here runs: the launcher ends the job
-and the checkpoint-and-resume path (``--checkpoint-dir``, ``--resume auto``) is the recovery.
+steps repeat on the shrunk communicator. The loop of attempts is the fault-tolerance core's
+(:func:`hpcasync.runtime.elastic.atomic_shrink`, which the elastic reset and the PS takeover run
+too); this module gives it steps 2-4 and the bookkeeping of each shrink. Without ULFM nothing
+here runs: the launcher ends the job and the checkpoint-and-resume path (``--checkpoint-dir``,
+``--resume auto``) is the recovery.
 
 Example (the shape of :mod:`hpcasync.ssgd.runtime`'s loop)::
 
@@ -43,7 +46,8 @@ import time
 from typing import Any, Callable
 
 from ..errors import ProcessFailedError, proc_failure  # noqa: F401 (re-exported)
-from .ft import _ranks_in, dead_ranks
+from .elastic import agreed, atomic_shrink, is_process_failure  # noqa: F401 (agreed re-exported)
+from .ft import _ranks_in
 
 log = logging.getLogger("hpcasync")
 
@@ -82,22 +86,8 @@ class SyncRecovery:
         while the world knows of a dead process or one of our communicators is revoked."""
         if not self.enabled:
             return False
-        if proc_failure(exc):
-            return True
-        from mpi4py import MPI
-
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in (MPI.ERR_IN_STATUS,
-                                                                        MPI.ERR_OTHER):
-            topo = self.ctx.topo
-            if dead_ranks(topo.world):
-                return True
-            from ..comm.cache import cached_comms
-
-            # a peer revoked a communicator of ours before this rank learnt of the death
-            comms = [c for base in (topo.world, topo.local, topo.glob) if base is not None
-                     for c in (base, *cached_comms(base))]
-            return any(c.Is_revoked() for c in comms)
-        return False
+        topo = self.ctx.topo
+        return is_process_failure(exc, topo.world, (topo.world, topo.local, topo.glob))
 
     def recover(self, *, position: tuple, state: Callable[[], Any],
                 load: Callable[[Any], None], revoke=()) -> tuple:
@@ -120,42 +110,42 @@ class SyncRecovery:
         t0 = time.perf_counter()
         topo = self.ctx.topo
         self.position = tuple(position)
-        world, lost_all, index, original = topo.world, [], list(range(topo.size)), self.original
+        lost_all, track = [], {"index": list(range(topo.size)), "original": self.original}
         self.size_before = topo.size
-        _revoke(revoke() if callable(revoke) else revoke)
-        for attempt in range(topo.size):
-            _revoke((world,))
-            new = world.Shrink()
-            kept = _kept(world, new)
-            lost_all += [original[r] for r in range(world.Get_size()) if r not in kept]
-            original, index = [original[r] for r in kept], [index[r] for r in kept]
+
+        def on_shrink(world, new) -> None:      # who is left, in original and old numbering
+            kept, original = _kept(world, new), track["original"]
+            lost_all.extend(original[r] for r in range(world.Get_size()) if r not in kept)
+            track["original"] = [original[r] for r in kept]
+            track["index"] = [track["index"][r] for r in kept]
             if new.Get_size() < self.min_ranks:
                 raise ProcessFailedError(
                     f"rank(s) {', '.join(map(str, sorted(lost_all)))} died; {new.Get_size()} "
                     f"left, fewer than the {self.min_ranks} this run needs", sorted(lost_all))
-            done = 1
-            try:
-                positions = new.allgather(self.position)
-                src = max(range(len(positions)), key=lambda r: (positions[r], -r))
-                blob, history = new.bcast((state(), self.ctx.history)
-                                          if new.Get_rank() == src else None, root=src)
-                getattr(self.ctx, "kill_point", _no_point)("recovery")
-                self.ctx.topo = topo.shrunk(new)
-                load(blob)
-                self.position = tuple(positions[src])      # this rank now holds that state
-                self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
-            except Exception as exc:    # noqa: BLE001 - another death during the recovery
-                if not _mpi_failure(exc):   # (not its context: recover runs in an except)
-                    raise
-                done = 0                # wake whoever waits on this attempt's communicators
-                _revoke((new, self.ctx.topo.local, self.ctx.topo.glob,
-                         *(revoke() if callable(revoke) else ())))
-            if agreed(new, done):
-                break
-            world = new
-        else:                           # (each attempt that fails needs one more death)
-            raise ProcessFailedError(f"recovery did not complete in {topo.size} attempts",
-                                     sorted(lost_all))
+
+        def attempt(new) -> tuple:
+            positions = new.allgather(self.position)
+            src = max(range(len(positions)), key=lambda r: (positions[r], -r))
+            blob, history = new.bcast((state(), self.ctx.history)
+                                      if new.Get_rank() == src else None, root=src)
+            getattr(self.ctx, "kill_point", _no_point)("recovery")
+            self.ctx.topo = topo.shrunk(new)
+            load(blob)
+            self.position = tuple(positions[src])      # this rank now holds that state
+            self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
+            return positions, src
+
+        # (recover runs in an except: a failed attempt is an MPI failure itself, not its context)
+        new, (positions, src), attempts = atomic_shrink(
+            topo.world, attempt, on_shrink=on_shrink, failed=_mpi_failure,
+            first_revoke=(*(revoke() if callable(revoke) else revoke), topo.world),
+            # wake whoever waits on a failed attempt's communicators
+            revoke=lambda new: (new, self.ctx.topo.local, self.ctx.topo.glob,
+                                *(revoke() if callable(revoke) else ())),
+            max_attempts=topo.size,     # (each attempt that fails needs one more death)
+            exhausted=lambda n: ProcessFailedError(f"recovery did not complete in {n} attempts",
+                                                   sorted(lost_all)))
+        original, index = track["original"], track["index"]
         self.original, self.last_kept = original, index
         took = time.perf_counter() - t0
         record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
@@ -163,7 +153,7 @@ class SyncRecovery:
                   "detected_unix": round(detected, 4), "recovery_s": round(took, 4),
                   "position": list(positions[src]), "adopted_from": self.original[src],
                   "steps_behind": [_behind(p, positions[src]) for p in positions],
-                  "attempts": attempt + 1, "next_step_s": None}
+                  "attempts": attempts, "next_step_s": None}
         self.failures.append(record)
         self._pending_next_step = record
         self._hand_over_metrics()
@@ -338,19 +328,6 @@ def _no_point(phase: str) -> None:
     """A context without failure injection (a user's own loop)."""
 
 
-def agreed(comm, done) -> bool:
-    """True on every survivor when each one completed its attempt (``MPI_Comm_agree`` of
-    ``done``: a bitwise AND); a death during the agreement, which it reports on every survivor
-    alike, is False. Ends every atomic step of a recovery: this module's, a PS takeover's
-    exchange (:mod:`hpcasync.ps.takeover`), an elastic reset (:mod:`.elastic`)."""
-    try:
-        return bool(comm.Agree(int(done)))
-    except Exception as exc:        # noqa: BLE001 - a death during the agreement
-        if not proc_failure(exc):
-            raise
-        return False
-
-
 def _mpi_failure(exc: BaseException) -> bool:
     """``exc`` itself reports dead processes or a revoked communicator (ULFM's classes)."""
     from mpi4py import MPI
@@ -359,20 +336,6 @@ def _mpi_failure(exc: BaseException) -> bool:
                                              "ERR_REVOKED")} - {None}
     return isinstance(exc, ProcessFailedError) or (isinstance(exc, MPI.Exception)
                                                    and exc.Get_error_class() in codes)
-
-
-def _revoke(comms) -> None:
-    """Revoke ``comms`` and the communicators hpcasync cached on them (private duplicates of
-    the multi-stage collectives): a survivor blocked on any of them wakes with
-    ``MPI_ERR_REVOKED``. Revoking twice (another survivor did it) is harmless."""
-    from ..comm.cache import cached_comms
-
-    for comm in comms:
-        for c in (comm, *cached_comms(comm)):
-            try:
-                c.Revoke()
-            except Exception:          # noqa: BLE001 - already revoked, or freed
-                pass
 
 
 def _kept(old, new) -> list[int]:
