@@ -40,10 +40,14 @@ def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at=3, kil
     return out
 
 
-def _check_windows(tmp_path) -> dict:
+def _check_windows(tmp_path, order=None) -> dict:
     """The commit windows of every rank: per epoch, a chain from 0 whose every link is trained by
-    its world's ranks on disjoint indices that together are π_e[start:end]. Returns
-    ``{epoch: [(start, end, size), ...]}``."""
+    its world's ranks on disjoint indices that together are π_e[start:end] (``order(epoch)``,
+    default the sampler's permutation of ``LENGTH``). Returns
+    ``{epoch: [(start, end, size), ...]}`` (also test_elastic_grow's)."""
+    if order is None:
+        def order(epoch):
+            return epoch_permutation(LENGTH, seed=SEED, epoch=epoch).tolist()
     links = defaultdict(list)
     for f in tmp_path.glob("windows*.jsonl"):
         for line in f.read_text().splitlines():
@@ -52,11 +56,10 @@ def _check_windows(tmp_path) -> dict:
                 links[(w["epoch"], w["start"], w["end"], w["size"])].append(w["indices"])
     chains = defaultdict(list)
     for (epoch, start, end, size), parts in sorted(links.items()):
-        order = epoch_permutation(LENGTH, seed=SEED, epoch=epoch).tolist()
         assert len(parts) == size, (epoch, start, end, size, len(parts))
         flat = [i for p in parts for i in p]
         assert len(flat) == len(set(flat)) == end - start, (epoch, start, end)
-        assert sorted(flat) == sorted(order[start:end]), (epoch, start, end)
+        assert sorted(flat) == sorted(order(epoch)[start:end]), (epoch, start, end)
         chains[epoch].append((start, end, size))
     for epoch, chain in chains.items():
         assert chain[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chain, chain[1:])), chain
