@@ -188,7 +188,7 @@ KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG
 #: the phases before the topology exists, in the order a rank meets them (the CLI's start-up)
 EARLY_PHASES = ("launch", "data", "mpi")
 PHASES = (*EARLY_PHASES, "startup", "adopt", "step", "epoch_end", "checkpoint", "final",
-          "epoch_agree", "recovery", "epoch_done", "takeover", "reset", "grow")
+          "epoch_agree", "recovery", "epoch_done", "takeover", "reset", "grow", "recovered")
 
 
 def kill_points(rank: int) -> Callable[[str], None]:
@@ -211,7 +211,8 @@ def kill_points(rank: int) -> Callable[[str], None]:
     its gathers, counted and fired on every survivor; ``reset``: an elastic loop's reset
     (:mod:`hpcasync.runtime.elastic`), after the shrink, before the rebuild; ``grow``: a
     grow-back's survivor once the replacements are spawned, before the merge or connect,
-    :mod:`hpcasync.runtime.join`). ``RANK:PHASE:N:WAIT:bg`` kills WAIT seconds later from a timer
+    :mod:`hpcasync.runtime.join`; ``recovered``: a synchronous recovery's attempt done, after its
+    last collective). ``RANK:PHASE:N:WAIT:bg`` kills WAIT seconds later from a timer
     while the rank goes on (a death inside its next collective); ``RANK:PHASE:N:WAIT:sleep`` only
     sleeps (a late rank); ``RANK:PHASE:N:WAIT:fail`` raises
     :class:`~hpcasync.errors.ProcessFailedError` after WAIT seconds, as an MPI call that reports a

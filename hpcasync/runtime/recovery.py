@@ -133,6 +133,9 @@ class SyncRecovery:
             load(blob)
             self.position = tuple(positions[src])      # this rank now holds that state
             self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
+            # testing hook: a failure after the attempt's last collective, on one rank only
+            # (the others completed it: only the agreement sends them into another attempt)
+            getattr(self.ctx, "kill_point", _no_point)("recovered")
             return positions, src
 
         # (recover runs in an except: a failed attempt is an MPI failure itself, not its context)

@@ -41,6 +41,24 @@ def test_ssgd_a_second_death_inside_the_first_recovery_restarts_it(tmp_path):
     assert [r["epoch"] for r in read_metrics(metrics) if r["event"] == "epoch"] == [1]
 
 
+@pytest.mark.rank0
+def test_ssgd_an_attempt_that_failed_on_one_survivor_only_is_redone_by_all(tmp_path):
+    """Rank 3 dies after step 10; in the recovery, rank 1's attempt fails after the attempt's
+    last collective (injected ``recovered:...:fail``: an MPI call that reports a failure on one
+    rank while it completed on the others). Only the final ``MPI_Comm_agree`` tells the others:
+    every survivor starts a second attempt — one recovery of two attempts, one death, exit 0 on 3
+    ranks, replicas bitwise equal. (Without the agreement the others train on while rank 1
+    shrinks again alone: the job hung, measured.)"""
+    need_ulfm()
+    out, metrics, _ = _run(tmp_path, "ssgd", "3:step:10,1:recovered:1:0:fail", extra=SHORT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    assert s["failed_ranks"] == [3] and s["world_size"] == 3
+    assert len(s["replica_sha256"]) == 3 and len(set(s["replica_sha256"])) == 1   # bitwise
+    [f] = s["rank_failures"]
+    assert f["survivors"] == [0, 1, 2] and f["attempts"] == 2 and f["position"] == [1, 10, 1]
+
+
 def _checks_daso_schedule(tmp_path, kill: str, ckpt) -> tuple[dict, dict]:
     """One DASO job (2 nodes of 2; epoch 1 cycling, epoch 2 the cool-down) with ``kill`` and a
     checkpoint directory; rank 3 dies at epoch 1's end. Asserts what every survivor must hold
