@@ -18,6 +18,10 @@ case $mpi in
 esac
 py=${PYTHON:-python3}
 say() { echo "setup: $*" >&2; }
+# locked CMD...: run CMD holding a lock on this checkout (flock on setup.py; without flock, unlocked)
+locked() {
+    if command -v flock >/dev/null; then flock "$repo/setup.py" "$@"; else "$@"; fi
+}
 
 if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv"
@@ -37,7 +41,9 @@ if ! "$venv/bin/python" -c "import torch, mpi4py, hpcasync" 2>/dev/null || ! has
     # torch pinned: a loose requirement would pull the newest CUDA build (gigabytes).
     "${pip[@]}" "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
     "${pip[@]}" "$pkg" "mpi4py>=3.1" 2>&1 | grep -v "^WARNING: Location" || true
-    "${pip[@]}" -e "$repo[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
+    # the editable install writes hpcasync.egg-info into the checkout: one setup at a time there
+    # (.ci/run sets up the Open MPI and the MPICH venvs side by side)
+    locked "${pip[@]}" -e "$repo[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
     "$venv/bin/python" -c "import torch, mpi4py, hpcasync" || { say "install failed"; exit 1; }
     # mpi4py must load the MPI just installed (a system MPI found first would not match mpiexec)
     got=$("$venv/bin/python" -m hpcasync.launch -n 1) || { say "no usable MPI"; exit 1; }
@@ -49,9 +55,9 @@ fi
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         say "installing Debian's dataset-fashion-mnist"
-        (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
-          || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
-               apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; }) \
+        (locked apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+          || { locked apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
+               locked apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; }) \
           || say "could not install dataset-fashion-mnist: runs will use the built-in 6000-image real subset"
     else
         say "not root: cannot install dataset-fashion-mnist (apt-get install dataset-fashion-mnist);" \

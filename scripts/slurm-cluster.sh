@@ -13,7 +13,8 @@
 # Both are idempotent: start on a running cluster only reports it, stop on a stopped one does nothing.
 # Environment: SLURM_ONEBOX_CPUS (CPUs the node declares, default 8 — more than the cores, so a 4-task
 # job fits on a 2-core box), SLURM_ONEBOX_CTLD_PORT / SLURM_ONEBOX_SLURMD_PORT (6817 / 6818),
-# SLURM_ONEBOX_WAIT (seconds to wait for the node to come up, default 60).
+# SLURM_ONEBOX_WAIT (seconds to wait for the node to come up, default 60), SLURM_ONEBOX_KILL_WAIT
+# (KillWait: seconds from a cancelled step's SIGTERM to its SIGKILL, default 2; see write_conf).
 # Exit status: 0 done; 3 this machine cannot host a cluster (not root, packages not installable:
 # tests skip on it); 1 anything else (the message and the daemons' last log lines say what).
 set -euo pipefail
@@ -117,6 +118,12 @@ write_conf() {
     # in /dev/shm by a killed rank of an earlier cluster's job 3.0 made the next cluster's job 3.0
     # hang in MPI_Init. Slurm's MaxJobId is 67043328.
     local first=$(( $(date +%s) % 60000000 + 1000 ))
+    # KillWait: the seconds from a cancelled step's SIGTERM to its SIGKILL. srun --kill-on-bad-exit
+    # cancels the step when a rank dies, and the survivors, blocked in a collective with the dead
+    # rank, never act on the SIGTERM: every restart of `hpcasync launch --launcher srun` waited all
+    # of it (10 s of the 16 s from the death to the resumed run in tests/mpi/test_slurm.py's
+    # mpi-srun job). A real cluster's default is 30 s.
+    local kill_wait=${SLURM_ONEBOX_KILL_WAIT:-2}
     mkdir -p "$state/ctld" "$state/spool" "$state/log"
     cat >"$conf" <<EOF
 # One-machine Slurm written by scripts/slurm-cluster.sh; everything lives under $state.
@@ -147,7 +154,7 @@ AccountingStorageType=accounting_storage/none
 SlurmctldTimeout=30
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=10
+KillWait=$kill_wait
 FirstJobId=$first
 MinJobAge=600
 NodeName=$host CPUs=$cpus RealMemory=20000 State=UNKNOWN
