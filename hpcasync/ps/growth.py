@@ -132,12 +132,14 @@ class PSGrowth:
         server has not spawned yet for the emptied places, if grow-back is still on."""
         me = comm.Get_rank()
         t0 = time.perf_counter()
+        early = len(self.spawned.groups)       # spawned while the workers trained (before t0)
         if me == server and self.enabled and self.failed_spawn is None:
             dead = size_before - comm.Get_size()    # (some seen only at the shrink)
             if dead > self.spawned.count:
                 self.replace(ctx, dead, comm.Get_size())
         groups = self.spawned.take() if me == server else None
         spawn_s = round(sum(s for _, _, s in groups), 4) if groups else 0.0
+        before_s = sum(s for _, _, s in groups[:early]) if groups else 0.0
         n = comm.bcast(sum(g[1] for g in groups) if me == server else None, root=server)
         if n == 0:
             if me == server:
@@ -170,7 +172,7 @@ class PSGrowth:
         ctx.original_ranks = original
         record = {"joined": ids, "ranks": msg["keys"], "world_size": world.Get_size(),
                   "position": position, "spawn_s": spawn_s,
-                  "join_s": round(time.perf_counter() - t0 + spawn_s, 4)}
+                  "join_s": round(time.perf_counter() - t0 + before_s, 4)}
         self.joins.append(record)
         join._joined.setdefault("grew", True)
         return True, record
