@@ -26,11 +26,10 @@ from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
 from .. import registry
 from ..rules import make_rule, ps_lr_factor, rule_hyperparameters
-from ..runtime import ft
+from ..runtime import ft, join
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
-from ..runtime import join
 from .growth import PSGrowth, Regrow, worker_view
 from .growth import validate as validate_growth
 from .takeover import (ServerLost, StartupLost, Takeover, dump_buffers, known_dead,

@@ -60,14 +60,18 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
                               staleness=staleness, loss=loss, lr=rule.lr)
 
+    def state_now(kind: str) -> dict:
+        """The PS state now: what a checkpoint holds, and what a grow-back goes on from."""
+        return {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
+                "batches_per_worker": batches_per_worker,
+                "divergence": ctx.divergence.state_dict()}
+
     def save(kind: str, worker_locals: list | None = None) -> None:
         """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
         ctx.kill_point("checkpoint")
-        snapshot = {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
-                    "batches_per_worker": batches_per_worker,
-                    "divergence": ctx.divergence.state_dict()}
+        snapshot = state_now(kind)
         if worker_locals is not None:
             snapshot["worker_locals"] = worker_locals
         path = shard_snapshot(opt, ctx.checkpoints, snapshot, epoch=epoch,
@@ -140,12 +144,10 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                     "spawned; the dead worker's rest of its shard is not trained")
     server.finish()
     if server.grow:                     # every worker left: the run goes on in memory
-        ps = server.state_dict()        # the workers replaced now: records, not resumes
-        ps["failed_workers"] = server.failed_before + [dict(r, replaced=True)
-                                                       for r in server.failed.values()]
-        growth.state = {"ps": ps, **opt.buffer_state(), "kind": "grow",
-                        "batches_per_worker": batches_per_worker, "resumed_at_push": resumed_at,
-                        "divergence": ctx.divergence.state_dict()}
+        growth.state = {**state_now("grow"), "resumed_at_push": resumed_at}
+        # the workers replaced now: records, not resumes
+        growth.state["ps"]["failed_workers"] = server.failed_before + [
+            dict(r, replaced=True) for r in server.failed.values()]
         return {}, "grow"
     if server.stopping:
         if ctx.checkpoints is not None:
