@@ -22,6 +22,7 @@ _EXPORTS = {
     "install_fail_fast": "hpcasync.api", "average_metric": "hpcasync.api",
     "DistributedOptimizer": "hpcasync.ssgd.optimizer", "DASO": "hpcasync.daso.optimizer",
     "ODSGD": "hpcasync.odsgd.optimizer", "ParameterServer": "hpcasync.ps.optimizer",
+    "serve": "hpcasync.ps.optimizer",
     "AlgorithmOptimizer": "hpcasync.optim", "DivergenceGuard": "hpcasync.runtime.divergence",
     "FlatModel": "hpcasync.comm.flat", "default_lr": "hpcasync.config",
 }

@@ -324,7 +324,7 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
             raise ConfigError(f"{algorithm} runs your torch optimizer: "
                               f"hpcasync.optimizer({algorithm!r}, model, torch.optim.SGD(...))")
         return _sync_optimizer(algorithm, family, model, optimizer, hyper)
-    hyper = {**_from_torch_optimizer(algorithm, optimizer), **hyper}
+    hyper = _share_torch_optimizer(algorithm, optimizer, hyper)
     if "lr" not in hyper:
         raise ConfigError(f"{algorithm} needs a learning rate: pass lr=... (or a torch.optim.SGD)")
     if family == "odsgd":
@@ -364,10 +364,38 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
     return result
 
 
-def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
-    """lr, weight decay and (where momentum is the algorithm's) momentum of a torch SGD."""
+#: the keys of a torch SGD's param groups that an algorithm owning its update reads at each step
+_SHARED_KEYS = {"odsgd": ("lr", "momentum", "weight_decay"), "ps": ("lr", "weight_decay")}
+
+
+def _share_torch_optimizer(algorithm: str, opt, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of an algorithm that owns its update (odsgd, the PS rules) given a torch SGD:
+    it shares the SGD's param groups (``optimizer=``; one truth for lr, weight decay and, where
+    it is the algorithm's, momentum: a scheduler or a hand-written warm-up on either object is
+    honoured), group 0's values as the defaults. A keyword given beside the SGD (``lr=0.1``)
+    is written into the groups that hold group 0's value, so both objects say the same."""
     if opt is None:
-        return {}
+        return dict(hyper)
+    found = _from_torch_optimizer(algorithm, opt)
+    keys = _SHARED_KEYS["odsgd" if registry.get(algorithm).family == "odsgd" else "ps"]
+    if algorithm in MOMENTUM_RULES:
+        keys += ("momentum",)
+    first = dict(opt.param_groups[0])
+    for key in keys:
+        if key in hyper and hyper[key] != first[key]:
+            for g in opt.param_groups:
+                if g[key] == first[key]:
+                    g[key] = hyper[key]
+            log.info("%s: %s=%g given beside the SGD is written into its param groups",
+                     algorithm, key, hyper[key])
+            found[key] = hyper[key]
+    return {**found, **hyper, "optimizer": opt}
+
+
+def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
+    """lr, weight decay and (where momentum is the algorithm's) momentum of a torch SGD's group 0
+    (the defaults of an algorithm that shares the SGD's groups), after checking that the SGD asks
+    for nothing the algorithm would do differently."""
     if type(opt) is not torch.optim.SGD:
         raise ConfigError(f"{algorithm} runs its own update: pass lr=... and its hyperparameters, "
                           f"or a torch.optim.SGD to take them from (got {type(opt).__name__})")
@@ -375,10 +403,16 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
         from .odsgd.optimizer import hyper_from_sgd
 
         return hyper_from_sgd(opt)
-    group = opt.param_groups[0]          # PS: every group's lr and weight decay, its parameters
-    out = {"lr": group["lr"], "weight_decay": group["weight_decay"],
-           "param_groups": [{"params": g["params"], "lr": g["lr"],
-                             "weight_decay": g["weight_decay"]} for g in opt.param_groups]}
+    plain = (("maximize", False),) + ((("nesterov", False), ("dampening", 0))
+                                      if algorithm in MOMENTUM_RULES else ())
+    for key, value in plain:
+        bad = [i for i, g in enumerate(opt.param_groups) if g.get(key, value) != value]
+        if bad:
+            raise ConfigError(f"{algorithm} runs its own update, which has no {key}: the SGD's "
+                              f"param group(s) {bad} set {key}={opt.param_groups[bad[0]][key]}; "
+                              f"use {key}={value}")
+    group = opt.param_groups[0]
+    out = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
     if algorithm in MOMENTUM_RULES:
         moms = sorted({g["momentum"] for g in opt.param_groups})
         if len(moms) > 1:

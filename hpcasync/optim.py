@@ -62,13 +62,15 @@ def unique_params(param_groups) -> list:
     return out
 
 
-def group_index(flat: FlatModel, param_groups) -> list[int]:
+def group_index(flat: FlatModel, param_groups, *, requires_grad: bool = True) -> list[int]:
     """For each parameter of ``flat`` (flat order), the index of the param group that holds it, or
-    -1 where torch's optimizer would never touch it: ``requires_grad=False``, or in no group.
+    -1 where torch's optimizer would not touch it now: in no group, or (``requires_grad``, the
+    default) ``requires_grad=False``.
 
     Every family reads this to leave such parameters bitwise untouched, as plain torch does."""
     where = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
-    return [where.get(id(p), -1) if p.requires_grad else -1 for p in flat.parameters]
+    return [where.get(id(p), -1) if p.requires_grad or not requires_grad else -1
+            for p in flat.parameters]
 
 
 class AlgorithmOptimizer(torch.optim.Optimizer):
@@ -139,6 +141,9 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         """Zero the gradients. They stay views of the flat buffer whatever ``set_to_none`` says
         (the buffer is what the algorithm communicates)."""
         self._check_bound()
+        tracker = self.__dict__.get("_unused_tracker")
+        if tracker is not None:
+            tracker.refresh()
         self.flat.zero_grad()
 
     def _check_bound(self) -> None:
@@ -226,6 +231,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
                                   f"be loaded into {self.algorithm!r}")
         if self.optimizer is not None:
             self.optimizer.load_state_dict(base)
+            self._after_wrapped_load(base, ours=extra is not None)
         else:
             self._load_plain(base, ours=extra is not None)
         if extra is not None:
@@ -237,6 +243,17 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         pass
+
+    def _after_wrapped_load(self, base: dict[str, Any], *, ours: bool) -> None:
+        """A wrapped optimizer took ``base`` (its own ``load_state_dict``): an algorithm that
+        owns its update but shares a torch SGD's groups maps or drops the SGD's state here."""
+
+    def _unused_state_warning(self, base: dict[str, Any]) -> None:
+        """Say that a plain torch optimizer's per-parameter state is not used here."""
+        if base.get("state"):
+            log.warning("%s: the per-parameter state of the loaded torch optimizer (%s) has no "
+                        "counterpart here and is not used", self.algorithm,
+                        ", ".join(sorted({k for s in base["state"].values() for k in s})))
 
     def _load_plain(self, base: dict[str, Any], *, ours: bool) -> None:
         """Owned algorithms: take the hyperparameters of the saved param groups (lr, momentum,
@@ -250,10 +267,8 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key != "params" and (key in mine or key == "initial_lr"):
                     mine[key] = value
-        if not ours and base.get("state"):
-            log.warning("%s: the per-parameter state of the loaded torch optimizer (%s) has no "
-                        "counterpart here and is not used", self.algorithm,
-                        ", ".join(sorted({k for s in base["state"].values() for k in s})))
+        if not ours:
+            self._unused_state_warning(base)
 
     def __repr__(self) -> str:
         inner = f" wrapping {type(self.optimizer).__name__}" if self.optimizer is not None else ""

@@ -47,6 +47,7 @@ class BackwardPasses:
         self.counts = [0] * len(flat.parameters)
         self.last = True
         self._view_ptrs = [v.data_ptr() for _, v in flat.views("grads")]
+        self._grad_version: int | None = None    # flat.grads' version after the last hook
         self._hooks = {}
         self._hook_trainable()
 
@@ -73,7 +74,14 @@ class BackwardPasses:
                     "backward_passes_per_step=<backward passes per step> to accumulate them "
                     "(Horovod's meaning), or call step() after each backward")
             self.last = n >= self.passes
+            self._grad_version = self.flat.grads._version
         return hook
+
+    def changed_since_backward(self) -> bool:
+        """Whether the flat gradient buffer was written in place since the last gradient hook
+        of this step (a ``clip_grad_norm_`` between ``backward()`` and ``step()``): torch counts
+        every in-place write in the buffer's version, which its views share."""
+        return self._grad_version is not None and self.flat.grads._version != self._grad_version
 
     @property
     def seen(self) -> int:
@@ -83,17 +91,31 @@ class BackwardPasses:
     def presence(self) -> list[float]:
         """1.0 per parameter that got a gradient this step (its hook fired, or ``p.grad`` holds a
         tensor of its own, e.g. set by hand or after ``set_to_none``), else 0.0. Read it before
-        the gradients are re-bound to the flat buffer."""
+        the gradients are re-bound to the flat buffer.
+
+        A parameter made trainable after the last :meth:`reset`/:meth:`refresh` had no hook during
+        this backward (a hook cannot be put on a tensor that does not require grad): it counts as
+        present when its gradient slot is not all zeros (the slot was zeroed before the backward)."""
         out = []
-        for p, n, ptr in zip(self.flat._params, self.counts, self._view_ptrs):  # noqa: SLF001
+        for k, (p, n, ptr) in enumerate(zip(self.flat._params, self.counts,  # noqa: SLF001
+                                            self._view_ptrs)):
             g = p.grad
-            out.append(1.0 if n or (g is not None and g.data_ptr() != ptr) else 0.0)
+            got = bool(n) or (g is not None and g.data_ptr() != ptr)
+            if not got and k not in self._hooks and p.requires_grad and g is not None:
+                got = bool(g.any())
+            out.append(1.0 if got else 0.0)
         return out
 
     def reset(self) -> None:
         """A new step: no pass seen."""
         self.counts = [0] * len(self.counts)
         self.last = True
+        self._grad_version = None
+        self._hook_trainable()
+
+    def refresh(self) -> None:
+        """Hook the parameters made trainable since the last step (``zero_grad()`` calls it, so
+        a layer unfrozen between two steps is counted from its first backward on)."""
         self._hook_trainable()
 
     def close(self) -> None:

@@ -448,7 +448,7 @@ class _OutsideOptimizer:
 # -- the toolkit's other algorithms ----------------------------------------------------------------
 
 def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
-    from ..api import PS_ALGORITHMS, _from_torch_optimizer, optimizer as make
+    from ..api import PS_ALGORITHMS, _share_torch_optimizer, optimizer as make
     from ..rules import ps_lr_factor
 
     holder = ParamHolder(_params(optimizer))
@@ -465,7 +465,7 @@ def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
         return opt
     if algorithm not in PS_ALGORITHMS:
         return make(algorithm, holder, optimizer, **hyper)
-    resolved = {**_from_torch_optimizer(algorithm, optimizer), **hyper}
+    resolved = _share_torch_optimizer(algorithm, optimizer, hyper)    # shares the SGD's groups
     if (resolved.get("steps_per_epoch") is None and resolved.get("warmup_epochs") is None
             and ps_lr_factor(algorithm, 2, None) is not None):
         resolved["warmup_epochs"] = 0
@@ -473,10 +473,21 @@ def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
                     "is off (pass steps_per_epoch=len(train_loader) to keep it)", algorithm)
     roles = st.roles
     first = min(r for r in range(roles.size) if r not in roles.topology.servers)
-    if roles.rank == first:
-        send_spec(roles, spec_of(algorithm, resolved, _params(optimizer)))
+    if roles.rank == first:           # the server builds the same optimizer, its groups owned
+        spec = {k: v for k, v in resolved.items() if k != "optimizer"}
+        spec["param_groups"] = [{"params": g["params"], "lr": g["lr"],
+                                 "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        send_spec(roles, spec_of(algorithm, spec, _params(optimizer)))
     st.spec_sent = True
     opt = make(algorithm, holder, **resolved)
+    epochs, per_epoch = resolved.get("epochs"), resolved.get("steps_per_epoch")
+    if epochs and per_epoch:
+        opt.finish_after(int(epochs) * int(per_epoch))
+    elif roles.rank == first:
+        log.warning("%s under hpcasync.horovod: each worker trains its own copy of the model until "
+                    "the run ends; pass epochs= and steps_per_epoch= to DistributedOptimizer so "
+                    "that every worker holds the server's final model after its last step (or "
+                    "call opt.finish() after training, before evaluating or saving)", algorithm)
     atexit.register(_finish_quietly, opt)        # runs before the PS's own exit hook
     return opt
 

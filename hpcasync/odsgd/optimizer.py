@@ -13,10 +13,11 @@ mean gradient, the local step is LocalOpt, see :mod:`.core`). After ``step()`` t
             evaluate(model)
     opt.finish()                                            # the model holds the global W
 
-Param groups as in torch (``params=`` a list of parameters or of group dicts; the front door
-passes a ``torch.optim.SGD``'s): each group's ``"lr"`` (the global lr, which an LR scheduler
-drives), ``"lr_local"``, ``"momentum"`` and ``"weight_decay"`` are read at every step and apply to
-its slice of θ. A parameter with ``requires_grad=False``, in no group, or in a group whose lr is 0
+Param groups as in torch (``params=`` a list of parameters or of group dicts), or shared with a
+``torch.optim.SGD`` (``optimizer=``; the front door passes the one you give it, so a scheduler or
+a hand-written warm-up on either object is honoured): each group's ``"lr"`` (the global lr),
+``"lr_local"``, ``"momentum"`` and ``"weight_decay"`` are read at every step and apply to its
+slice of θ. A parameter with ``requires_grad=False``, in no group, or in a group whose lr is 0
 is left bitwise untouched (global and local weights, momentum, mean square), as torch's SGD leaves
 it. Forgetting :meth:`finish` does not hang: the round in flight is completed at interpreter exit
 (with a warning).
@@ -61,6 +62,10 @@ class ODSGD(AlgorithmOptimizer):
         progress: how the round in flight progresses: ``"thread"`` (default), ``"hooks"``,
             ``"none"`` (docs/design/odsgd.md#runtime has the measurements).
         broadcast: start every rank from rank 0's parameters (default True).
+        optimizer: a ``torch.optim.SGD`` whose param groups this object shares (``lr_local``
+            is added to each group that lacks it); its momentum buffers are not used (the
+            global momentum buffer is this object's state). Its ``nesterov``, ``dampening`` and
+            ``maximize`` must stay off: set later, they stop the next step with one line.
 
     Differences from the paper: Δ = ``last-step`` is the default, as in the authors' code; the
     ``dc-adaptive`` mean square starts at zero and is only updated by local steps (not during
@@ -76,13 +81,21 @@ class ODSGD(AlgorithmOptimizer):
                  delta: str = "last-step", ms_momentum: float = 0.0, eps: float = 1e-7,
                  warmup_iters: int = 200, params=None, epochs: int | None = None,
                  steps_per_epoch: int | None = None, comm=None, progress: str = "thread",
-                 broadcast: bool = True):
+                 broadcast: bool = True, optimizer: torch.optim.Optimizer | None = None):
         hp = ODSGDHyper(lr=lr, momentum=momentum, weight_decay=weight_decay, local_opt=local_opt,
                         lr_local=lr_local, lam=lam, delta=delta, ms_momentum=ms_momentum, eps=eps,
                         warmup_iters=warmup_iters)
         flat = as_flat(model)
-        self._own(flat, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
-                         "lr_local": lr_local})
+        if optimizer is not None:
+            if params is not None:
+                raise ConfigError("ODSGD: pass params or optimizer, not both")
+            hyper_from_sgd(optimizer)                     # nothing it would do differently
+            self._wrap(flat, optimizer)
+            for group in self.param_groups:
+                group.setdefault("lr_local", lr_local)
+        else:
+            self._own(flat, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                             "lr_local": lr_local})
         if params is not None:
             self._set_groups(params)
         comm = default_topology().world if comm is None else comm
@@ -138,9 +151,14 @@ class ODSGD(AlgorithmOptimizer):
         groups = self.param_groups
         values = tuple(tuple(float(g[k]) for k in _GROUP_KEYS) for g in groups)
         index = group_index(self.flat, groups)
-        layout = (values, tuple(index))
+        layout = (values, tuple(index), tuple(_sgd_only(g) for g in groups))
         if layout == self._layout:
             return
+        for i, g in enumerate(groups):
+            for key, plain in _PLAIN_SGD:
+                if g.get(key, plain) != plain:
+                    raise ConfigError(f"ODSGD's global step is momentum SGD without {key}: param "
+                                      f"group {i} now sets {key}={g[key]}; use {key}={plain}")
         hp = self.worker.hp
         if len(groups) == 1 and values[0][0] != 0 and min(index) == 0:
             self.worker.hp = dataclasses.replace(hp, **dict(zip(_GROUP_KEYS, values[0])))
@@ -202,12 +220,26 @@ class ODSGD(AlgorithmOptimizer):
     def _load_plain(self, base: dict, *, ours: bool) -> None:
         """A plain torch optimizer's state (e.g. ``torch.optim.SGD``): its lr, momentum and weight
         decay, and its momentum buffers as the global momentum buffer v."""
-        state = base.get("state") or {}
-        bufs = [state.get(i, {}).get("momentum_buffer")
-                for g in base["param_groups"] for i in g["params"]]
+        bufs = _momentum_buffers(base)
         super()._load_plain({**base, "state": {}} if ours or any(b is not None for b in bufs)
                             else base, ours=ours)
-        if not ours and any(b is not None for b in bufs):
+        if not ours:
+            self._take_momentum(bufs)
+
+    def _after_wrapped_load(self, base: dict, *, ours: bool) -> None:
+        """The shared SGD took ``base``: its momentum buffers (a plain SGD's state) become the
+        global momentum buffer v, and leave the SGD (v is this object's state)."""
+        for group in self.param_groups:
+            group.setdefault("lr_local", self.hp.lr_local)
+        if not ours:
+            bufs = _momentum_buffers(base)
+            if not any(b is not None for b in bufs):
+                self._unused_state_warning(base)
+            self._take_momentum(bufs)
+        self.optimizer.state.clear()
+
+    def _take_momentum(self, bufs: list) -> None:
+        if any(b is not None for b in bufs):
             mine = [p for g in self.param_groups for p in g["params"]]
             if len(bufs) != len(mine) or any(
                     b is not None and b.shape != p.shape for b, p in zip(bufs, mine)):
@@ -220,22 +252,32 @@ class ODSGD(AlgorithmOptimizer):
                     view.copy_(b.reshape(-1) if b is not None else torch.zeros(p.numel()))
 
 
+_PLAIN_SGD = (("nesterov", False), ("dampening", 0), ("maximize", False))
+
+
+def _momentum_buffers(base: dict) -> list:
+    """A torch optimizer state dict's momentum buffers, one per parameter (None where absent)."""
+    state = base.get("state") or {}
+    return [state.get(i, {}).get("momentum_buffer")
+            for g in base["param_groups"] for i in g["params"]]
+
+
+def _sgd_only(group: dict) -> tuple:
+    return tuple(group.get(key, plain) for key, plain in _PLAIN_SGD)
+
+
 def hyper_from_sgd(sgd: torch.optim.SGD) -> dict:
-    """ODSGD's keywords from a ``torch.optim.SGD``: its param groups and group 0's lr, momentum
-    and weight decay as the defaults (a group's own value where it differs; so a keyword passed
-    beside the SGD, e.g. ``lr=``, replaces group 0's value wherever a group has it). Its global step is heavy-ball momentum SGD:
-    Nesterov, dampening or maximize would be silently different, so they are errors."""
-    for key, plain in (("nesterov", False), ("dampening", 0), ("maximize", False)):
+    """Group 0's lr, momentum and weight decay of a ``torch.optim.SGD`` (the defaults; ODSGD
+    shares its groups, ``optimizer=``). Its global step is heavy-ball momentum SGD: Nesterov,
+    dampening or maximize would be silently different, so they are errors."""
+    for key, plain in _PLAIN_SGD:
         bad = [i for i, g in enumerate(sgd.param_groups) if g.get(key, plain) != plain]
         if bad:
             raise ConfigError(f"odsgd's global step is momentum SGD without {key}: the SGD's "
                               f"param group(s) {bad} set {key}={sgd.param_groups[bad[0]][key]}; "
                               f"use {key}={plain}")
-    keys = ("lr", "momentum", "weight_decay")
     first = sgd.param_groups[0]
-    groups = [{"params": g["params"], **{k: g[k] for k in keys if g[k] != first[k]}}
-              for g in sgd.param_groups]      # group 0's values are the defaults (keywords win)
-    return {**{k: first[k] for k in keys}, "params": groups}
+    return {k: first[k] for k in ("lr", "momentum", "weight_decay")}
 
 
 def _warn_short_run(comm, warmup_iters: int, epochs, steps_per_epoch) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import CheckpointManager
 from ..errors import CheckpointError
 
@@ -52,6 +54,7 @@ class LoopCheckpoints:
         return {"worker": opt.worker, "epoch": int(epoch), "step": int(step),
                 "extra": dict(extra), "steps": int(opt.steps), "version": int(opt.version),
                 "buffers": opt.flat.buffers.detach().cpu().clone(),
+                "int_buffers": {n: b.detach().cpu().clone() for n, b in opt.int_buffers().items()},
                 "optimizer": opt.state_dict(),
                 "local": opt.local_model() if opt.keeps_local else None}
 
@@ -105,12 +108,25 @@ class LoopCheckpoints:
         """The server's state (θ in the model, the rule, the clock) and the workers' parts."""
         opt = self.opt
         opt.load_theta()
+        self._mean_int_buffers(parts)
         clock = None
         if opt.server is not None:
             clock = {k: v for k, v in opt.server.state_dict().items() if k != "rule"}
         return {"model": opt.flat.module.state_dict(), "optimizer": opt.state_dict(),
                 "epoch": int(epoch), "step": int(step), "extra": dict(extra),
                 "ps": {"clock": clock, "workers": {str(w): p for w, p in (parts or {}).items()}}}
+
+    def _mean_int_buffers(self, parts: dict | None) -> None:
+        """Server: its model's integer buffers (``num_batches_tracked``, a counter of the
+        user's), which no push carries, take the mean of the workers' parts (rounded down)."""
+        saved = [p["int_buffers"] for p in (parts or {}).values()
+                 if p is not None and p.get("int_buffers")]
+        for name, buf in self.opt.int_buffers().items():
+            values = [s[name] for s in saved if name in s and s[name].shape == buf.shape]
+            if values:
+                mean = torch.div(torch.stack([v.to(torch.int64) for v in values]).sum(0),
+                                 len(values), rounding_mode="floor")
+                buf.copy_(mean.to(buf))
 
     def write(self, directory, epoch: int, step: int, *, keep: int, extra: dict,
               parts: dict | None, header: dict) -> Path:
@@ -167,6 +183,10 @@ class LoopCheckpoints:
                                       f"{buffers.numel()} elements, the model "
                                       f"{opt.flat.buffers.numel()}")
             opt.flat.buffers.copy_(buffers.to(opt.flat.buffers))
+            mine = opt.int_buffers()
+            for name, value in (part.get("int_buffers") or {}).items():
+                if name in mine and value.shape == mine[name].shape:
+                    mine[name].copy_(value.to(mine[name]))
             opt.load_state_dict(part["optimizer"])
             opt.steps = int(part["steps"])
             if part.get("local") is not None:

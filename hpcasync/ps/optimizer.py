@@ -36,7 +36,7 @@ from .. import registry
 from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError, fail_fast
 from ..optim import AlgorithmOptimizer, as_flat, group_index
-from ..rules import RULES, Reply, make_rule, ps_lr_factor
+from ..rules import MOMENTUM_RULES, RULES, Reply, make_rule, ps_lr_factor
 from ..rules.base import check_real
 from ..topology import default_topology
 from .loop_checkpoint import LoopCheckpoints
@@ -44,11 +44,17 @@ from .ordering import ordered
 from .server import PSServer
 from .shards import EpochExchange, ShardLayout, check_shards, wait_ends, worker_pieces
 from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, make_transport
+from .wire import mask_flags, mask_words
 from .worker import Patience
 
 log = logging.getLogger("hpcasync")
 
 ALGORITHMS = registry.LiveNames(registry.ps_names)     # live: a registered rule shows
+
+#: the ParameterServers of this process not yet closed, in construction order (every rank builds
+#: them in the same order): a second one gets a communicator of its own, and a server serves them
+#: together (:func:`serve`)
+_LIVE: list = []
 
 
 class ParameterServer(AlgorithmOptimizer):
@@ -75,13 +81,30 @@ class ParameterServer(AlgorithmOptimizer):
         start: a worker takes its first reply at its first forward pass (a one-shot forward
             pre-hook) or step; False: only when :meth:`start` is called (the CLI's worker loop,
             whose resumed workers may have nothing left to do).
+        optimizer: a ``torch.optim.SGD`` whose param groups this object shares (the front door
+            passes the one you give it): a write to its ``lr`` or ``weight_decay`` (a scheduler
+            built on it, a hand-written warm-up) is what the next push carries, as a write to
+            ``opt.param_groups`` is; its ``momentum`` too where momentum is the algorithm's
+            (smega2, dana, nag). None: this object holds its own groups (``lr``,
+            ``param_groups``).
+
+    What trains is the model as it is when training starts: the server takes its model's
+    parameters at :meth:`serve` (a ``model.load_state_dict`` after this constructor, on every
+    rank, is kept), and a worker whose model was changed after this constructor checks at its
+    first reply that the server's θ holds the same change (else one line: load it on the server
+    rank too). A change to a worker's parameters between two steps (in place, under
+    ``no_grad``) would be overwritten by the next reply: it is an error (one line), except for
+    the rules whose workers keep a model of their own (shat, shat-root, ensemble), where the
+    change trains. ``requires_grad`` is read at every push: a parameter frozen on the pushing
+    worker is left untouched by that push, one unfrozen is trained from its next push on.
     """
 
     def __init__(self, model, algorithm: str = "asgd", *, lr: float, comm=None,
                  ps_rank: int | None = None, transport: str = "rma", ps_ranks: int | None = None,
                  steps_per_epoch: int | None = None, epochs: int | None = None,
                  warmup_epochs: float | None = None, average_buffers: bool = True,
-                 start: bool = True, param_groups: list[dict] | None = None, **hyper: Any):
+                 start: bool = True, param_groups: list[dict] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **hyper: Any):
         if algorithm not in RULES:
             raise ConfigError(f"unknown parameter-server algorithm {algorithm!r} "
                               f"(choose from {', '.join(RULES)})")
@@ -112,7 +135,11 @@ class ParameterServer(AlgorithmOptimizer):
             raise TopologyError(f"ps rank {ps_rank} does not exist in a world of "
                                 f"{comm.Get_size()} ranks")
         ps_ranks = check_shards(1 if ps_ranks is None else ps_ranks, comm.Get_size(), flat.numel)
-        self._own_groups(flat, param_groups, probe)
+        self._own_groups(flat, param_groups, probe, optimizer)
+        others = [o for o in (ref() for ref in _LIVE) if o is not None and not o._closed]
+        self._own_comm = bool(others)   # its messages apart from the other optimizers' (same tags)
+        if self._own_comm:
+            comm = comm.Dup()
         self.comm, self.ps_rank = comm, ps_rank
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
         self.warmup_epochs = warmup_epochs
@@ -120,9 +147,10 @@ class ParameterServer(AlgorithmOptimizer):
         for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
             if tensor.numel():
                 broadcast(comm, tensor, root=ps_rank)
+        self._mark = self._param_version()     # the model as built: a later change is the user's
         if len(set(comm.allgather(self._groups_key))) > 1:
             raise ConfigError(f"{algorithm}: the ranks' optimizers have different param groups "
-                              "(each parameter must be in the same group on every rank, and "
+                              "(each parameter must be in the same group on every rank, or "
                               "outside them on every rank)")
         if self._index is not None:
             probe.set_groups(torch.zeros(1, dtype=torch.int64), len(self.param_groups))
@@ -133,7 +161,8 @@ class ParameterServer(AlgorithmOptimizer):
         self.transports = [make_transport(
             transport, c, ps_rank if L.K == 1 else 0, L.slice(flat.params, s).numel(),
             extra=flat.buffer_numel if s == 0 else 0,
-            reply_scalars=probe.reply_scalars, groups=len(self.param_groups))
+            reply_scalars=probe.reply_scalars, groups=len(self.param_groups),
+            params=len(flat.parameters))
             for s, c in enumerate(L.comms) if c is not None]
         self.transport = self.transports[0]
         self.num_workers, self.worker = self.transport.num_workers, self.transport.worker
@@ -156,6 +185,7 @@ class ParameterServer(AlgorithmOptimizer):
         self.steps = self.rejected = 0
         self._resume_local: torch.Tensor | None = None
         self.started = self.finished = self.stopped = False
+        self._finish_at: int | None = None            # finish_after()
         self._reply = torch.empty(flat.numel) if not self.is_server else None
         # server side
         self.served = False
@@ -167,8 +197,11 @@ class ParameterServer(AlgorithmOptimizer):
         self._closed = False
         # save_checkpoint / load_checkpoint from a user's loop (:mod:`.loop_checkpoint`)
         self.checkpoints = LoopCheckpoints(self)
+        self._frozen_now = self._frozen_mask()        # server: the groups the rules follow now
+        self._frozen_index: dict[tuple, torch.Tensor | None] = {}
         if self.is_server:
             log.info("%s", self.describe())
+        _LIVE.append(weakref.ref(self))
         atexit.register(ParameterServer._at_exit, weakref.ref(self))
         self._hook = None
         if not self.is_server and start:
@@ -177,15 +210,23 @@ class ParameterServer(AlgorithmOptimizer):
                 lambda module, args: ref() is not None and ref().start())
 
     # -- param groups ---------------------------------------------------------------------------
-    def _own_groups(self, flat, param_groups, probe) -> None:
-        """One param group per user group (default: one over the model), each with its ``lr``
-        and ``weight_decay``, and the rule's ``momentum`` (one for all groups; exposed so that
-        schedulers such as OneCycleLR cycle it). Parameters in no group, or with
-        ``requires_grad=False``, are never moved (``rules.base``, param groups)."""
+    def _own_groups(self, flat, param_groups, probe, optimizer) -> None:
+        """The param groups: ``optimizer``'s, shared (its ``lr``/``weight_decay`` per group, its
+        ``momentum`` where the algorithm's momentum is that); else one per user group (default:
+        one over the model), each with its ``lr`` and ``weight_decay``, and the rule's
+        ``momentum`` (one for all groups; exposed so that schedulers such as OneCycleLR cycle
+        it). Parameters in no group are never moved, nor are those with ``requires_grad=False``
+        while they have it (``rules.base``, param groups)."""
         momentum = getattr(probe, "momentum", 0.0)
+        self._server_momentum = momentum            # a shared SGD's momentum is not the rule's
+        self._momentum_in_groups = optimizer is None or self.algorithm in MOMENTUM_RULES
         wd = self.hyper.get("weight_decay", 0.0)
         lr = self.hyper["lr"]
-        if param_groups is None:
+        if optimizer is not None:
+            if param_groups is not None:
+                raise ConfigError(f"{self.algorithm}: pass param_groups or optimizer, not both")
+            self._wrap(flat, optimizer)
+        elif param_groups is None:
             groups = [{"params": list(flat.module.parameters())}]
         else:
             mine = {id(p) for p in flat.module.parameters()}
@@ -205,24 +246,60 @@ class ParameterServer(AlgorithmOptimizer):
                 raise ConfigError(f"{self.algorithm}: the param groups disagree on momentum "
                                   f"({sorted(moms)}); the server has one momentum for all groups")
             momentum = moms.pop() if moms else momentum
-        torch.optim.Optimizer.__init__(self, groups, {"lr": lr, "weight_decay": wd,
-                                                      "momentum": momentum})
-        self.flat, self.optimizer = flat, None
+        if optimizer is None:
+            torch.optim.Optimizer.__init__(self, groups, {"lr": lr, "weight_decay": wd,
+                                                          "momentum": momentum})
+            self.flat, self.optimizer = flat, None
         where = group_index(flat, self.param_groups)
-        self._groups_key = (len(self.param_groups), tuple(where))
-        grouped = len(self.param_groups) > 1 or min(where) < 0
-        self._index = flat.per_element(where, dtype=torch.int64).cpu() if grouped else None
+        self._members = group_index(flat, self.param_groups, requires_grad=False)
+        self._groups_key = (len(self.param_groups), tuple(self._members))
+        self._index = self._element_index(where)
         self._hyper_now()                                  # check the values now
+
+    def _element_index(self, where: list[int]) -> torch.Tensor | None:
+        """Per element of θ the group of its parameter (``where``: per parameter, -1 for never
+        moved), or None when one group holds every parameter (the rules' plain path)."""
+        if len(self.param_groups) == 1 and min(where) >= 0:
+            return None
+        return self.flat.per_element(where, dtype=torch.int64).cpu()
+
+    def _frozen_mask(self) -> tuple[int, ...]:
+        """Which parameters have ``requires_grad=False`` now (:func:`~.wire.mask_words`)."""
+        return mask_words(not p.requires_grad for p in self.flat.parameters)
+
+    def _follow_frozen(self, words: tuple[int, ...]) -> None:
+        """Server: a push from a worker whose frozen parameters are ``words``: the rule's groups
+        leave exactly those (and the parameters in no group) untouched by it."""
+        if words == self._frozen_now:
+            return
+        self._frozen_now = words
+        if words not in self._frozen_index:
+            if len(self._frozen_index) >= 8:
+                self._frozen_index.pop(next(iter(self._frozen_index)))
+            flags = mask_flags(words, len(self._members))
+            index = self._element_index([-1 if f else g for g, f in zip(self._members, flags)])
+            self._frozen_index[words] = (None if index is None else
+                                         self.layout.slice(index, max(self.shard, 0)))
+        self.rule.set_groups(self._frozen_index[words], len(self.param_groups))
+
+    def _param_version(self) -> int:
+        """The sum of the parameters' version counters: torch raises a tensor's on every in-place
+        change made through it (``load_state_dict``, edits under ``no_grad``, an optimizer's
+        step); our own writes go through the flat buffer, which does not raise them."""
+        return sum(p._version for p in self.flat.parameters)
 
     def _hyper_now(self):
         """What a push carries: lr and weight decay (one per group when there are several) and
         the momentum, checked (one line if the groups' momenta were set apart)."""
         groups = self.param_groups
-        momentum = groups[0].get("momentum", 0.0)
-        if any(g.get("momentum", 0.0) != momentum for g in groups):
-            raise ConfigError(f"{self.algorithm}: the param groups disagree on momentum "
-                              f"({[g.get('momentum') for g in groups]}); the server has one "
-                              "momentum for all groups")
+        if self._momentum_in_groups:
+            momentum = groups[0].get("momentum", 0.0)
+            if any(g.get("momentum", 0.0) != momentum for g in groups):
+                raise ConfigError(f"{self.algorithm}: the param groups disagree on momentum "
+                                  f"({[g.get('momentum') for g in groups]}); the server has one "
+                                  "momentum for all groups")
+        else:
+            momentum = self._server_momentum
         momentum = check_real("momentum", float(momentum), low=0.0, high=1.0, high_open=True)
         lrs = tuple(self.lr(i) for i in range(len(groups)))
         wds = tuple(float(g["weight_decay"]) for g in groups)
@@ -238,13 +315,46 @@ class ParameterServer(AlgorithmOptimizer):
             self._hook.remove()
             self._hook = None
         if not self.started:
+            changed = self._param_version() != self._mark
+            mine = self.flat.params.detach().cpu().clone() if changed else None
             head = self._replies(None, poll=Patience(
                 f"{self.algorithm} worker {self.worker}: waiting for the parameter server's first "
-                f"reply for %d s: does rank {self.ps_rank} call opt.serve()?"))
+                f"reply for %d s: does rank {self.ps_rank} call opt.serve()? (several "
+                "parameter-server optimizers: hpcasync.serve(opt_a, opt_b) on the server)"))
+            self.version, self.started = head.version, True
+            if mine is not None and head.version == 0:
+                self._check_same_change(mine)
             if self._resume_local is not None:      # a resumed SHAT/ENSEMBLE worker: its own model
                 self.flat.params.copy_(self._resume_local)
                 self._resume_local = None
-            self.version, self.started = head.version, True
+            self._mark = self._param_version()
+
+    def _check_same_change(self, mine: torch.Tensor) -> None:
+        """Worker, at its first reply from a server that has applied nothing yet, when its model
+        was changed after the constructor (e.g. ``model.load_state_dict``): that reply (θ, every
+        rule's first reply before any push) must hold the same values, since θ is what trains;
+        else one line. (A server resumed from a rule state replies later versions: the load was
+        a checkpoint's, on every rank.)"""
+        if not torch.equal(self._reply, mine):
+            raise ConfigError(
+                f"{self.algorithm} worker {self.worker}: the model's parameters were changed after "
+                "hpcasync.optimizer(...) (e.g. model.load_state_dict) on this worker, but the "
+                f"parameter server (rank {self.ps_rank}) holds other values, and its θ is what "
+                "trains: make the same change on every rank, the server's included, before "
+                "training starts")
+
+    def _check_unchanged(self) -> None:
+        """Worker, before a push: a change of its parameters since the last reply (in place,
+        e.g. under ``no_grad``) would be overwritten by the next reply, where torch would train
+        it: one line. Workers that keep a model of their own train it, changes included."""
+        if self._param_version() == self._mark or self.keeps_local:
+            return
+        raise ConfigError(
+            f"{self.algorithm} worker {self.worker}: the model's parameters were changed in place "
+            "between two steps (load_state_dict, or an edit under torch.no_grad()); with a "
+            "parameter server the next reply replaces them by the server's θ, so the change would "
+            "be lost: make such changes on every rank before training starts (the server takes "
+            "its model's values at serve())")
 
     def resume_local(self, local: torch.Tensor) -> None:
         """Worker (rules that keep a local model, ``keeps_local``): continue from ``local`` (a
@@ -278,7 +388,16 @@ class ParameterServer(AlgorithmOptimizer):
         value = math.nan if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
         self._collect()
         self.push(loss=value)
+        if self._finish_at is not None and self.steps >= self._finish_at:
+            self.finish()
         return None
+
+    def finish_after(self, steps: int | None) -> None:
+        """Worker: :meth:`finish` right after the ``steps``-th step (None: only when called). A
+        Horovod script has no finish call; with its length known, every worker then holds the
+        server's final model after its last step."""
+        self._worker_only("finish_after")
+        self._finish_at = None if steps is None else int(steps)
 
     def push(self, grad: torch.Tensor | None = None, *, loss: float = math.nan,
              oracle_loss: float = math.nan, last: bool = False, stop: bool = False):
@@ -289,14 +408,18 @@ class ParameterServer(AlgorithmOptimizer):
             raise ConfigError(f"{self.algorithm}: step() after finish()")
         if not self.started:
             self.start()
+        else:
+            self._check_unchanged()
         g = self.flat.grads if grad is None else grad
         pieces = worker_pieces(self.layout, g.cpu(), self.flat.numel)
         lr, momentum, weight_decay = self._hyper_now()
+        frozen = self._frozen_mask()
         for s, (t, piece) in enumerate(zip(self.transports, pieces)):   # all leave, then replies
             t.push(piece, self.flat.buffers.cpu() if s == 0 else None, version=self.versions[s],
                    loss=loss, oracle_loss=oracle_loss, last=last, stop=stop, lr=lr,
-                   momentum=momentum, weight_decay=weight_decay)
+                   momentum=momentum, weight_decay=weight_decay, frozen=frozen)
         head = self._replies(g)
+        self._mark = self._param_version()
         self.version = head.version
         self.steps += 1
         self.rejected += not head.accepted
@@ -373,6 +496,7 @@ class ParameterServer(AlgorithmOptimizer):
         and (``average_buffers``) the workers' buffers wired in; ``callbacks`` go to PSServer."""
         self._server_only("serve")
         self.served = True
+        self._adopt_model()
         W = self.num_workers
         ppe = W * self.steps_per_epoch if self.steps_per_epoch else None
         on_buffers = self._take_buffers if self.sync_buffers else None
@@ -389,14 +513,47 @@ class ParameterServer(AlgorithmOptimizer):
         self._ordered = ordered(self.transport, self.layout)      # K > 1: shard 0's order
         return PSServer(self._ordered, self.rule, pushes_per_epoch=ppe, epochs=self.epochs,
                         lr_factor=ps_lr_factor(self.algorithm, W, self.warmup_epochs),
-                        on_buffers=on_buffers, **callbacks)
+                        on_buffers=on_buffers, on_frozen=self._follow_frozen, **callbacks)
+
+    def _adopt_model(self) -> None:
+        """Server, before serving: θ takes the model's current parameters when they were changed
+        after the constructor (``model.load_state_dict(...)`` in the usual torch order: model,
+        optimizer, then the loads), so the model as the user left it is what trains."""
+        s = max(self.shard, 0)
+        mine = self.layout.slice(self.flat.params, s).detach().cpu()
+        if torch.equal(mine, self.rule.theta):
+            return
+        log.info("PS %s: the server's model was changed after hpcasync.optimizer(...): training "
+                 "starts from its current parameters", self.algorithm)
+        if self.rule.version == 0:               # nothing applied yet: the rule as if built now
+            rule = make_rule(self.algorithm, mine.clone(), self.num_workers, **self.hyper)
+            if self._index is not None:
+                rule.set_groups(self.layout.slice(self._index, s), len(self.param_groups))
+            rule.lr, _, rule.weight_decay = self._hyper_now()
+            self.rules[0] = self.rule = rule
+        else:                                     # a loaded rule state: its θ takes the change
+            self.rule.theta.copy_(mine)
 
     def serve(self, *, on_epoch: Callable[[int, torch.nn.Module], Any] | None = None,
               collective: bool = True, **callbacks: Any):
         """Server: apply the rule to every push until every worker has finished; then every rank
         takes the final model (``collective``). ``on_epoch(epoch, model)`` is called with θ in the
         model at each epoch crossing (with ``steps_per_epoch``), e.g. to evaluate. Returns the
-        model."""
+        model. Several ParameterServers in one job are served together: :func:`serve`."""
+        others = [o for o in live() if o is not self and o.is_server and not o.served]
+        if others:
+            raise ConfigError(
+                f"rank {self.comm.Get_rank()} serves {len(others) + 1} parameter-server "
+                f"optimizers ({', '.join(o.algorithm for o in [self, *others])}): serve them "
+                "together with hpcasync.serve(opt_a, opt_b, ...) (one opt.serve() at a time would "
+                "wait for its pushes while the workers wait for the other's replies)")
+        server, collector = self._begin_serving(on_epoch, callbacks)
+        server.serve()
+        return self._end_serving(server, collector, collective)
+
+    def _begin_serving(self, on_epoch, callbacks) -> tuple[PSServer, Any]:
+        """Server: its loop (:meth:`make_server`), with the epoch callback and the checkpoint
+        requests wired in."""
         def crossed(epoch: int, record: dict) -> None:
             self.load_theta()
             log.info("PS %s: epoch %d crossed at version %d (%d pushes accepted, %d rejected)",
@@ -407,7 +564,11 @@ class ParameterServer(AlgorithmOptimizer):
         server = self.make_server(on_epoch=crossed, **callbacks)
         self.server = server
         collector = self.checkpoints.attach(server)     # a loaded clock; the workers' requests
-        server.serve()
+        return server, collector
+
+    def _end_serving(self, server: PSServer, collector, collective: bool):
+        """Server, after its loop: the checkpoints asked for, the end messages, θ in the model
+        and (``collective``) the final model on every rank."""
         collector.close()
         server.finish()
         self.load_theta()
@@ -466,25 +627,32 @@ class ParameterServer(AlgorithmOptimizer):
             t.close(collective=collective)
         if collective:
             self.layout.free()
-        if not broadcast_model:
-            return
-        comm = self.comm if comm is None else comm
-        root = self.ps_rank if root is None else root
-        if self.layout.K > 1:           # each server's slice from it (root: shard 0's server)
-            for s, server in enumerate(self.layout.servers):
-                broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
-                          else server)
-            if self.flat.buffers.numel():
-                broadcast(comm, self.flat.buffers, root=root)
-            return
-        for tensor in (self.flat.params, self.flat.buffers):
-            if tensor.numel():
-                broadcast(comm, tensor, root=root)
+        if broadcast_model:
+            comm = self.comm if comm is None else comm
+            root = self.ps_rank if root is None else root
+            if self.layout.K > 1:           # each server's slice from it (root: shard 0's server)
+                for s, server in enumerate(self.layout.servers):
+                    broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
+                              else server)
+                if self.flat.buffers.numel():
+                    broadcast(comm, self.flat.buffers, root=root)
+            else:
+                for tensor in (self.flat.params, self.flat.buffers):
+                    if tensor.numel():
+                        broadcast(comm, tensor, root=root)
+            mean_int_buffers(comm, self.flat.module, self.is_server)
+        if self._own_comm and collective:
+            self.comm.Free()
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran (after ``finish()``/``serve()``, collective)."""
         return self._closed
+
+    def int_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's non-float buffers (BatchNorm's ``num_batches_tracked``, a counter of the
+        user's): they are not in the flat buffer that travels with each push."""
+        return {n: b for n, b in self.flat.module.named_buffers() if not b.is_floating_point()}
 
     def _at_exit_check(self) -> None:
         """Interpreter exit: a worker that never called finish() finishes now (so the server can
@@ -530,6 +698,13 @@ class ParameterServer(AlgorithmOptimizer):
             state.update(version=self.version, steps=self.steps)
         return state
 
+    def _after_wrapped_load(self, base: dict, *, ours: bool) -> None:
+        """The shared SGD took ``base``: a plain SGD's momentum buffers have no counterpart in
+        the rules (their state is the server's): said, and dropped."""
+        if not ours:
+            self._unused_state_warning(base)
+        self.optimizer.state.clear()
+
     def _load_extra(self, extra: dict) -> None:
         if self.is_server and "rule" in extra:
             self.rule.load_state_dict(extra["rule"])
@@ -539,3 +714,96 @@ class ParameterServer(AlgorithmOptimizer):
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker}/{self.num_workers}"
         return f"ParameterServer({self.algorithm}, {role}, lr={self.lr():g})"
+
+
+def live() -> list[ParameterServer]:
+    """The ParameterServers of this process not yet closed, in construction order."""
+    out = [o for o in (ref() for ref in _LIVE) if o is not None and not o.closed]
+    _LIVE[:] = [weakref.ref(o) for o in out]
+    return out
+
+
+def mean_int_buffers(comm, module: torch.nn.Module, is_server: bool) -> None:
+    """Collective over ``comm``: every rank's integer and bool buffers take the workers' mean,
+    rounded down (the servers count nothing; BatchNorm's ``num_batches_tracked`` and counters of
+    the user's), so every rank ends with the same ``state_dict``."""
+    from mpi4py import MPI
+
+    bufs = [b for b in module.buffers() if not b.is_floating_point() and not b.is_complex()]
+    if not bufs:
+        return
+    vec = torch.zeros(sum(b.numel() for b in bufs) + 1, dtype=torch.int64)
+    if not is_server:
+        vec[:-1] = torch.cat([b.detach().reshape(-1).to("cpu", torch.int64) for b in bufs])
+        vec[-1] = 1
+    comm.Allreduce(MPI.IN_PLACE, vec.numpy(), op=MPI.SUM)
+    mean = torch.div(vec[:-1], max(int(vec[-1]), 1), rounding_mode="floor")
+    with torch.no_grad():
+        offset = 0
+        for b in bufs:
+            b.copy_(mean[offset: offset + b.numel()].view_as(b).to(b))
+            offset += b.numel()
+
+
+def serve(*optimizers: ParameterServer, on_epoch: Callable[[ParameterServer, int, torch.nn.Module],
+                                                           Any] | None = None) -> list:
+    """Server: serve several ParameterServers of one job together (a GAN's generator and
+    discriminator, a model per task), each until its workers have finished; each then gives every
+    rank its final model, in the order the workers finish them. ``on_epoch(opt, epoch, model)``
+    at each epoch crossing of ``opt``. Returns the models::
+
+        opt_d = hpcasync.optimizer("asgd", disc, torch.optim.SGD(disc.parameters(), lr=0.01))
+        opt_g = hpcasync.optimizer("asgd", gen, torch.optim.SGD(gen.parameters(), lr=0.01))
+        if ctx.is_server:
+            hpcasync.serve(opt_d, opt_g)
+        else:
+            ...                               # opt_d.step(), opt_g.step() in any order
+            opt_d.finish(); opt_g.finish()    # every worker in the same order
+
+    One optimizer: the same as ``opt.serve()``. Sharded servers (``ps_ranks`` > 1) serve one
+    optimizer only."""
+    import time
+
+    if not optimizers:
+        raise ConfigError("hpcasync.serve() needs the parameter-server optimizers to serve")
+    for opt in optimizers:
+        if not isinstance(opt, ParameterServer):
+            raise ConfigError(f"hpcasync.serve() serves parameter-server optimizers, got "
+                              f"{type(opt).__name__}")
+        opt._server_only("serve")
+        if opt.served:
+            raise ConfigError(f"{opt.algorithm}: this optimizer was served already")
+        if opt.layout.K > 1 and len(optimizers) > 1:
+            raise ConfigError(f"{opt.algorithm}: a sharded server (ps_ranks={opt.layout.K}) "
+                              "serves one optimizer; use ps_ranks=1 to serve several together")
+    missing = [o for o in live() if o.is_server and not o.served and o not in optimizers]
+    if missing:
+        raise ConfigError(f"hpcasync.serve(): {len(missing)} more parameter-server "
+                          "optimizer(s) of this job are not among those given: pass every one")
+    if len(optimizers) == 1:
+        epoch_cb = None if on_epoch is None else (lambda e, m: on_epoch(optimizers[0], e, m))
+        return [optimizers[0].serve(on_epoch=epoch_cb)]
+    loops = []
+    for opt in optimizers:
+        epoch_cb = None if on_epoch is None else (lambda e, m, o=opt: on_epoch(o, e, m))
+        server, collector = opt._begin_serving(epoch_cb, {})
+        server.begin()
+        loops.append((opt, server, collector))
+    pause = 2e-5
+    while loops:
+        moved = False
+        for item in list(loops):
+            opt, server, collector = item
+            if server.all_done():
+                server.end()
+                opt._end_serving(server, collector, True)
+                loops.remove(item)
+                moved = True
+            elif server.serve_waiting():
+                moved = True
+        if moved:
+            pause = 2e-5
+        else:
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+    return [opt.flat.module for opt in optimizers]

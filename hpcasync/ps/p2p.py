@@ -121,9 +121,9 @@ class P2PTransport(_Base):
     name = "p2p"
 
     def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0,
-                 groups: int = 1):
+                 groups: int = 1, params: int = 0):
         super().__init__(comm, ps_rank, numel, extra=extra, reply_scalars=reply_scalars,
-                         groups=groups)
+                         groups=groups, params=params)
         W = self.num_workers if self.is_ps else 0
         self._grad = torch.zeros(numel + extra if self.is_ps else 0)
         self.pool = ReplyPool(numel) if self.is_ps else None
@@ -177,12 +177,11 @@ class P2PTransport(_Base):
         self._note_bytes()
 
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
-             version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False, stop: bool = False, lr=float("nan"), momentum=float("nan"),
-             weight_decay=float("nan")) -> None:
+             **head) -> None:
+        """Worker: send ``grad`` (and ``extra``) with a header of ``kind`` (``head``: the
+        header's fields, :meth:`~.wire._Base._push_header`)."""
         MPI = self.MPI
-        reqs = [self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr,
-                                  momentum, weight_decay)]
+        reqs = [self._push_header(kind, grad.numel(), **head)]
         if kind == KIND_PUSH:
             if self.before_header is not None:      # here: after the header, before the data
                 self.before_header()

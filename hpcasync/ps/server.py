@@ -67,6 +67,8 @@ class PSServer:
             (default: their ranks in the transport's, which differ for a shard's server).
         on_accept: ``on_accept(worker, loss)`` after each accepted push, before it is answered
             (may raise to end the run, e.g. a divergence guard).
+        on_frozen: ``on_frozen(words)`` before an accepted push is applied, with the pushing
+            worker's frozen parameters (:func:`~.wire.mask_words`; the rule's groups follow them).
 
     Attributes: ``stats``, ``positions`` (pushes answered per worker = its next batch),
     ``finished`` (workers whose last push was answered), ``stopping``, ``next_epoch``,
@@ -83,6 +85,7 @@ class PSServer:
                  on_failure: Callable[[dict], Any] | None = None,
                  on_accept: Callable[[int, float], Any] | None = None,
                  on_served: Callable[[], Any] | None = None,
+                 on_frozen: Callable[[tuple], Any] | None = None,
                  worker_ranks: list[int] | None = None):
         self.transport = transport
         self.worker_ranks = list(transport.workers if worker_ranks is None else worker_ranks)
@@ -111,6 +114,7 @@ class PSServer:
         self.grow = False              # the stop is a grow-back's (ps.growth), not a preemption
         self.on_failure = on_failure
         self.on_accept = on_accept
+        self.on_frozen = on_frozen
         self.failed: dict[int, dict] = {}
         self.failed_before: list[dict] = []        # from the checkpoint a resumed run began at
         self._done = [False] * W
@@ -118,43 +122,79 @@ class PSServer:
     def serve(self) -> PushStats:
         """Serve until every worker has sent its last push, or until a stop
         (docs/design/ps.md#server-loop)."""
-        t = self.transport
+        self.begin()
+        while not self.all_done():
+            self._poll_stop()
+            try:
+                push = self.transport.recv_push()
+            except WorkerFailed as exc:
+                self._lose(exc.ranks)
+                continue
+            self.dispatch(push)
+        return self.end()
+
+    def begin(self) -> None:
+        """:meth:`serve`'s start: every worker still training gets its first reply."""
         done = self._done
-        for w in range(t.num_workers):
+        for w in range(self.transport.num_workers):
             done[w] = self.finished[w] or w in self.failed
             if not done[w]:
                 reply = self.rule.initial_reply(w)
                 self._send(w, reply.params, reply.version, True, reply.scalars)
-        while not all(done):
-            if not self.stopping and self.stop_requested is not None and self.stop_requested():
-                self._begin_stop("a signal at the PS")
-            try:
-                push = t.recv_push()
-            except WorkerFailed as exc:
-                self._lose(exc.ranks)
-                continue
-            if push.worker in self.failed:          # sent before it died: dropped
-                continue
-            if push.kind == KIND_PEEK:
-                self.peeks += 1
-                self._send(push.worker, self.rule.theta, self.rule.version, True,
-                           (0.0,) * self.rule.reply_scalars)
-                continue
-            if push.kind == KIND_STOP:              # from a worker that has finished
-                self._begin_stop(f"a signal at worker {push.worker}")
-                continue
-            if push.kind == KIND_FINISH:            # no more pushes from it (a user's loop ended)
-                self.finished[push.worker] = done[push.worker] = True
-                continue
-            if push.kind != KIND_PUSH:
-                raise RuntimeError(f"PS: unknown message kind {push.kind} from worker "
-                                   f"{push.worker}")
-            if push.stop and not self.stopping:
-                self._begin_stop(f"a signal at worker {push.worker}")
-            self.handle(push)
-            self.finished[push.worker] |= push.last
-            if push.last or self.stopping:
-                done[push.worker] = True
+
+    def all_done(self) -> bool:
+        """Every worker has sent its last push (or finished, or died)."""
+        return all(self._done)
+
+    def serve_waiting(self) -> bool:
+        """One message, if one has arrived (never waits): the loop of :func:`hpcasync.serve`,
+        which serves several servers in turn. Returns whether there was one."""
+        self._poll_stop()
+        try:
+            got = self.transport.poll_header()
+            if got is None:
+                return False
+            push = self.transport.complete_push(*got)
+        except WorkerFailed as exc:
+            self._lose(exc.ranks)
+            return True
+        self.dispatch(push)
+        return True
+
+    def _poll_stop(self) -> None:
+        if not self.stopping and self.stop_requested is not None and self.stop_requested():
+            self._begin_stop("a signal at the PS")
+
+    def dispatch(self, push) -> None:
+        """One message of the loop: a push applied and answered, a PEEK answered, a stop, a
+        worker's finish."""
+        done = self._done
+        if push.worker in self.failed:          # sent before it died: dropped
+            return
+        if push.kind == KIND_PEEK:
+            self.peeks += 1
+            self._send(push.worker, self.rule.theta, self.rule.version, True,
+                       (0.0,) * self.rule.reply_scalars)
+            return
+        if push.kind == KIND_STOP:              # from a worker that has finished
+            self._begin_stop(f"a signal at worker {push.worker}")
+            return
+        if push.kind == KIND_FINISH:            # no more pushes from it (a user's loop ended)
+            self.finished[push.worker] = done[push.worker] = True
+            return
+        if push.kind != KIND_PUSH:
+            raise RuntimeError(f"PS: unknown message kind {push.kind} from worker "
+                               f"{push.worker}")
+        if push.stop and not self.stopping:
+            self._begin_stop(f"a signal at worker {push.worker}")
+        self.handle(push)
+        self.finished[push.worker] |= push.last
+        if push.last or self.stopping:
+            done[push.worker] = True
+
+    def end(self) -> PushStats:
+        """:meth:`serve`'s end, once :meth:`all_done`: the epochs no push crossed (rejected
+        pushes), ``on_served``."""
         if all(f or w in self.failed for w, f in enumerate(self.finished)) and not (
                 self.grow and any(not self.finished[w] for w in self.failed)):
             if self.stopping:
@@ -294,6 +334,8 @@ class PSServer:
             self.apply_time += time.perf_counter() - t0
             self._send(w, reply.params, reply.version, False, reply.scalars, self.stopping)
             return
+        if self.on_frozen is not None and push.frozen:
+            self.on_frozen(push.frozen)
         lr = push.lr if _finite(push.lr) else self.base_lr
         if self.lr_factor is not None and self.pushes_per_epoch:
             f = self.lr_factor(self.stats.accepted / self.pushes_per_epoch)

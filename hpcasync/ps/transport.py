@@ -40,9 +40,9 @@ class RMATransport(_Base):
     name = "rma"
 
     def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0,
-                 reply: str = "get", groups: int = 1):
+                 reply: str = "get", groups: int = 1, params: int = 0):
         super().__init__(comm, ps_rank, numel, extra=extra, reply_scalars=reply_scalars,
-                         groups=groups)
+                         groups=groups, params=params)
         MPI = self.MPI
         if reply not in ("get", "put"):
             raise ValueError(f"reply must be 'get' or 'put', got {reply!r}")
@@ -108,9 +108,9 @@ class RMATransport(_Base):
 
     # worker side
     def push(self, grad: torch.Tensor, extra: torch.Tensor | None = None, *, kind: int = KIND_PUSH,
-             version: int = 0, loss: float = float("nan"), oracle_loss: float = float("nan"),
-             last: bool = False, stop: bool = False, lr=float("nan"), momentum=float("nan"),
-             weight_decay=float("nan")) -> None:
+             **head) -> None:
+        """Worker: send ``grad`` (and ``extra``) with a header of ``kind`` (``head``: the
+        header's fields, :meth:`~.wire._Base._push_header`)."""
         MPI = self.MPI
         if kind == KIND_PUSH:
             base = self.worker * self.slot
@@ -123,8 +123,7 @@ class RMATransport(_Base):
             self.win_in.Unlock(self.ps_rank)
             if self.before_header is not None:
                 self.before_header()
-        req = self._push_header(kind, version, loss, oracle_loss, last, grad.numel(), stop, lr,
-                                momentum, weight_decay)
+        req = self._push_header(kind, grad.numel(), **head)
         self.wait_time += wait(req)
 
     def recv_reply(self, out: torch.Tensor, poll=None) -> ReplyHeader:

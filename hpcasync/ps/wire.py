@@ -15,6 +15,7 @@ Differences from a plain ``req.Wait()``: the backoff leaves the core to the rank
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,11 +24,26 @@ import torch
 
 # header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr,
 # momentum, weight decay (the worker's current hyperparameters: NaN when it sends none); with G param
-# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values)
+# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values); then, for a
+# model of P parameters, which of them are frozen on the worker now (requires_grad=False), one bit
+# each, BITS_PER_WORD to a float64 word (exact integers), ceil(P / BITS_PER_WORD) words
+BITS_PER_WORD = 52
 KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
 _PUSH_HEADER = 8
 _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
                                                                      4105, 4106)
+
+
+def mask_words(flags) -> tuple[int, ...]:
+    """``flags`` (one bool per parameter) as integers of :data:`BITS_PER_WORD` bits each."""
+    flags = list(flags)
+    return tuple(sum(1 << b for b, f in enumerate(flags[i: i + BITS_PER_WORD]) if f)
+                 for i in range(0, len(flags), BITS_PER_WORD))
+
+
+def mask_flags(words, n: int) -> list[bool]:
+    """The ``n`` bools that :func:`mask_words` packed into ``words``."""
+    return [bool((int(words[k // BITS_PER_WORD]) >> (k % BITS_PER_WORD)) & 1) for k in range(n)]
 
 
 def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3, poll=None) -> float:
@@ -70,6 +86,7 @@ class Push:
     lr: float | tuple = float("nan")            # the worker's learning rate (one per param group)
     momentum: float = float("nan")              # its momentum (one for every group)
     weight_decay: float | tuple = float("nan")  # its weight decay (one per param group)
+    frozen: tuple[int, ...] = ()                # its frozen parameters now (:func:`mask_words`)
 
 
 @dataclass
@@ -90,7 +107,7 @@ class _Base:
     name = "base"
 
     def __init__(self, comm, ps_rank: int, numel: int, *, extra: int = 0, reply_scalars: int = 0,
-                 groups: int = 1):
+                 groups: int = 1, params: int = 0):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -103,7 +120,8 @@ class _Base:
         self.worker = -1 if self.is_ps else self.workers.index(self.rank)
         self.numel, self.extra, self.reply_scalars = numel, extra, reply_scalars
         self.groups = groups       # param groups: each push carries G lrs and weight decays
-        self._head_in = np.zeros(_PUSH_HEADER + 2 * groups, np.float64)
+        self.mask_words = -(-params // BITS_PER_WORD)     # and P frozen-parameter bits
+        self._head_in = np.zeros(_PUSH_HEADER + 2 * groups + self.mask_words, np.float64)
         self._head_out = np.zeros(3 + reply_scalars, np.float64)
         self._reply_heads = [np.zeros(3 + reply_scalars, np.float64)
                              for _ in range(self.num_workers)] if self.is_ps else []
@@ -196,11 +214,12 @@ class _Base:
     def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel
         G = self.groups
-        lr = float(h[7]) if G == 1 else (float(h[7]), *(float(x) for x in h[9 + G:]))
+        lr = float(h[7]) if G == 1 else (float(h[7]), *(float(x) for x in h[9 + G: 8 + 2 * G]))
         wd = float(h[9]) if G == 1 else tuple(float(x) for x in h[9: 9 + G])
+        frozen = tuple(int(x) for x in h[8 + 2 * G:])
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
                     oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
-                    stop=bool(h[6]), lr=lr, momentum=float(h[8]), weight_decay=wd)
+                    stop=bool(h[6]), lr=lr, momentum=float(h[8]), weight_decay=wd, frozen=frozen)
 
     def _reply_header(self, w: int, version: int, accepted: bool, scalars,
                       stop: bool = False) -> np.ndarray:
@@ -221,9 +240,10 @@ class _Base:
             raise self._failed(exc) from None
 
     # -- worker side ---------------------------------------------------------------------------
-    def _push_header(self, kind: int, version: int, loss: float, oracle_loss: float, last: bool,
-                     numel: int, stop: bool = False, lr=float("nan"), momentum=float("nan"),
-                     weight_decay=float("nan")):
+    def _push_header(self, kind: int, numel: int, *, version: int = 0, loss: float = math.nan,
+                     oracle_loss: float = math.nan, last: bool = False, stop: bool = False,
+                     lr=math.nan, momentum=math.nan, weight_decay=math.nan, frozen=()):
+        """Worker: send the header of a message of ``kind`` (module comment: its layout)."""
         G, h = self.groups, self._head_in
         lrs = lr if isinstance(lr, (tuple, list)) else (lr,) * G
         wds = weight_decay if isinstance(weight_decay, (tuple, list)) else (weight_decay,) * G
@@ -233,7 +253,9 @@ class _Base:
         h[:8] = (kind, version, loss, oracle_loss, numel, float(last), float(stop), lrs[0])
         h[8] = momentum
         h[9: 9 + G] = wds
-        h[9 + G:] = lrs[1:]
+        h[9 + G: 8 + 2 * G] = lrs[1:]
+        h[8 + 2 * G:] = 0.0
+        h[8 + 2 * G: 8 + 2 * G + len(frozen)] = frozen
         return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
 
     def _parse_reply(self) -> ReplyHeader:

@@ -113,6 +113,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self.comm_time = 0.0       # seconds spent in allreduce
         self._synchronized = False
         self._skip = False
+        self._told_clip = False
         # a subclass with its own synchronize() (e.g. a hierarchical allreduce) must not have
         # the buckets started behind its back: no hooks for it
         if overlap is None:                     # auto: see the docstring (measured on CPU)
@@ -198,6 +199,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
             raise ConfigError("DistributedOptimizer.step does not take a closure")
         try:
             if not self._skip:
+                self._note_local_clip()
                 self.synchronize()
             else:
                 self._check_bound()
@@ -209,6 +211,24 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self._synchronized = False
         self.steps += 1
         return self.optimizer.step()
+
+    def _note_local_clip(self) -> None:
+        """Say once (rank 0) when the gradients were changed in place between the last
+        ``backward()`` and ``step()``: most often a norm clip, which then acts on each rank's
+        local gradient before the average, where one process would clip the average. Seen
+        when the gradients are the flat buffer's views (``opt.zero_grad()``, the usual) and
+        not overlapped (with ``overlap`` the reductions themselves write the buffer during
+        backward)."""
+        if self._told_clip or self.overlap or not self._passes.changed_since_backward():
+            return
+        self._told_clip = True
+        if self.comm.Get_rank() == 0:
+            log.warning("%s: the gradients were changed between backward() and step() (a "
+                        "clip_grad_norm_?): step() averages them across ranks after that, so a "
+                        "clip there clips each rank's local gradient, not the average the "
+                        "optimizer applies. To clip the average: opt.synchronize(); clip; then "
+                        "`with opt.skip_synchronize(): opt.step()` (a linear rescaling such as "
+                        "GradScaler.unscale_ is unaffected)", self.algorithm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffer (the gradients stay its views whatever ``set_to_none``
