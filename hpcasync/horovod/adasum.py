@@ -133,21 +133,24 @@ def _global_only(process_set) -> None:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
 
 
-def start(comm, tensors, outs, prescale, postscale, name, process_set, check=True) -> _Work:
+def start(comm, tensors, outs, prescale, postscale, name, process_set, check=True,
+          key=None) -> _Work:
     """The facade's allreduce with ``op=Adasum`` (``collectives.OWN_OPS``, so
-    ``collectives._start_allreduce`` calls it):
-    agreed like any allreduce, combined at once; the returned work only delivers the results."""
+    ``collectives._start_allreduce`` calls it, with ``key`` its Horovod name):
+    agreed like any allreduce (never parked), combined at once; the returned work only delivers
+    the results."""
     _global_only(process_set)
     check_size(comm.Get_size())
-    if check:                         # the global set: its key is the name
-        _agree_allreduce(comm, name, name, Adasum, tensors, prescale, postscale)
+    key = name if key is None else key
+    if check:
+        _agree_allreduce(comm, key, name, Adasum, tensors, prescale, postscale)
     if any(t.dtype not in FLOATS for t in tensors):
         raise HorovodInternalError("Unsupported data type")     # every rank: dtypes are agreed
     bufs = [_scale(_host(t), prescale) for t in tensors]
 
     def finish():
         return [_deliver(_scale(b, postscale), t, out) for b, t, out in zip(bufs, tensors, outs)]
-    work = _Work(name, [], finish)
+    work = _Work(key, [], finish)
     tl = timeline.ACTIVE
     if tl is not None:
         tl.started(work)

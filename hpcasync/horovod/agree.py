@@ -28,6 +28,21 @@ same ``HorovodInternalError`` naming the cycle — at once where it waits, else 
 and later collectives raise it again until ``hvd.shutdown()``, which completes the exchanges left
 behind (``hvd.init()`` then starts afresh).
 
+Named collectives out of order (Horovod matches tensors by name, not by order): a collective
+given a ``name`` (``key``: Horovod's tensor name, ``allreduce.<name>``, within its process set)
+that meets other collectives on the other ranks — one rank in ``allreduce_async(t, name="x")``,
+another in ``barrier()`` — is *parked*: the exchange allgathers each rank's current collective and
+its parked ones, and the ``_async`` call returns its handle at once; a parked collective starts in
+the first exchange in which every rank has its name (parked or current; the one listed first by
+the lowest rank goes first, one per exchange, so the ranks post their MPI calls in one order) — a
+later call on another rank, or this rank's ``synchronize``/``poll`` of it. A blocking call (an
+unnamed collective, ``barrier``, a ``synchronize``) keeps exchanging while another rank parks; when
+no rank can park and no name is common, the ranks wait for each other (Horovod stalls there): the
+same ``HorovodInternalError`` as above on every rank. A mismatch found for a parked collective is
+raised by its ``synchronize``. Only the fast path above is taken while every rank calls the same
+collective, so parking costs nothing then. Not parked: unnamed collectives (matched in order),
+Adasum allreduces, the ``*_object`` helpers, the optimizer's steps and, with a joined rank, any.
+
 ``HPCASYNC_HOROVOD_AGREE=0`` switches the exchange off (the cost measurement; then ``join()`` is a
 plain collective again, as before).
 """
@@ -51,6 +66,13 @@ _NOT_WITH_JOIN = {"ALLGATHER": "Allgather is not supported with Join at this tim
                   "ALLTOALL": "Alltoall is not supported with Join at this time.",
                   "REDUCESCATTER": "Reducescatter is not supported with Join at this time.",
                   "BARRIER": "Barrier is not supported with Join at this time."}
+
+
+#: Horovod's text for a collective that shutdown() ends before it ran
+SHUT_DOWN = ("Horovod has been shut down. This was caused by an exception on one of the ranks or "
+             "an attempt to allreduce, allgather or broadcast a tensor after one of the ranks "
+             "finished execution. If the shutdown was caused by an exception, you should see the "
+             "exception in the log before the first shutdown message.")
 
 
 class HorovodInternalError(RuntimeError):
@@ -113,21 +135,133 @@ def _exchange(comm, mine: int | None, first: bool = False, label: str = "") -> n
     return v
 
 
+class Pending:
+    """A parked collective (module doc): ``go()`` starts its data movement and returns what its
+    caller gets (``result``, once ``started``); ``error``: what its synchronization raises."""
+
+    __slots__ = ("comm", "key", "desc", "go", "result", "error", "started")
+
+    def __init__(self, comm, key, desc, go):
+        self.comm, self.key, self.desc, self.go = comm, key, desc, go
+        self.result, self.error, self.started = None, None, False
+
+    def start(self) -> None:
+        try:
+            self.result = self.go()
+        except Exception as exc:            # noqa: BLE001 - raised by its synchronize
+            self.error = exc
+        self.started = True
+
+
 @_timeline.negotiates           # the exchange is the collective's NEGOTIATE phase
-def agree(comm, desc: Desc, dig: int | None = None) -> None:
+def agree(comm, desc: Desc, dig: int | None = None, *, key=None, go=None, park: bool = False):
     """Every rank's ``desc`` equal, or the same HorovodInternalError on every rank; with a
-    joined rank, serve it (allreduce kinds) or raise Horovod's join error (the others)."""
+    joined rank, serve it (allreduce kinds) or raise Horovod's join error (the others). Returns
+    True once agreed (the caller starts the collective); with ``park`` (a named collective,
+    ``key`` its Horovod name, ``go`` its start) a :class:`Pending` when the other ranks are in
+    other collectives (module doc)."""
     if not enabled():
         if desc.problem:
             raise ValueError(desc.problem)
-        return
-    v = _exchange(comm, digest(desc) if dig is None else dig, label=_label(desc))
-    if v[2] == 0 and v[0] == -v[1]:
-        if desc.problem:
-            raise ValueError(desc.problem)          # the same problem on every rank
-        return                                      # the fast path: agreed, nobody joined
-    every = comm.allgather(desc)
-    bad = [(r, d.problem) for r, d in enumerate(every) if d is not None and d.problem]
+        return True
+    if _settle(comm, desc, dig, key, park and key is not None and not desc.problem, None):
+        return True
+    p = Pending(comm, key, desc, go)
+    _W.parked.setdefault(comm.py2f(), []).append(p)
+    return p
+
+
+def settle(p: Pending, park: bool) -> bool:
+    """``synchronize`` (``park`` False: waits) or ``poll`` (True) of a parked collective: True once
+    it has started; raises its error."""
+    if not p.started:
+        try:
+            agreed = _settle(p.comm, p.desc, None, p.key, park, p)
+        except BaseException as exc:        # the other ranks raised it too: it stays the answer
+            _unpark(p)
+            p.error, p.started = exc, True
+            raise
+        if not agreed:
+            return False
+        _unpark(p)
+        p.start()
+    if p.error is not None:
+        raise p.error
+    return True
+
+
+def _unpark(p: Pending) -> None:
+    mine = _W.parked.get(p.comm.py2f(), [])
+    if p in mine:
+        mine.remove(p)
+
+
+def _settle(comm, desc: Desc, dig, key, park: bool, own) -> bool:
+    """The exchanges of this rank's current collective (``own``: the parked one it waits for):
+    True when it is agreed on every rank, False when it is parked; starts the parked collectives
+    whose names every rank has meanwhile (module doc)."""
+    mine = digest(desc) if dig is None else dig
+    label = _label(desc)
+    while True:
+        v = _exchange(comm, mine, label=label)
+        if v[2] == 0 and v[0] == -v[1]:
+            if desc.problem:
+                raise ValueError(desc.problem)          # the same problem on every rank
+            return True                                 # the fast path: agreed, nobody joined
+        parked = [p for p in _W.parked.get(comm.py2f(), ()) if p is not own]
+        every = comm.allgather((desc, key, park, [(p.key, p.desc) for p in parked]))
+        if v[2] != 0 or len({o[1] for o in every if o is not None}) == 1:
+            _check(every, v, desc)                  # one collective on every rank (or a join)
+            return True
+        common = _first_common(every)
+        if common is None:                          # nothing to start: park, wait or fail
+            if not any(o[2] for o in every):
+                _check(every, v, desc)              # every rank waits for another: raises
+            if park:
+                return False
+            continue
+        descs = [o[0] if o[1] == common else dict(o[3])[common] for o in every]
+        error = _error(descs)
+        if key == common:
+            if error is not None:
+                raise error
+            return True
+        p = next(p for p in parked if p.key == common)
+        _unpark(p)
+        if error is not None:
+            p.error, p.started = error, True
+        else:
+            p.start()
+        if park:
+            return False
+
+
+def _first_common(every) -> object:
+    """The first name, in the lowest rank's order (its parked collectives, then its current one),
+    that every rank has parked or current; None if none."""
+    have = [{o[1], *(k for k, _ in o[3])} for o in every]
+    for k in [k for k, _ in every[0][3]] + [every[0][1]]:
+        if k is not None and all(k in h for h in have):
+            return k
+    return None
+
+
+def _error(descs: list):
+    """The error every rank raises for one collective whose descriptors are ``descs`` (one per
+    rank), or None when they agree."""
+    bad = [(r, d.problem) for r, d in enumerate(descs) if d is not None and d.problem]
+    if bad:
+        return ValueError(f"{bad[0][1]} [rank {bad[0][0]}]")
+    if any(d != descs[0] for d in descs):
+        return HorovodInternalError(mismatch(descs))
+    return None
+
+
+def _check(every, v, desc: Desc) -> None:
+    """The slow path of one collective called on every rank (``every``: the allgathered offers,
+    None for a joined rank): raise the problem or the mismatch, or Horovod's join error."""
+    descs = [o[0] if o is not None else None for o in every]
+    bad = [(r, d.problem) for r, d in enumerate(descs) if d is not None and d.problem]
     if bad:
         raise ValueError(f"{bad[0][1]} [rank {bad[0][0]}]")
     if v[2] != 0 and desc.kind in _NOT_WITH_JOIN:
@@ -135,11 +269,12 @@ def agree(comm, desc: Desc, dig: int | None = None) -> None:
         if v[0] == -v[1]:
             raise HorovodInternalError(_NOT_WITH_JOIN[desc.kind])
     if v[0] != -v[1]:
-        raise HorovodInternalError(mismatch(every))
+        raise HorovodInternalError(mismatch(descs))
 
 
 def join(comm) -> int:
-    """Horovod's join on ``comm`` (module doc): returns the last rank to join."""
+    """Horovod's join on ``comm`` (module doc): returns the last rank to join. A collective this
+    rank parked before joining takes part with its own tensors when the others start it."""
     if not enabled():
         import time
 
@@ -151,11 +286,16 @@ def join(comm) -> int:
         if v[0] == BIG:                             # every rank is in join()
             return int(-v[3])
         every = comm.allgather(None)
-        live = [d for d in every if d is not None]
-        if (any(d != live[0] for d in live) or live[0].kind in _NOT_WITH_JOIN
-                or live[0].problem):
+        live = [o for o in every if o is not None]
+        if (any(o[0] != live[0][0] for o in live) or live[0][0].kind in _NOT_WITH_JOIN
+                or live[0][0].problem):
             continue                                # the active ranks raise; nothing to serve
-        SERVE[live[0].kind](live[0])
+        mine = [p for p in _W.parked.get(comm.py2f(), ()) if p.key == live[0][1]]
+        if live[0][1] is not None and mine:
+            _unpark(mine[0])
+            mine[0].start()
+        else:
+            SERVE[live[0][0].kind](live[0][0])
 
 
 # -- process sets: the wait-for probes -------------------------------------------------------------
@@ -179,6 +319,7 @@ class _Watch:
         self.sends = []         # requests of probes and aborts sent
         self.aborted = None     # the deadlock's text, once found: every later exchange raises it
         self.dangling = []      # (request, buffer) of an exchange left when the deadlock was found
+        self.parked = {}        # communicator handle -> this rank's parked collectives (Pending)
 
 
 _W = _Watch()
@@ -209,6 +350,9 @@ def teardown() -> None:
     exchanges up to the count of the set's furthest member), so no request is left pending."""
     from mpi4py import MPI
 
+    for waiting in _W.parked.values():      # never started: their synchronize raises this
+        for p in waiting:
+            p.error, p.started = HorovodInternalError(SHUT_DOWN), True
     if _W.comm is None:
         return
     every = _W.comm.allgather((bool(_W.aborted or _W.dangling), dict(_W.counts)))
@@ -332,8 +476,8 @@ def _differ(a: Desc, b: Desc) -> str:
                 f"{b.kind}.")
     if a.name != b.name:
         return (f"Mismatched tensor names: One rank submitted {a.name!r}, but another rank "
-                f"submitted {b.name!r} (hpcasync.horovod runs collectives in the order each rank "
-                "submits them).")
+                f"submitted {b.name!r} (each rank waits in a collective that another rank has not "
+                "called).")
     if len(a.specs) != len(b.specs):
         return (f"Mismatched {kind} group sizes: One rank sent {len(a.specs)} tensors, but "
                 f"another rank sent {len(b.specs)}.")

@@ -32,10 +32,17 @@ Semantics follow ``horovod.torch`` 0.28.1 (the tests compare each call with real
 Agreement (:mod:`.agree`): before its data moves, every collective checks across ranks that
 kind, name, op, dtypes, shapes, root and scale factors agree, and raises Horovod's
 ``HorovodInternalError`` ("Mismatched ...") on every rank when they do not; ``join()`` has
-Horovod's semantics (joined ranks contribute zeros to allreduces). Not reproduced: Horovod's
-name-based reordering — every rank issues its collectives in the same order (MPI's rule), and the
-``_async`` forms block until every rank has submitted theirs (then the data moves in the
-background). A second in-flight collective with the same ``name=`` raises Horovod's ValueError.
+Horovod's semantics (joined ranks contribute zeros to allreduces). Unnamed collectives run in the
+order each rank submits them (MPI's rule). A named collective (``name=``) is matched by its
+Horovod name (``allreduce.<name>``, ``grouped_allreduce.<name>_1of<n>``, ``allgather.<name>``, ...)
+as Horovod's coordinator matches it: where the other ranks are in other collectives its ``_async``
+call returns at once and the collective starts when every rank has submitted that name
+(:mod:`.agree`); ``poll`` of it exchanges once with the other ranks (it blocks until each is in a
+facade call), ``synchronize`` waits. A second collective with the Horovod name of one not yet
+synchronized raises Horovod's ValueError at once, on that rank. ``reducescatter`` with an op other
+than Average or Sum raises Horovod's HorovodInternalError at once ("Reducescatter currently only
+supports AVERAGE and SUM."), a scalar its ValueError. The ``_async`` forms otherwise return once
+every rank has submitted theirs (then the data moves in the background).
 """
 from __future__ import annotations
 
@@ -65,53 +72,91 @@ OWN_OPS: dict = {}
 # -- handles --------------------------------------------------------------------------------------
 
 class _Work:
-    """A collective in flight: MPI requests, then ``finish()`` makes the result."""
+    """A collective in flight: MPI requests, then ``finish()`` makes the result (``post`` of it,
+    when set: the single-tensor forms take the list's only item). ``parked``: the
+    :class:`.agree.Pending` of a named collective not started yet (its requests come when it
+    starts)."""
 
-    __slots__ = ("name", "requests", "finish", "result", "done", "keep")
+    __slots__ = ("name", "requests", "finish", "result", "done", "keep", "post", "parked")
 
-    def __init__(self, name, requests, finish, keep=()):
+    def __init__(self, name, requests, finish, keep=(), parked=None):
         self.name, self.requests, self.finish = name, requests, finish
         self.result, self.done = None, False
         self.keep = keep            # the buffers MPI reads/writes until the requests complete
+        self.post, self.parked = None, parked
+
+    def started(self, wait: bool = True) -> bool:
+        """True once the collective's MPI calls are posted: a parked one waits for the other
+        ranks (``wait`` False: one exchange, as ``poll``); raises the error it got meanwhile."""
+        if self.parked is None:
+            return True
+        if not _agree.settle(self.parked, not wait):
+            return False
+        inner = self.parked.result
+        self.requests, self.finish, self.keep = inner.requests, inner.finish, inner.keep
+        self.parked = None
+        return True
 
     @_timeline.completes
     def complete(self):
         from mpi4py import MPI
 
         if not self.done:
+            self.started()
             MPI.Request.Waitall(self.requests)
-            self.result, self.done, self.requests = self.finish(), True, []
-            self.keep = ()
+            result = self.finish()
+            self.result = result if self.post is None else self.post(result)
+            self.done, self.requests, self.keep = True, [], ()
         return self.result
 
 
 _works: dict[int, _Work] = {}
 _ids = itertools.count(1)
-_names: set = set()             # names of the collectives in flight (Horovod refuses a second)
+_names: set = set()             # keys of the collectives not yet synchronized (Horovod refuses a
+                                # second collective of the same name while one is in flight)
 
 
-def _key(name, process_set=None):
-    """What names a collective in flight: its name, within its process set (as Horovod's)."""
+def _key(name, process_set=None, prefix: str = "allreduce", count: int | None = None):
+    """The key of a named collective: Horovod's tensor name (``<prefix>.<name>``; a grouped call of
+    ``count`` tensors: its first tensor's, ``grouped_<prefix>.<name>_1of<count>``), within its
+    process set; None for an unnamed one."""
+    if name is None:
+        return None
+    op = f"{prefix}.{name}" if count is None else f"grouped_{prefix}.{name}_1of{count}"
     sid = getattr(process_set, "process_set_id", 0)
-    return name if name is None or not sid else (sid, name)
+    return op if not sid else (sid, op)
 
 
-def _fresh(name) -> None:
-    """Horovod's check (local, before any exchange): one in-flight collective per name (a name
-    from :func:`_key`)."""
-    if name is not None and name in _names:
+def _fresh(key) -> None:
+    """Horovod's check (local, before any exchange): one collective in flight per key."""
+    if key is not None and key in _names:
         raise ValueError("Requested to allreduce, allgather, or broadcast a tensor with the same "
                          "name as another tensor that is currently being processed.  If you want "
                          "to request another tensor, use a different tensor name.")
 
 
-def _agree_allreduce(comm, key, name, op, tensors, prescale, postscale) -> None:
-    """Horovod's checks before an allreduce (any op, Adasum's too): ``key`` (:func:`_key`) not in
-    flight here, then name, op, dtypes, shapes, scale factors and device agreed over ``comm``."""
+def _submit(comm, key, desc: Desc, go) -> _Work:
+    """``key`` not in flight here, ``desc`` agreed over ``comm`` (:mod:`.agree`), then ``go()``
+    posts the MPI calls and returns the work; a named collective the other ranks have not reached
+    is parked (its work starts later, in an exchange where every rank has its key)."""
     _fresh(key)
-    _agree.agree(comm, Desc("ALLREDUCE", name, op, [(_dt(t), tuple(t.shape)) for t in tensors],
-                            None, (float(prescale), float(postscale)),
-                            _dev(tensors[0]) if tensors else "cpu"))
+    got = _agree.agree(comm, desc, key=key, go=go, park=True)
+    if got is True:
+        return go()
+    return _Work(key, [], None, parked=got)
+
+
+def _allreduce_desc(name, op, tensors, prescale, postscale) -> Desc:
+    return Desc("ALLREDUCE", name, op, [(_dt(t), tuple(t.shape)) for t in tensors], None,
+                (float(prescale), float(postscale)), _dev(tensors[0]) if tensors else "cpu")
+
+
+def _agree_allreduce(comm, key, name, op, tensors, prescale, postscale) -> None:
+    """Horovod's checks before an Adasum allreduce: ``key`` (:func:`_key`) not in flight here,
+    then name, op, dtypes, shapes, scale factors and device agreed over ``comm`` (not parked:
+    Adasum's exchange runs at once)."""
+    _fresh(key)
+    _agree.agree(comm, _allreduce_desc(name, op, tensors, prescale, postscale))
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -132,12 +177,18 @@ def _handle(work: _Work) -> int:
 
 
 def poll(handle: int) -> bool:
-    """True when the collective of ``handle`` has completed (``synchronize`` will not block)."""
+    """True when the collective of ``handle`` has completed (``synchronize`` will not block); a
+    parked one (the module doc) first exchanges once with the other ranks."""
     from mpi4py import MPI
 
     work = _works.get(handle)
     if work is None:
         raise ValueError(f"poll: unknown handle {handle!r}")
+    try:
+        if not work.started(wait=False):
+            return False
+    except Exception:               # noqa: BLE001 - it failed: synchronize raises the error
+        return True
     return work.done or MPI.Request.Testall(work.requests)
 
 
@@ -226,43 +277,57 @@ def _deliver(result: torch.Tensor, like: torch.Tensor, out: torch.Tensor | None)
 
 # -- allreduce ---------------------------------------------------------------------------------------
 
-def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, check=True):
-    from mpi4py import MPI
-
+def _start_allreduce(tensors, outs, op, prescale, postscale, name, process_set, check=True,
+                     grouped=False):
     comm = _comm(process_set, "Allreduce")
+    key = _key(name, process_set, "allreduce", len(tensors) if grouped else None)
     if op in OWN_OPS:                 # hvd.Adasum: its own exchange (.adasum)
-        return OWN_OPS[op](comm, tensors, outs, prescale, postscale, name, process_set, check)
+        return OWN_OPS[op](comm, tensors, outs, prescale, postscale, name, process_set, check,
+                           key=key)
     n = comm.Get_size()
-    key = _key(name, process_set)
-    if check:
-        _agree_allreduce(comm, key, name, op, tensors, prescale, postscale)
-    bufs, reqs, casts = [], [], []
-    for t in tensors:
-        b = _scale(_host(t), prescale)
-        cast = b.dtype in _HALF and op not in (Average, Sum)
-        work = b.float() if cast else b
-        bufs.append((b, work))
-        casts.append(cast)
-        bufs.append(_buf(work))
-        reqs.append(comm.Iallreduce(MPI.IN_PLACE, bufs[-1], op=_mpi_op(op, work.dtype)))
 
-    def finish():
-        results = []
-        for (b, work), cast, t, out in zip(bufs[0::2], casts, tensors, outs):
-            if cast:
-                b.copy_(work)
-            _scale(b, postscale / n if op == Average else postscale)
-            results.append(_deliver(b, t, out))
-        return results
-    return _Work(key, reqs, finish)
+    def go():
+        from mpi4py import MPI
+
+        bufs, reqs, casts = [], [], []
+        for t in tensors:
+            b = _scale(_host(t), prescale)
+            cast = b.dtype in _HALF and op not in (Average, Sum)
+            work = b.float() if cast else b
+            bufs.append((b, work))
+            casts.append(cast)
+            bufs.append(_buf(work))
+            reqs.append(comm.Iallreduce(MPI.IN_PLACE, bufs[-1], op=_mpi_op(op, work.dtype)))
+
+        def finish():
+            results = []
+            for (b, work), cast, t, out in zip(bufs[0::2], casts, tensors, outs):
+                if cast:
+                    b.copy_(work)
+                _scale(b, postscale / n if op == Average else postscale)
+                results.append(_deliver(b, t, out))
+            return results
+        return _Work(key, reqs, finish)
+    if not check:                     # a joined rank's zeros: the active ranks agreed already
+        return go()
+    return _submit(comm, key, _allreduce_desc(name, op, tensors, prescale, postscale), go)
+
+
+def _first(work: _Work) -> _Work:
+    """The single-tensor forms: the result is the list's only item."""
+    work.post = lambda results: results[0]
+    return work
+
+
+def _tuple(work: _Work) -> _Work:
+    """The grouped forms: ``synchronize`` gives a tuple, as Horovod's."""
+    work.post = tuple
+    return work
 
 
 def _allreduce_one(tensor, out, average, name, op, prescale, postscale, process_set) -> int:
-    work = _start_allreduce([tensor], [out], _check_op(op, average), prescale, postscale, name,
-                            process_set)
-    finish = work.finish
-    work.finish = lambda: finish()[0]
-    return _handle(work)
+    return _handle(_first(_start_allreduce([tensor], [out], _check_op(op, average), prescale,
+                                           postscale, name, process_set)))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -312,7 +377,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     op = _check_op(op, average)
     tensors = list(tensors)
     return _handle(_start_allreduce(tensors, [None] * len(tensors), op, prescale_factor,
-                                    postscale_factor, name, process_set))
+                                    postscale_factor, name, process_set, grouped=True))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -320,7 +385,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _check_op(op, average)
     tensors = list(tensors)
     return _handle(_start_allreduce(tensors, tensors, op, prescale_factor, postscale_factor,
-                                    name, process_set))
+                                    name, process_set, grouped=True))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -355,41 +420,40 @@ def _rows(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() else 1
 
 
-def _start_allgather(tensors, name, process_set) -> _Work:
+def _start_allgather(tensors, name, process_set, grouped=False) -> _Work:
     """One agreement for the list, then one Iallgatherv per tensor; finish() gives the list."""
     comm = _comm(process_set, "Allgather")
-    key = _key(name, process_set)
-    _fresh(key)
+    key = _key(name, process_set, "allgather", len(tensors) if grouped else None)
     srcs = [_host(t) for t in tensors]
     srcs = [s.reshape(1) if s.dim() == 0 else s for s in srcs]
-    _agree.agree(comm, Desc("ALLGATHER", name, None,
-                            [(_dt(s), s.dim(), tuple(s.shape[1:])) for s in srcs],
-                            device=_dev(tensors[0]) if tensors else "cpu"))
-    every = comm.allgather([s.shape[0] for s in srcs])
-    reqs, outs, keep = [], [], []
-    for i, src in enumerate(srcs):
-        rows = [e[i] for e in every]
-        row = max(1, src[0].numel()) if src.shape[0] else int(torch.Size(src.shape[1:]).numel())
-        out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
-        counts = [r * row for r in rows]
-        displs = [sum(counts[:i]) for i in range(len(counts))]
-        sendbuf, recvbuf = _buf(src), _buf(out)
-        if isinstance(recvbuf, list):
-            recvbuf = [recvbuf[0], (counts, displs), recvbuf[1]]
-        else:
-            recvbuf = [recvbuf, (counts, displs)]
-        reqs.append(comm.Iallgatherv(sendbuf, recvbuf))
-        outs.append(out)
-        keep.append((src, sendbuf, recvbuf))
-    return _Work(key, reqs, lambda: [_deliver(o, t, None) for o, t in zip(outs, tensors)],
-                 keep=keep)
+    desc = Desc("ALLGATHER", name, None, [(_dt(s), s.dim(), tuple(s.shape[1:])) for s in srcs],
+                device=_dev(tensors[0]) if tensors else "cpu")
+
+    def go():
+        every = comm.allgather([s.shape[0] for s in srcs])
+        reqs, outs, keep = [], [], []
+        for i, src in enumerate(srcs):
+            rows = [e[i] for e in every]
+            row = (max(1, src[0].numel()) if src.shape[0]
+                   else int(torch.Size(src.shape[1:]).numel()))
+            out = torch.empty((sum(rows), *src.shape[1:]), dtype=src.dtype)
+            counts = [r * row for r in rows]
+            displs = [sum(counts[:i]) for i in range(len(counts))]
+            sendbuf, recvbuf = _buf(src), _buf(out)
+            if isinstance(recvbuf, list):
+                recvbuf = [recvbuf[0], (counts, displs), recvbuf[1]]
+            else:
+                recvbuf = [recvbuf, (counts, displs)]
+            reqs.append(comm.Iallgatherv(sendbuf, recvbuf))
+            outs.append(out)
+            keep.append((src, sendbuf, recvbuf))
+        return _Work(key, reqs, lambda: [_deliver(o, t, None) for o, t in zip(outs, tensors)],
+                     keep=keep)
+    return _submit(comm, key, desc, go)
 
 
 def allgather_async(tensor, name=None, process_set=None) -> int:
-    work = _start_allgather([tensor], name, process_set)
-    finish = work.finish
-    work.finish = lambda: finish()[0]
-    return _handle(work)
+    return _handle(_first(_start_allgather([tensor], name, process_set)))
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -415,10 +479,7 @@ def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     """:func:`allgather` of each tensor of the list, agreed once; ``synchronize`` gives a tuple."""
-    work = _start_allgather(list(tensors), name, process_set)
-    finish = work.finish
-    work.finish = lambda: tuple(finish())
-    return _handle(work)
+    return _handle(_tuple(_start_allgather(list(tensors), name, process_set, grouped=True)))
 
 
 class _GroupedAllgatherFn(torch.autograd.Function):
@@ -460,14 +521,15 @@ def _root(process_set, root_rank):
 
 def _start_broadcast(tensor, root_rank, name, process_set, out):
     comm, root, problem = _root(process_set, root_rank)
-    key = _key(name, process_set)
-    _fresh(key)
+    key = _key(name, process_set, "broadcast")
     b = _host(tensor)
-    _agree.agree(comm, Desc("BROADCAST", name, None, [(_dt(b), tuple(b.shape))],
-                            root_rank, device=_dev(tensor), problem=problem))
-    buf = _buf(b)
-    req = comm.Ibcast(buf, root=root)
-    return _handle(_Work(key, [req], lambda: _deliver(b, tensor, out), keep=(b, buf)))
+
+    def go():
+        buf = _buf(b)
+        req = comm.Ibcast(buf, root=root)
+        return _Work(key, [req], lambda: _deliver(b, tensor, out), keep=(b, buf))
+    return _handle(_submit(comm, key, Desc("BROADCAST", name, None, [(_dt(b), tuple(b.shape))],
+                                           root_rank, device=_dev(tensor), problem=problem), go))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
@@ -507,16 +569,9 @@ def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     comm = _comm(process_set, "Alltoall")
     n = comm.Get_size()
-    key = _key(name, process_set)
-    _fresh(key)
+    key = _key(name, process_set, "alltoall")
     src = _host(tensor)
     send, problem = _splits(src, splits, n)
-    _agree.agree(comm, Desc("ALLTOALL", name, None,
-                            [(_dt(src), src.dim(), tuple(src.shape[1:]))], device=_dev(tensor),
-                            problem=problem))
-    recv = comm.alltoall(send)
-    row = int(torch.Size(src.shape[1:]).numel())
-    out = torch.empty((sum(recv), *src.shape[1:]), dtype=src.dtype)
 
     def spec(t, rows):
         counts = [r * row for r in rows]
@@ -524,11 +579,19 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
         b = _buf(t)
         return [b[0], (counts, displs), b[1]] if isinstance(b, list) else [b, (counts, displs)]
 
-    bufs = (spec(src, send), spec(out, recv))
-    req = comm.Ialltoallv(*bufs)
-    received = torch.tensor(recv, dtype=torch.int32)
-    return _handle(_Work(key, [req], lambda: (_deliver(out, tensor, None), received),
-                         keep=(src, bufs)))
+    row = int(torch.Size(src.shape[1:]).numel()) if src.dim() else 1
+
+    def go():
+        recv = comm.alltoall(send)
+        out = torch.empty((sum(recv), *src.shape[1:]), dtype=src.dtype)
+        bufs = (spec(src, send), spec(out, recv))
+        req = comm.Ialltoallv(*bufs)
+        received = torch.tensor(recv, dtype=torch.int32)
+        return _Work(key, [req], lambda: (_deliver(out, tensor, None), received),
+                     keep=(src, bufs))
+    return _handle(_submit(comm, key, Desc("ALLTOALL", name, None,
+                                           [(_dt(src), src.dim(), tuple(src.shape[1:]))],
+                                           device=_dev(tensor), problem=problem), go))
 
 
 def _splits(src: torch.Tensor, splits, n: int):
@@ -585,52 +648,55 @@ def _scatter_rows(rows: int, n: int) -> list[int]:
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
-    work = _start_reducescatter([tensor], name, op, process_set, prescale_factor,
-                                postscale_factor)
-    finish = work.finish
-    work.finish = lambda: finish()[0]
-    return _handle(work)
+    return _handle(_first(_start_reducescatter([tensor], name, op, process_set, prescale_factor,
+                                               postscale_factor)))
 
 
-def _start_reducescatter(tensors, name, op, process_set, prescale_factor, postscale_factor):
+#: Horovod's refusal of any other reduction (raised at the call, before anything is sent)
+_RS_OPS = "Reducescatter currently only supports AVERAGE and SUM."
+
+
+def _start_reducescatter(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                         grouped=False):
     """One agreement for the list, then one Ireduce_scatter per tensor; finish() gives the
     list."""
-    from mpi4py import MPI
-
     op = _check_op(op, None)
     comm = _comm(process_set, "Reducescatter")
     n = comm.Get_size()
-    key = _key(name, process_set)
-    _fresh(key)
+    key = _key(name, process_set, "reducescatter", len(tensors) if grouped else None)
     problem = None
-    if op not in (Average, Sum):
-        problem = "reducescatter supports op Average and Sum"
-    elif any(t.dim() == 0 for t in tensors):
-        problem = "reducescatter needs a tensor with at least one dimension"
-    _agree.agree(comm, Desc("REDUCESCATTER", name, op,
-                            [(_dt(t), tuple(t.shape)) for t in tensors], None,
-                            (float(prescale_factor), float(postscale_factor)),
-                            _dev(tensors[0]) if tensors else "cpu", problem))
-    reqs, outs, keep = [], [], []
-    for tensor in tensors:
-        src = _scale(_host(tensor), prescale_factor)
-        rows = _scatter_rows(src.shape[0], n)
-        row = int(torch.Size(src.shape[1:]).numel())
-        out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
-        bufs = (_buf(src), _buf(out))
-        if n > 1:
-            reqs.append(comm.Ireduce_scatter(*bufs, recvcounts=[r * row for r in rows],
-                                             op=_mpi_op(op, src.dtype)))
-        else:
-            out.copy_(src)
-        outs.append(out)
-        keep.append((src, bufs))
+    if any(t.dim() == 0 for t in tensors):
+        problem = "Reducescatter does not support scalar inputs"       # Horovod's text
+    elif op not in (Average, Sum):
+        raise HorovodInternalError(_RS_OPS)
 
-    def finish():
-        for out in outs:
-            _scale(out, postscale_factor / n if op == Average else postscale_factor)
-        return [_deliver(o, t, None) for o, t in zip(outs, tensors)]
-    return _Work(key, reqs or [MPI.REQUEST_NULL], finish, keep=keep)
+    def go():
+        from mpi4py import MPI
+
+        reqs, outs, keep = [], [], []
+        for tensor in tensors:
+            src = _scale(_host(tensor), prescale_factor)
+            rows = _scatter_rows(src.shape[0], n)
+            row = int(torch.Size(src.shape[1:]).numel())
+            out = torch.empty((rows[comm.Get_rank()], *src.shape[1:]), dtype=src.dtype)
+            bufs = (_buf(src), _buf(out))
+            if n > 1:
+                reqs.append(comm.Ireduce_scatter(*bufs, recvcounts=[r * row for r in rows],
+                                                 op=_mpi_op(op, src.dtype)))
+            else:
+                out.copy_(src)
+            outs.append(out)
+            keep.append((src, bufs))
+
+        def finish():
+            for out in outs:
+                _scale(out, postscale_factor / n if op == Average else postscale_factor)
+            return [_deliver(o, t, None) for o, t in zip(outs, tensors)]
+        return _Work(key, reqs or [MPI.REQUEST_NULL], finish, keep=keep)
+    return _submit(comm, key, Desc("REDUCESCATTER", name, op,
+                                   [(_dt(t), tuple(t.shape)) for t in tensors], None,
+                                   (float(prescale_factor), float(postscale_factor)),
+                                   _dev(tensors[0]) if tensors else "cpu", problem), go)
 
 
 class _ReducescatterFn(torch.autograd.Function):
@@ -663,11 +729,8 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     """:func:`reducescatter` of each tensor of the list, agreed once; ``synchronize`` gives a
     tuple."""
-    work = _start_reducescatter(list(tensors), name, op, process_set, prescale_factor,
-                                postscale_factor)
-    finish = work.finish
-    work.finish = lambda: tuple(finish())
-    return _handle(work)
+    return _handle(_tuple(_start_reducescatter(list(tensors), name, op, process_set,
+                                               prescale_factor, postscale_factor, grouped=True)))
 
 
 class _GroupedReducescatterFn(torch.autograd.Function):

@@ -126,7 +126,7 @@ def _inner_step(optimizer) -> None:
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
     """``root_rank``'s ``obj`` (pickled) on every rank."""
     comm, root, problem = _root(process_set, root_rank)
-    _fresh(_key(name, process_set))
+    _fresh(_key(name, process_set, "broadcast"))
     _agree.agree(comm, Desc("BROADCAST", name, None, (), root_rank, problem=problem))
     return comm.bcast(obj, root=root)
 
@@ -134,6 +134,6 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
 def allgather_object(obj, name=None, process_set=None) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
     comm = _comm(process_set, "Allgather")
-    _fresh(_key(name, process_set))
+    _fresh(_key(name, process_set, "allgather"))
     _agree.agree(comm, Desc("ALLGATHER", name))
     return comm.allgather(obj)
