@@ -116,6 +116,7 @@ class _HorovodOptimizer:
         flat_ok = (compression in _WIRE and len({p.device for p in params}) <= 1
                    and all(p.dtype == torch.float32 for p in params))
         self._hvd_names = {id(p): n for n, p in named}
+        self._parameter_names = {p: n for n, p in named}     # Horovod's attribute
         comm = _state().comm if process_set is None else process_set._comm
         _agree.agree(comm, Desc("OPTIMIZER-INIT", "DistributedOptimizer", op,
                                 [(str(p.dtype)[6:], tuple(p.shape),

@@ -150,3 +150,19 @@ def test_a_mismatch_found_for_a_waiting_collective_is_raised_by_its_synchronize(
     assert all(t == every[0] for t in every), every
     assert torch.equal(fh.allreduce(torch.ones(2), name="m", op=fh.Sum),      # "m" is free
                        torch.full((2,), float(SIZE)))
+
+
+def test_an_optimizer_without_named_parameters_names_them_as_horovod(backends):
+    # Horovod's test_optimizer_no_named_parameters: unique names, the same on every rank
+    for label, hvd in backends.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        sgd = torch.optim.SGD([{"params": model[0].parameters()},
+                               {"params": model[1].parameters()}], lr=0.001)
+        names = hvd.DistributedOptimizer(sgd)._parameter_names
+        assert len(names) == 4 and len(set(names.values())) == 4, (label, names)
+        assert all(n == names[p] for n, p in zip(
+            ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+             "allreduce.noname.1.1"], model.parameters())), (label, names)
+        everyone = COMM.allgather(sorted(names.values()))
+        assert all(e == everyone[0] for e in everyone), label
