@@ -12,11 +12,14 @@
 * Integer buffers (``num_batches_tracked``, a counter of the user's) end equal on every rank and
   travel through a user-loop checkpoint.
 
-Runs under ``mpiexec -n 4`` (rank 0 serves; the 1-worker tests use ranks 0 and 1).
+Runs under ``mpiexec -n 4`` (rank 0 serves; the 1-worker tests use ranks 0 and 1). The models
+live on ``HPCASYNC_TEST_DEVICE`` (default cpu; ``cuda`` on a GPU machine: the server's θ stays on
+the host, so the one-worker comparison with torch's CUDA step is to float rounding there).
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -31,6 +34,7 @@ from tests.mpi_util import COMM, RANK, SIZE
 
 pytestmark = pytest.mark.skipif(SIZE < 3, reason="needs a server and 2+ workers")
 W = SIZE - 1
+DEVICE = os.environ.get("HPCASYNC_TEST_DEVICE", "cpu")
 
 
 class Net(nn.Module):
@@ -43,6 +47,7 @@ class Net(nn.Module):
         self.bn1 = nn.BatchNorm2d(4)
         self.head = nn.Linear(4 * 6 * 6, 3)
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.to(DEVICE)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
@@ -51,7 +56,8 @@ class Net(nn.Module):
 
 def batch(step: int, worker: int = 0):
     g = torch.Generator().manual_seed(100 * worker + step)
-    return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+    return (torch.randn(8, 1, 8, 8, generator=g).to(DEVICE),
+            torch.randint(0, 3, (8,), generator=g).to(DEVICE))
 
 
 def one_step(opt, model, x, y):
@@ -118,7 +124,10 @@ def test_unfrozen_layer_trains_as_in_torch_with_one_worker(caplog):
     assert no_gradient_warnings(caplog) == []
     ref = torch_reference(0.1)
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), ref[name]), name
+        if DEVICE == "cpu":
+            assert torch.equal(p.detach(), ref[name]), name
+        else:                     # θ updated on the host, torch's step on the device
+            torch.testing.assert_close(p.detach(), ref[name], rtol=1e-5, atol=1e-6)
     comm.Free()
 
 
@@ -291,7 +300,7 @@ class Gen(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(1)
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6)).to(DEVICE)
 
     def forward(self, z):
         return self.net(z)
@@ -301,7 +310,7 @@ class Disc(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(2)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)).to(DEVICE)
 
     def forward(self, x):
         return self.net(x)
@@ -326,8 +335,8 @@ def test_a_gan_with_two_ps_optimizers_is_served_together(algorithm):
     else:
         g = torch.Generator().manual_seed(RANK)
         for _ in range(steps):
-            real = torch.randn(16, 6, generator=g) + 2.0
-            fake = gen(torch.randn(16, 4, generator=g))
+            real = torch.randn(16, 6, generator=g).to(DEVICE) + 2.0
+            fake = gen(torch.randn(16, 4, generator=g).to(DEVICE))
             opt_d.zero_grad()
             d_loss = (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean())
             d_loss.backward()
@@ -339,7 +348,7 @@ def test_a_gan_with_two_ps_optimizers_is_served_together(algorithm):
         opt_g.finish()
     assert time.monotonic() - t0 < 45
     for m in (gen, disc):                                  # every rank: the servers' final θ
-        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).cpu()
         assert all(torch.equal(flat, other) for other in COMM.allgather(flat))
 
 
