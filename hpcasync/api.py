@@ -403,14 +403,11 @@ def _from_torch_optimizer(algorithm: str, opt) -> dict[str, Any]:
         from .odsgd.optimizer import hyper_from_sgd
 
         return hyper_from_sgd(opt)
-    plain = (("maximize", False),) + ((("nesterov", False), ("dampening", 0))
-                                      if algorithm in MOMENTUM_RULES else ())
-    for key, value in plain:
-        bad = [i for i, g in enumerate(opt.param_groups) if g.get(key, value) != value]
-        if bad:
-            raise ConfigError(f"{algorithm} runs its own update, which has no {key}: the SGD's "
-                              f"param group(s) {bad} set {key}={opt.param_groups[bad[0]][key]}; "
-                              f"use {key}={value}")
+    from .optim import refuse_sgd_options
+
+    refuse_sgd_options(opt.param_groups, (("maximize", False),) + (
+        (("nesterov", False), ("dampening", 0)) if algorithm in MOMENTUM_RULES else ()),
+        f"{algorithm} runs its own update")
     group = opt.param_groups[0]
     out = {"lr": group["lr"], "weight_decay": group["weight_decay"]}
     if algorithm in MOMENTUM_RULES:

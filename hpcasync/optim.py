@@ -73,6 +73,17 @@ def group_index(flat: FlatModel, param_groups, *, requires_grad: bool = True) ->
             for p in flat.parameters]
 
 
+def refuse_sgd_options(groups, options, runs: str) -> None:
+    """One line when a param group of a torch SGD sets one of ``options`` (``(key, plain)``
+    pairs) away from ``plain``: an algorithm that runs its own update (``runs`` says which)
+    would silently not do it."""
+    for key, plain in options:
+        bad = [i for i, g in enumerate(groups) if g.get(key, plain) != plain]
+        if bad:
+            raise ConfigError(f"{runs} without {key}: the SGD's param group(s) {bad} set "
+                              f"{key}={groups[bad[0]][key]}; use {key}={plain}")
+
+
 class AlgorithmOptimizer(torch.optim.Optimizer):
     """Base of the optimizer-shaped object of every algorithm (docs/design/front-door.md).
 

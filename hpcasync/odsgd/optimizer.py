@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..optim import AlgorithmOptimizer, as_flat, group_index
+from ..optim import AlgorithmOptimizer, as_flat, group_index, refuse_sgd_options
 from ..topology import default_topology
 from .checkpoint import global_state, load_state, local_state
 from .core import ODSGDHyper, group_ranges
@@ -154,11 +154,7 @@ class ODSGD(AlgorithmOptimizer):
         layout = (values, tuple(index), tuple(_sgd_only(g) for g in groups))
         if layout == self._layout:
             return
-        for i, g in enumerate(groups):
-            for key, plain in _PLAIN_SGD:
-                if g.get(key, plain) != plain:
-                    raise ConfigError(f"ODSGD's global step is momentum SGD without {key}: param "
-                                      f"group {i} now sets {key}={g[key]}; use {key}={plain}")
+        refuse_sgd_options(groups, _PLAIN_SGD, _RUNS)
         hp = self.worker.hp
         if len(groups) == 1 and values[0][0] != 0 and min(index) == 0:
             self.worker.hp = dataclasses.replace(hp, **dict(zip(_GROUP_KEYS, values[0])))
@@ -253,6 +249,7 @@ class ODSGD(AlgorithmOptimizer):
 
 
 _PLAIN_SGD = (("nesterov", False), ("dampening", 0), ("maximize", False))
+_RUNS = "odsgd's global step is momentum SGD"
 
 
 def _momentum_buffers(base: dict) -> list:
@@ -270,12 +267,7 @@ def hyper_from_sgd(sgd: torch.optim.SGD) -> dict:
     """Group 0's lr, momentum and weight decay of a ``torch.optim.SGD`` (the defaults; ODSGD
     shares its groups, ``optimizer=``). Its global step is heavy-ball momentum SGD: Nesterov,
     dampening or maximize would be silently different, so they are errors."""
-    for key, plain in _PLAIN_SGD:
-        bad = [i for i, g in enumerate(sgd.param_groups) if g.get(key, plain) != plain]
-        if bad:
-            raise ConfigError(f"odsgd's global step is momentum SGD without {key}: the SGD's "
-                              f"param group(s) {bad} set {key}={sgd.param_groups[bad[0]][key]}; "
-                              f"use {key}={plain}")
+    refuse_sgd_options(sgd.param_groups, _PLAIN_SGD, _RUNS)
     first = sgd.param_groups[0]
     return {k: first[k] for k in ("lr", "momentum", "weight_decay")}
 

@@ -82,15 +82,19 @@ def no_gradient_warnings(caplog) -> list[str]:
 STEPS, UNFREEZE = 6, 3
 
 
+def freeze(model, frozen: bool = True) -> None:
+    """conv1 and bn1 (``requires_grad=not frozen``)."""
+    model.conv1.requires_grad_(not frozen)
+    model.bn1.requires_grad_(not frozen)
+
+
 def torch_reference(lr: float) -> dict:
     model = Net()
-    model.conv1.requires_grad_(False)
-    model.bn1.requires_grad_(False)
+    freeze(model)
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
     for s in range(STEPS):
         if s == UNFREEZE:
-            model.conv1.requires_grad_(True)
-            model.bn1.requires_grad_(True)
+            freeze(model, False)
         x, y = batch(s)
         sgd.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -104,8 +108,7 @@ def test_unfrozen_layer_trains_as_in_torch_with_one_worker(caplog):
     if comm is None:
         return
     model = Net()
-    model.conv1.requires_grad_(False)
-    model.bn1.requires_grad_(False)
+    freeze(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="hpcasync"):
         opt = hpcasync.optimizer("asgd", model, sgd, comm=comm, ps_rank=0, ps_ranks=1)
@@ -114,8 +117,7 @@ def test_unfrozen_layer_trains_as_in_torch_with_one_worker(caplog):
         else:
             for s in range(STEPS):
                 if s == UNFREEZE:
-                    model.conv1.requires_grad_(True)
-                    model.bn1.requires_grad_(True)
+                    freeze(model, False)
                 x, y = batch(s)
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()
@@ -137,18 +139,15 @@ def test_ssgd_unfrozen_layer_is_bitwise_torch(late):
     step for step, bitwise; ``late``: unfrozen after ``zero_grad()``, so no gradient hook was on
     it during that backward."""
     model = Net()
-    model.conv1.requires_grad_(False)
-    model.bn1.requires_grad_(False)
+    freeze(model)
     opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.1))
     for s in range(STEPS):
         if s == UNFREEZE and not late:
-            model.conv1.requires_grad_(True)
-            model.bn1.requires_grad_(True)
+            freeze(model, False)
         x, y = batch(s)
         opt.zero_grad()
         if s == UNFREEZE and late:
-            model.conv1.requires_grad_(True)
-            model.bn1.requires_grad_(True)
+            freeze(model, False)
         F.cross_entropy(model(x), y).backward()
         opt.step()
     ref = torch_reference(0.1)
