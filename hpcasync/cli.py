@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--ranks-per-node", type=int, default=None,
                       help="group the ranks of each machine into virtual nodes of K ranks")
     info.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    tune = sub.add_parser("tune", help="the allreduce choices of algorithm='auto': show, clear "
+                          "or measure them (measure: under mpiexec)")
+    tune.add_argument("action", choices=("show", "clear", "measure"),
+                      help="show: the cached choices; clear: forget them; measure: measure the "
+                      "--sizes again on this job's ranks and keep the result")
+    tune.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M", "16M", "64M"],
+                      help="message sizes to measure (K, M = KiB, MiB)")
+    tune.add_argument("--wire", choices=("float32", "bfloat16"), default="float32",
+                      help="the reduced dtype (16-bit sums are measured apart)")
     add_sim_arguments(sub.add_parser("sim", help="simulate N workers in one process (no MPI)"))
     from .experiments.commands import add_experiment_arguments, add_report_arguments
     add_experiment_arguments(sub.add_parser("experiment", help="run an experiment file's matrix "
@@ -100,6 +109,46 @@ def _info(ns) -> int:
     if topo.rank == 0:
         print(topo.describe())
         print("\n".join(lines))
+        from .comm import tune
+
+        mine = tune.cached(topo.world)
+        print(f"allreduce choices of algorithm='auto' for {topo.size} ranks on this host "
+              f"({tune.tune_file() or 'not kept'}):")
+        print(tune.describe(mine) if mine else "none yet (measured at a class's first use; "
+              "`hpcasync tune measure` under mpiexec measures them now)")
+    return 0
+
+
+def _tune(ns) -> int:
+    import torch
+
+    from .bench.allreduce import parse_size
+    from .comm import tune
+
+    if ns.action == "show":
+        records = tune.cached()
+        print(f"{tune.tune_file() or 'no file (HPCASYNC_TUNE_FILE=none)'}: {len(records)} "
+              "choice(s)")
+        if records:
+            print(tune.describe(records))
+        return 0
+    if ns.action == "clear":
+        print(f"removed {tune.clear()} choice(s) from {tune.tune_file()}")
+        return 0
+    from .topology import init_mpi
+
+    comm = init_mpi().COMM_WORLD
+    if comm.Get_size() < 2:
+        from .errors import ConfigError
+
+        raise ConfigError("hpcasync tune measure compares MPI_Allreduce with the window on 2 or "
+                          "more ranks: run it under mpiexec -n N")
+    wire = getattr(torch, ns.wire)
+    sizes = [parse_size(x) for x in ns.sizes]
+    for nbytes in sizes:
+        tune.remeasure(comm, nbytes, wire)
+    if comm.Get_rank() == 0:
+        print(tune.describe(tune.cached(comm)))
     return 0
 
 
@@ -139,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command != "train":
         startup.done()
     handler = {"train": _train, "launch": _launch, "info": _info, "bench": _bench, "sim": _sim,
-               "experiment": _experiment, "report": _report}[ns.command]
+               "experiment": _experiment, "report": _report, "tune": _tune}[ns.command]
     code = run_guarded(handler, ns)
     return code or 0
 

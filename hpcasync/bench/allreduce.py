@@ -178,7 +178,19 @@ def measure(comm, sizes: list[int], *, iters: int, budget_bytes: int, hvd=None) 
 
     n = comm.Get_size()
     topo = Topology.build(comm, ranks_per_node=n // 2) if n % 2 == 0 else None
-    from ..comm.tune import use_shm
+    from ..comm.tune import cached_choice, use_shm
+
+    def auto_choice(nbytes: int) -> dict:
+        """What auto chose for the size (``auto``), and where the choice came from
+        (``auto_from``): the tune file (its date), or measured now (none there, or the cached
+        one was stale or failed its check)."""
+        before = cached_choice(comm, nbytes, torch.float32) if comm.Get_rank() == 0 else None
+        chosen = "window" if use_shm(comm, nbytes, torch.float32) else "MPI"
+        after = cached_choice(comm, nbytes, torch.float32) if comm.Get_rank() == 0 else None
+        cached = (before is not None and after is not None
+                  and before.get("time") == after.get("time"))
+        source = f"cached {str(before.get('measured', '?'))[:10]}" if cached else "measured now"
+        return {"auto": chosen, "auto_from": comm.bcast(source, root=0)}
 
     methods = {
         "mpi": lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
@@ -197,7 +209,7 @@ def measure(comm, sizes: list[int], *, iters: int, budget_bytes: int, hvd=None) 
             verify(comm, methods, nbytes // 4)
             row = {"bytes": nbytes, "iters": cell_iters, "layout": layout, "ranks": n,
                    "memcpy": time_memcpy(comm, nbytes, cell_iters),
-                   "auto": "window" if use_shm(comm, nbytes, torch.float32) else "MPI"}
+                   **auto_choice(nbytes)}
             row.update(time_interleaved(comm, methods, nbytes, cell_iters))
             rows.append(row)
             log.info("allreduce bench: %s done", human(nbytes))
@@ -266,7 +278,7 @@ def format_table(rows: list[dict]) -> str:
             return "–" if r.get(key) is None else f"{busbw(b, r[key], n):.2f}"
 
         cells = [human(b), str(r["iters"]), f"{b / r['memcpy'] / 1e9:.2f}", f"{bound * 1e6:.1f}",
-                 us("mpi"), us("ours"), r["auto"], us("shm")]
+                 us("mpi"), us("ours"), f"{r['auto']} ({r.get('auto_from', '?')})", us("shm")]
         cells += [us("persistent")] * has_pers
         cells += [us("hier")] * has_hier + [us("hvd")] * has_hvd
         cells += [ratio("ours"), ratio("shm")] + [ratio("persistent")] * has_pers
@@ -290,6 +302,14 @@ def summary(rows: list[dict]) -> str:
                    f"{worst['mpi'] / worst['ours']:.2f} at {human(worst['bytes'])}).")
         wins = [human(r["bytes"]) for r in rows if r["mpi"] / r["shm"] >= 1.2]
         out.append(f"window >= 1.2x MPI at: {', '.join(wins) or 'no size'}.")
+        chose = [r for r in rows if r["auto"] == "window"]
+        if chose:
+            lo = min(chose, key=lambda r: r["mpi"] / r["ours"])
+            out.append(f"where auto chose the window ({', '.join(human(r['bytes']) for r in chose)})"
+                       f": lowest ours/MPI {lo['mpi'] / lo['ours']:.2f} at {human(lo['bytes'])}.")
+        wrong = [human(r["bytes"]) for r in rows if _wrong_choice(r)]
+        out.append(f"auto's choice slower than the other method by > 3 % in this run at: "
+                   f"{', '.join(wrong) or 'no size'}.")
         pers = [r for r in rows if r.get("persistent")]
         if pers:
             lo = min(pers, key=lambda r: r["mpi"] / r["persistent"])
@@ -305,6 +325,12 @@ def summary(rows: list[dict]) -> str:
     else:
         out.append("Horovod: not measured (`import horovod.torch` failed or --no-horovod).")
     return " ".join(out)
+
+
+def _wrong_choice(row: dict) -> bool:
+    """auto's choice was slower than the other method by more than 3 % in this run."""
+    faster = row["mpi"] / row["shm"]            # > 1: the window was faster
+    return faster < 1 / 1.03 if row["auto"] == "window" else faster > 1.03
 
 
 def machine(comm) -> str:
@@ -335,7 +361,8 @@ def report(comm, rows: list[dict], command: str, load: float | None = None,
         "measured in the same run (`hpcasync.bench.allreduce` doc); 'of bound' = bound / time. "
         "Ratios X/Y = time(Y) / time(X) (> 1: X is faster). busbw = (m / time)·2(n−1)/n GB/s "
         "(nccl-tests' bus bandwidth). auto = what the default chose for the size "
-        "(`hpcasync.comm.tune`).", "",
+        "(`hpcasync.comm.tune`) and whether that choice was read from the tune file (cached, "
+        "its date) or measured in this run.", "",
         format_table(rows), "",
         summary(rows), ""])
 

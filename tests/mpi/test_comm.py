@@ -303,13 +303,19 @@ def test_bench_sizes_and_table():
     with pytest.raises(ConfigError, match="--sizes"):
         parse_size("3")
     rows = [{"bytes": 65536, "iters": 5, "layout": "2×2", "ranks": 4, "memcpy": 1e-6,
-             "mpi": 4e-5, "ours": 2e-5, "shm": 2e-5, "hier": 8e-5, "auto": "window"}]
+             "mpi": 4e-5, "ours": 2e-5, "shm": 2e-5, "hier": 8e-5, "auto": "window",
+             "auto_from": "measured now"}]
     table = format_table(rows)
     # cold copy 65.54 GB/s; bound = (3 + 1/4) x 1 us / 2 = 1.6 us; ratios; of bound 0.04 / 0.08
-    assert "| 64 KiB | 5 | 65.54 | 1.6 | 40.0 | 20.0 | window | 20.0 | 80.0 |" in table
+    assert ("| 64 KiB | 5 | 65.54 | 1.6 | 40.0 | 20.0 | window (measured now) | 20.0 | 80.0 |"
+            in table)
     assert "| 2.00 | 2.00 | 0.50 | 0.04 | 0.08 |" in table
     assert "met (lowest ours/MPI 2.00 at 64 KiB)" in summary(rows)
     assert "window >= 1.2x MPI at: 64 KiB" in summary(rows)
+    assert "where auto chose the window (64 KiB): lowest ours/MPI 2.00" in summary(rows)
+    assert "slower than the other method by > 3 % in this run at: no size" in summary(rows)
+    rows[0].update(auto="MPI")                       # MPI chosen where the window was 2x faster
+    assert "> 3 % in this run at: 64 KiB" in summary(rows)
 
 
 def test_bench_runs_and_checks_results():
@@ -324,6 +330,8 @@ def test_bench_runs_and_checks_results():
     assert [r["bytes"] for r in rows] == [4096, 65536]
     assert all(r["mpi"] > 0 and r["ours"] > 0 and r["shm"] > 0 and r["memcpy"] > 0 for r in rows)
     assert all(r["auto"] in ("MPI", "window") for r in rows)
+    assert all(r["auto_from"] == "measured now" or r["auto_from"].startswith("cached ")
+               for r in rows)
 
 
 def test_pinned_pool_reuses_buffers_and_never_shares_one():

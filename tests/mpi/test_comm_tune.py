@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -39,12 +40,24 @@ def test_size_classes():
         [4096, 4096, 8192, 4 << 20, 64 << 20]
 
 
+def _m(ratio: float, low: float, high: float, rounds: int = 8) -> tune.Measurement:
+    return tune.Measurement(mpi_s=ratio * 1e-3, shm_s=1e-3, ratio=ratio, low=low, high=high,
+                            rounds=rounds)
+
+
 @multi
-@pytest.mark.parametrize("t_mpi, t_shm, shm", [(1.2, 1.0, True), (1.19, 1.0, False),
-                                               (0.5, 1.0, False)])
-def test_the_window_only_where_measured_at_least_1_2x_faster(tune_file, monkeypatch,
-                                                             t_mpi, t_shm, shm):
-    monkeypatch.setattr(tune, "measure", lambda comm, nbytes, wire: (t_mpi, t_shm))
+@pytest.mark.parametrize("first, second, shm", [
+    (_m(1.5, 1.2, 1.8), _m(1.4, 1.1, 1.7), True),       # clear twice: the window
+    (_m(1.5, 1.2, 1.8), _m(1.1, 0.9, 1.3), False),      # not confirmed: MPI
+    (_m(1.1, 1.01, 1.19), None, False),                 # faster, but not beyond the spread
+    (_m(0.5, 0.4, 0.6), None, False)])
+def test_the_window_only_where_clearly_faster_twice(tune_file, monkeypatch, first, second, shm):
+    calls = []
+
+    def measured(comm, nbytes, wire, **kw):
+        calls.append(kw)
+        return first if len(calls) == 1 else second
+    monkeypatch.setattr(tune, "measure", measured)
     comm = COMM.Dup()
     try:
         x = allreduce(comm, torch.ones(100_000))
@@ -53,9 +66,70 @@ def test_the_window_only_where_measured_at_least_1_2x_faster(tune_file, monkeypa
         assert comm_cache(comm)["auto_shm"] == {(512 << 10, False): shm}
     finally:
         comm.Free()
+    assert len(calls) == (2 if second is not None else 1)   # a window verdict is measured again
     if RANK == 0:
         (rec,) = json.loads(open(tune_file).read()).values()
-        assert rec["shm"] == shm and rec["mpi_s"] == t_mpi
+        assert rec["shm"] == shm and rec["ratio"] == first.ratio and rec["low"] == first.low
+        assert rec["confirmed"] == shm and ("second" in rec) == (second is not None)
+
+
+def _plant(path: str, comm, nbytes: int, **record) -> str:
+    """Rank 0 writes a cached choice for ``nbytes`` on ``comm`` (every rank: its key)."""
+    key = tune._key(comm, tune.size_class(nbytes), torch.float32)
+    if RANK == 0:
+        rec = {"shm": True, "mpi_s": 3e-3, "shm_s": 1e-3, "time": time.time(), "load": 0.0,
+               "measured": "planted", **record}
+        with open(path, "w") as f:
+            json.dump({key: rec}, f)
+    comm.Barrier()
+    return key
+
+
+@multi
+@pytest.mark.parametrize("check, keep", [(0.7, False), (1.3, True)])
+def test_a_wrong_cached_window_choice_is_corrected_at_first_use(tune_file, monkeypatch, check,
+                                                                keep):
+    """A planted window choice: the short check at its first use (paired rounds, not adaptive)
+    finds the window 0.7x MPI -> measured again (MPI clearly) and the file rewritten; 1.3x: kept
+    without a full measurement."""
+    calls = []
+
+    def measured(comm, nbytes, wire, **kw):
+        calls.append(kw)
+        if kw.get("adaptive") is False:
+            return _m(check, check - 0.1, check + 0.1, tune.CHECK_ROUNDS)
+        return _m(0.6, 0.5, 0.7)
+    monkeypatch.setattr(tune, "measure", measured)
+    comm = COMM.Dup()
+    try:
+        _plant(tune_file, comm, 300_000 * 4)
+        allreduce(comm, torch.ones(300_000))
+        assert comm_cache(comm)["auto_shm"][(2 << 20, False)] == keep
+        assert calls[0] == {"rounds": tune.CHECK_ROUNDS, "adaptive": False}
+        assert len(calls) == (1 if keep else 2)
+    finally:
+        comm.Free()
+    if RANK == 0:
+        (rec,) = json.loads(open(tune_file).read()).values()
+        assert rec["shm"] == keep and (rec["measured"] == "planted") == keep
+
+
+@multi
+@pytest.mark.parametrize("why", ["old", "busy"])
+def test_a_stale_cached_choice_is_measured_again(tune_file, monkeypatch, why):
+    monkeypatch.setattr(tune, "measure", lambda comm, nbytes, wire, **kw: _m(0.6, 0.5, 0.7))
+    comm = COMM.Dup()
+    try:
+        busy = 2.0 * ((os.cpu_count() or 1) + SIZE + os.getloadavg()[0])  # twice now's and more
+        stale = ({"time": time.time() - (tune.MAX_AGE_DAYS + 1) * 86400} if why == "old"
+                 else {"load": busy})
+        _plant(tune_file, comm, 300_000 * 4, shm=False, **stale)
+        allreduce(comm, torch.ones(300_000))
+    finally:
+        comm.Free()
+    if RANK == 0:
+        (rec,) = json.loads(open(tune_file).read()).values()
+        assert rec["measured"] != "planted" and rec["ratio"] == 0.6
 
 
 @multi
@@ -69,9 +143,10 @@ def test_real_measurement_agrees_on_every_rank_and_is_reused(tune_file, monkeypa
         comm.Free()
     assert COMM.allgather(chosen) == [chosen] * SIZE
 
-    def no_measuring(*a):
+    def no_measuring(*a, **kw):
         raise AssertionError("measured again although the file has the decision")
     monkeypatch.setattr(tune, "measure", no_measuring)
+    monkeypatch.setenv("HPCASYNC_TUNE_RECHECK", "0")    # (a cached window is re-checked: above)
     monkeypatch.setattr(tune, "_memory", {})            # a new process: only the file is left
     comm = COMM.Dup()
     try:
@@ -185,7 +260,8 @@ def test_nodes_that_decide_differently_still_agree_in_the_hierarchical_allreduce
     topo = Topology.build(ranks_per_node=2)
     node = RANK // 2
     monkeypatch.setattr(tune, "measure",
-                        lambda comm, nbytes, wire: (1.0, 0.5) if node == 0 else (1.0, 2.0))
+                        lambda comm, nbytes, wire, **kw: _m(2.0, 1.8, 2.2) if node == 0
+                        else _m(0.5, 0.4, 0.6))
     try:
         x = torch.arange(300_001, dtype=torch.float32) * (RANK + 1)
         hierarchical_allreduce(topo, x, average=True)
@@ -196,3 +272,23 @@ def test_nodes_that_decide_differently_still_agree_in_the_hierarchical_allreduce
         assert COMM.allgather(_window_used(topo.local)) == [False] * 4
     finally:
         topo.free()
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(120)
+def test_tune_command_measures_shows_and_clears(tmp_path):
+    from tests.mpi_util import clean_env, run_cli, run_mpi
+
+    env = clean_env(HPCASYNC_TUNE_FILE=str(tmp_path / "auto.json"))
+    r = run_mpi(2, ["tune", "measure", "--sizes", "4K", "1M"], env=env, timeout=90)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "KiB" in line
+            or line.startswith("| ") and "MiB" in line]
+    assert [row.split("|")[5].strip() for row in rows] == ["4 KiB", "1 MiB"], r.stdout
+    shown = run_cli(["tune", "show"], env=env)
+    assert shown.returncode == 0 and "2 choice(s)" in shown.stdout, shown.stdout + shown.stderr
+    info = run_mpi(2, ["info"], env=env, timeout=60)
+    assert info.returncode == 0 and "1 MiB" in info.stdout, info.stdout + info.stderr
+    cleared = run_cli(["tune", "clear"], env=env)
+    assert "removed 2 choice(s)" in cleared.stdout, cleared.stdout + cleared.stderr
+    assert "0 choice(s)" in run_cli(["tune", "show"], env=env).stdout
