@@ -12,11 +12,14 @@ kind is 32/64-bit or 16-bit (16-bit MPI sums run a user-defined op, so they are 
 At the first message of a class every rank of the communicator measures (:func:`measure`): warm-up
 rounds of both methods on the buffers they time (MPI's own buffers and the window warm), then
 *paired* rounds — one MPI and one window reduction each, in an order that alternates, a barrier
-before each — in batches, until the paired ratio t_MPI/t_window is clear of :data:`MARGIN` (its
-median ± two standard errors, all above or all below) or the class's round or time budget is
-spent. Times are combined with ``MPI_MAX`` after each batch, so every rank reaches the same
+before each — in batches, for at least :data:`MIN_TIME_S` (so that the rounds span more than one
+mood of the scheduler when ranks share cores) and until the paired ratio t_MPI/t_window is clear
+of :data:`MARGIN` (its median ± two standard errors, all above or all below), or the class's round
+or time budget is spent. Times are combined with ``MPI_MAX`` after each batch, so every rank reaches the same
 decision with no further message. The window is chosen only when the lower end of that interval is
-at or above :data:`MARGIN` (the window at least 3 % faster, beyond the spread), and only when a
+at or above :data:`MARGIN` (the window at least 3 % faster, beyond the spread) and the median at or
+above :data:`EFFECT` (10 % faster in the typical round: with ranks sharing cores, timings minutes
+apart differ by more than one measurement's spread, so a near tie goes to MPI), and only when a
 second, independent measurement agrees; anything else is MPI.
 
 Reproducibility: the choice changes the summation order (window: rank order; MPI: its tree), so
@@ -57,8 +60,10 @@ from .ops import HALF_DTYPES
 log = logging.getLogger(__name__)
 
 MARGIN = 1.03                   # the window must be at least this much faster (beyond the spread)
+EFFECT = 1.10                   # ... and this much faster in the typical round (the median)
 ROUNDS = (8, 200)               # paired rounds per measurement: at least, at most
 BATCH = 4                       # rounds between two looks at the spread
+MIN_TIME_S = 0.25               # a measurement spans at least this long (the scheduler's moods)
 BUDGET_S = 1.5                  # seconds a measurement may take (it stops at a batch's end)
 WARMUP_S = 0.05                 # at least this long of warm-up per method (and WARMUP rounds)
 WARMUP = 3
@@ -83,8 +88,10 @@ class Measurement:
 
     @property
     def window(self) -> bool:
-        """The window is faster than MPI by :data:`MARGIN` beyond the spread."""
-        return self.low >= MARGIN
+        """The window is faster than MPI by :data:`MARGIN` beyond the spread and by
+        :data:`EFFECT` in the median round: a near tie goes to MPI, whose speed is the baseline,
+        since the next minute's timings may differ by more than one measurement's spread."""
+        return self.low >= MARGIN and self.ratio >= EFFECT
 
     def record(self) -> dict:
         return {"mpi_s": self.mpi_s, "shm_s": self.shm_s, "ratio": self.ratio, "low": self.low,
@@ -295,10 +302,10 @@ def measure(comm, nbytes: int, wire: torch.dtype, *, rounds: int | None = None,
         result = _summary(times)
         if not adaptive:
             return result
-        if result.rounds >= ROUNDS[0] and (result.low >= MARGIN or result.high < MARGIN):
-            return result
         spent = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if result.rounds >= most or spent > BUDGET_S:
+        clear = result.low >= MARGIN or result.high < MARGIN
+        if (clear and result.rounds >= ROUNDS[0] and spent >= MIN_TIME_S) or \
+                result.rounds >= most or spent > BUDGET_S:
             return result
 
 

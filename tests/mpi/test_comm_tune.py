@@ -50,6 +50,7 @@ def _m(ratio: float, low: float, high: float, rounds: int = 8) -> tune.Measureme
     (_m(1.5, 1.2, 1.8), _m(1.4, 1.1, 1.7), True),       # clear twice: the window
     (_m(1.5, 1.2, 1.8), _m(1.1, 0.9, 1.3), False),      # not confirmed: MPI
     (_m(1.1, 1.01, 1.19), None, False),                 # faster, but not beyond the spread
+    (_m(1.08, 1.05, 1.11), None, False),                # beyond the spread, but a near tie
     (_m(0.5, 0.4, 0.6), None, False)])
 def test_the_window_only_where_clearly_faster_twice(tune_file, monkeypatch, first, second, shm):
     calls = []
