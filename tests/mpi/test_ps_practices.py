@@ -187,13 +187,14 @@ def test_unfrozen_layer_trains_and_no_false_warning(algorithm, caplog):
 
 # -- 2. the model changed after hpcasync.optimizer -------------------------------------------------
 
-def test_load_state_dict_after_the_optimizer_is_what_trains():
+@pytest.mark.parametrize("algorithm", ["smega2", "asgd"])
+def test_load_state_dict_after_the_optimizer_is_what_trains(algorithm):
     """torch's resume order: model, optimizer, then model.load_state_dict on every rank. The
     workers start from the loaded weights (the server takes its model at serve())."""
     ckpt = {k: v + 0.5 if v.is_floating_point() else v for k, v in Net(seed=7).state_dict().items()}
     model = Net()
-    opt = hpcasync.optimizer("smega2", model, torch.optim.SGD(model.parameters(), lr=0.05,
-                                                              momentum=0.9), warmup_epochs=0)
+    opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                               momentum=0.9), warmup_epochs=0)
     model.load_state_dict(ckpt)
     if opt.is_server:
         opt.serve()
@@ -351,10 +352,12 @@ def test_a_gan_with_two_ps_optimizers_is_served_together(algorithm):
         assert all(torch.equal(flat, other) for other in COMM.allgather(flat))
 
 
-def test_integer_buffers_end_equal_and_travel_through_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2"])
+def test_integer_buffers_end_equal_and_travel_through_a_checkpoint(algorithm, tmp_path):
     directory = COMM.bcast(str(tmp_path / "ck") if RANK == 0 else None, root=0)
     model = Net()
-    opt = hpcasync.optimizer("asgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hpcasync.optimizer(algorithm, model, sgd, warmup_epochs=0)
     steps = {w: 3 + w for w in range(W)}                   # uneven: counters differ per worker
     if opt.is_server:
         opt.serve()
@@ -369,7 +372,8 @@ def test_integer_buffers_end_equal_and_travel_through_a_checkpoint(tmp_path):
     assert int(model.seen) == int(model.bn1.num_batches_tracked) == mean    # every rank
     COMM.Barrier()
     fresh = Net()
-    opt2 = hpcasync.optimizer("asgd", fresh, torch.optim.SGD(fresh.parameters(), lr=0.05))
+    opt2 = hpcasync.optimizer(algorithm, fresh, torch.optim.SGD(fresh.parameters(), lr=0.05,
+                                                                momentum=0.9), warmup_epochs=0)
     hpcasync.load_checkpoint(directory, fresh, opt2)
     if opt2.is_server:
         assert int(fresh.seen) == mean                     # the checkpoint's model: the mean
