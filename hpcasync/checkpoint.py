@@ -5,7 +5,8 @@ lists, tuples and dicts with str/int keys — so ``torch.load(path, weights_only
 loading never runs code from the file. Its top level is::
 
     {"header": {"format": "hpcasync-checkpoint", "version": 1, "algorithm": …, "model": …,
-                "world_size": …, "epoch": …, "step": …, "created": …, "torch": …, …},
+                "world_size": …, "epoch": …, "step": …, "created": …, "torch": …,
+                "allreduce_auto": {…}, …},
      "sha256": "<hex>", "payload": <the state dict>}
 
 Example::
@@ -19,6 +20,9 @@ Example::
             mgr.save(state, epoch=e, step=step, algorithm="ssgd", world_size=4)
             sys.exit(EXIT_PREEMPTED)
 
+``allreduce_auto`` (when the run reduced with ``auto``) holds its per-class choices; reading the
+file pins them (:mod:`hpcasync.comm.tune`), so a resume sums in the same order.
+
 Design: docs/design/checkpoints.md#checkpoint-files (the checksum, atomic writes, names).
 """
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import re
 import signal
 import struct
+import sys
 import tempfile
 import time
 import warnings
@@ -165,6 +170,9 @@ def save_checkpoint(path: str | os.PathLike, state: dict, *, algorithm: str | No
               "world_size": world_size, "epoch": epoch, "step": step,
               "created": round(time.time(), 3), "hpcasync": __version__,
               "torch": str(torch.__version__)}
+    used = _allreduce_choices()
+    if used:            # how ``auto`` reduced: a resume reduces alike (comm.tune.pin)
+        header["allreduce_auto"] = used
     if extra:
         clash = set(extra) & set(header)
         if clash:
@@ -241,7 +249,16 @@ def read_checkpoint(path: str | os.PathLike, *, expect: dict | None = None,
         if header.get(key) != want:
             raise CheckpointError(f"checkpoint {path}: {key} is {header.get(key)!r}, "
                                   f"this run has {want!r}")
+    if "allreduce_auto" in header:
+        from .comm import tune
+        tune.pin(header["allreduce_auto"])
     return header, payload
+
+
+def _allreduce_choices() -> dict:
+    """``auto``'s choices of this process (comm.tune.in_use), if the comm layer was loaded."""
+    tune = sys.modules.get("hpcasync.comm.tune")
+    return tune.in_use() if tune is not None else {}
 
 
 def load_checkpoint(path: str | os.PathLike, *, expect: dict | None = None,

@@ -33,6 +33,13 @@ rewritten); a record older than :data:`MAX_AGE_DAYS`, or measured while other wo
 machine busy and read on a machine half as loaded, is measured again (:func:`stale`). ``hpcasync tune`` shows, clears or re-measures the file's choices;
 ``HPCASYNC_ALLREDUCE=mpi|shm`` forces the choice of ``auto``.
 
+Resume: since a re-check or a re-measurement may change a choice between two jobs, a checkpoint
+carries the choices its run made (:func:`in_use`, a header field written by
+``hpcasync.checkpoint.save_checkpoint``), and reading one pins them (:func:`pin`): a run resumed
+on the same machine reduces every class as the run that wrote it did, so an SSGD resume stays
+bitwise equal to the uninterrupted run. A pinned class is neither re-checked nor measured; a
+class the checkpoint does not name (another machine, MPI or world size) is decided as usual.
+
 Example::
 
     from hpcasync.comm.tune import use_shm
@@ -72,6 +79,8 @@ MAX_AGE_DAYS = 30.0             # a record older than this is measured again
 MIN_CLASS = 4 << 10
 MAX_CLASS = 64 << 20
 _memory: dict[str, bool] = {}   # decisions of this process (``tune_file`` "none", or not yet read)
+_used: dict[str, bool] = {}     # what this process's reductions use, by key (checkpoints carry it)
+_pinned: dict[str, bool] = {}   # from a checkpoint read (:func:`pin`): decided, never re-checked
 
 
 @dataclass
@@ -191,14 +200,37 @@ def stale(record: dict, ranks: int, now: float | None = None,
     return None
 
 
+def in_use() -> dict[str, bool]:
+    """The choices this process's ``auto`` reductions have made, by key (host, MPI, size, class):
+    what a checkpoint records so that a resume reduces alike."""
+    return dict(_used)
+
+
+def pin(choices) -> None:
+    """Take ``choices`` (:func:`in_use` of the run that wrote a checkpoint) as this process's
+    decisions for those keys: neither re-checked nor measured. Anything not a ``{str: bool}`` entry
+    is ignored (a checkpoint of an older hpcasync has none)."""
+    if isinstance(choices, dict):
+        _pinned.update({k: v for k, v in choices.items()
+                        if isinstance(k, str) and isinstance(v, bool)})
+
+
 def _decide(comm, cls: int, wire: torch.dtype) -> bool:
-    """The decision for a class: this process's, the file's (re-checked), or measured now."""
+    """The decision for a class: pinned by a checkpoint, this process's, the file's (re-checked),
+    or measured now (collective; rank 0's view is broadcast). Noted in :func:`in_use`."""
     key = _key(comm, cls, wire)
+    _used[key] = shm = _decide_key(comm, cls, wire, key)
+    return shm
+
+
+def _decide_key(comm, cls: int, wire: torch.dtype, key: str) -> bool:
     path = tune_file()
     known = None
     if comm.Get_rank() == 0:
         known = _memory.get(key)
-        if known is None:
+        if key in _pinned:
+            known = {"shm": _pinned[key], "checked": True}
+        elif known is None:
             rec = _read(path).get(key)
             if isinstance(rec, dict) and isinstance(rec.get("shm"), bool):
                 why = stale(rec, comm.Get_size()) if _rechecks() else None

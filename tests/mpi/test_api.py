@@ -285,7 +285,11 @@ else:
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("mode", ["no-finish", "no-serve", "no-finish-odsgd", "uneven"])
+# MPICH: no-serve and uneven (the exit barrier's wait, running out or not); no-finish and
+# no-finish-odsgd end through the same wait (CI's MPICH pass leaves them out)
+@pytest.mark.parametrize("mode", [pytest.param("no-finish", marks=pytest.mark.one_mpi), "no-serve",
+                                  pytest.param("no-finish-odsgd", marks=pytest.mark.one_mpi),
+                                  "uneven"])
 def test_a_forgotten_call_never_hangs(mode, tmp_path):
     """A user's script that forgets a call, or gives one rank a step more, ends: by itself where
     that is safe (a worker's finish at exit), else with one line saying what to do."""

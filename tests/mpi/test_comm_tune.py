@@ -25,6 +25,7 @@ def tune_file(tmp_path, monkeypatch):
     path = COMM.bcast(str(tmp_path / "auto.json") if RANK == 0 else None, root=0)
     monkeypatch.setenv("HPCASYNC_TUNE_FILE", path)
     monkeypatch.delenv("HPCASYNC_ALLREDUCE", raising=False)
+    monkeypatch.setenv("HPCASYNC_TUNE_RECHECK", "1")     # the suite's default is 0 (conftest)
     monkeypatch.setattr(tune, "_memory", {})
     yield path
     COMM.Barrier()
@@ -113,6 +114,53 @@ def test_a_wrong_cached_window_choice_is_corrected_at_first_use(tune_file, monke
     if RANK == 0:
         (rec,) = json.loads(open(tune_file).read()).values()
         assert rec["shm"] == keep and (rec["measured"] == "planted") == keep
+
+
+@multi
+def test_a_checkpoint_pins_the_choices_of_the_run_that_wrote_it(tune_file, monkeypatch, tmp_path):
+    """A resume must sum as the run it continues did (SSGD's bitwise resume), even where a
+    re-measurement would now choose otherwise: the checkpoint carries the choices, reading it pins
+    them. Here the writing run measured the window; the file and a new measurement now say MPI."""
+    from hpcasync.checkpoint import read_checkpoint, save_checkpoint
+    monkeypatch.setattr(tune, "_used", {})
+    monkeypatch.setattr(tune, "_pinned", {})
+    calls = []
+
+    def measured(verdict):
+        def measure(comm, nbytes, wire, **kw):
+            calls.append(kw)
+            return verdict
+        return measure
+    path = COMM.bcast(str(tmp_path / "c.pt") if RANK == 0 else None, root=0)
+    monkeypatch.setattr(tune, "measure", measured(_m(1.5, 1.2, 1.8)))
+    comm = COMM.Dup()
+    try:
+        allreduce(comm, torch.ones(100_000))
+        key = tune._key(comm, 512 << 10, torch.float32)
+        assert _window_used(comm) and tune.in_use() == {key: True}
+        if RANK == 0:
+            save_checkpoint(path, {"w": torch.ones(1)})
+        comm.Barrier()
+    finally:
+        comm.Free()
+
+    def next_run(read: bool) -> bool:          # as a new process: nothing in memory
+        monkeypatch.setattr(tune, "_memory", {})
+        monkeypatch.setattr(tune, "_pinned", {})
+        monkeypatch.setattr(tune, "measure", measured(_m(0.5, 0.4, 0.6)))
+        _plant(tune_file, COMM, 100_000 * 4, shm=False)      # the file now says MPI
+        calls.clear()
+        if read:
+            header, _ = read_checkpoint(path)
+            assert header["allreduce_auto"] == {key: True}
+        c = COMM.Dup()
+        try:
+            allreduce(c, torch.ones(100_000))
+            return _window_used(c)
+        finally:
+            c.Free()
+    assert next_run(read=False) is False            # the file's choice...
+    assert next_run(read=True) is True and calls == []   # ...unless a checkpoint pins it: no check
 
 
 @multi

@@ -19,6 +19,7 @@ def _digests(out: str) -> dict[int, str]:
 
 @pytest.mark.rank0
 @pytest.mark.timeout(200)
+@pytest.mark.one_mpi       # MPICH: the PS front door's MPI paths are test_ps_practices' and test_ps's
 def test_workers_end_with_the_servers_model():
     import sys
 
@@ -30,6 +31,7 @@ def test_workers_end_with_the_servers_model():
 
 @pytest.mark.rank0
 @pytest.mark.timeout(200)
+@pytest.mark.one_mpi       # MPICH: the PS front door's MPI paths are test_ps_practices' and test_ps's
 def test_without_the_runs_length_one_line_says_what_to_do():
     import sys
 

@@ -236,10 +236,10 @@ CASES = [
          "asgd needs a parameter server and at least one worker"),
     Case("ps-rank-missing", "world", "--algorithm asgd --ps-rank 4 on 4 ranks", "mpi4",
          lambda ws: ["--algorithm", "asgd", "--ps-rank", "4"],
-         "ps rank 4 does not exist in a world of 4 ranks"),
+         "ps rank 4 does not exist in a world of 4 ranks", twin="ckpt-other-world-size"),
     Case("daso-ranks-per-node", "world", "--algorithm daso --ranks-per-node 3 on 4 ranks", "mpi4",
          lambda ws: ["--algorithm", "daso", "--ranks-per-node", "3"],
-         "cannot be grouped into virtual nodes of 3 ranks"),
+         "cannot be grouped into virtual nodes of 3 ranks", twin="ckpt-other-world-size"),
     Case("srun-singletons", "world", "Open MPI under plain srun: 4 tasks, each a world of 1",
          "srun4", lambda ws: [], "srun started 4 tasks but MPI sees a world of 1"),
 ]
@@ -293,7 +293,9 @@ def _marks(case: Case) -> list:
     tests/mpi/test_cli.py. The data cases' files, and a checkpoint named by --resume PATH, are all
     read before MPI starts (train.precheck), on every rank alike, and rank 0 (from the launcher's
     environment) says it: idx-truncated and ckpt-truncated take that path under every MPI, the
-    others (``twin``) are one_mpi. CI's MPICH pass leaves both kinds out."""
+    others (``twin``) are one_mpi. ps-rank-missing and daso-ranks-per-node are raised once MPI
+    runs, on every rank alike, as ckpt-other-world-size is (their twin). CI's MPICH pass leaves
+    both kinds out."""
     if case.launch == "cli":
         return [pytest.mark.no_mpi]
     return [pytest.mark.one_mpi] if case.twin else []

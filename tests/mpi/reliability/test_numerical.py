@@ -18,7 +18,10 @@ from tests.unit.test_numerical import MINI, _error_lines
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm", ["ssgd", "daso", "odsgd"])
+# MPICH: the stop's MPI part (the agreed stop, rank 0's one line, the others' exit) is ssgd's; daso
+# and odsgd differ in the loss they watch, not in MPI calls (CI's MPICH pass leaves them out)
+@pytest.mark.parametrize("algorithm", ["ssgd", pytest.param("daso", marks=pytest.mark.one_mpi),
+                                       pytest.param("odsgd", marks=pytest.mark.one_mpi)])
 def test_diverging_run_stops_with_one_line_and_no_nan_record(tmp_path, algorithm):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     extra = ["--ranks-per-node", "2"] if algorithm == "daso" else []
@@ -45,6 +48,7 @@ def test_diverging_run_stops_with_one_line_and_no_nan_record(tmp_path, algorithm
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: test_ps.py::test_cli_nan_push_rejected_and_ps_on_rank_2
 def test_nan_gradients_rejected_at_the_ps_and_counted(tmp_path):
     """Worker rank 2 pushes a NaN gradient at its 5th step: the PS (rank 0) rejects it, counts
     it in the epoch record and the summary, and the run ends normally with finite weights."""
