@@ -79,10 +79,29 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
 
 def _train(ns) -> int:
+    cfg = config_from_args(ns)
+    _srun_world_check()
     from .train import train
 
-    train(config_from_args(ns))
+    train(cfg)
     return 0
+
+
+def _srun_world_check() -> None:
+    """Inside a Slurm step of several tasks, start MPI now and check the world (SlurmEnv
+    .check_world): plain srun without PMI support starts N singleton jobs, and each would otherwise
+    import torch, read the data and try the model before its MPI start could say so. A process
+    spawned into a running job (a grow-back's replacement) inherits the step's variables and is
+    left to the joiner's own checks."""
+    from .slurm import SlurmEnv
+
+    env = SlurmEnv.from_environ()
+    if env.in_step and (env.ntasks or 1) > 1:
+        from .topology import init_mpi
+
+        MPI = init_mpi()
+        if MPI.Comm.Get_parent() == MPI.COMM_NULL:
+            env.check_world(MPI.COMM_WORLD.Get_size())
 
 
 def _launch(ns) -> int:
