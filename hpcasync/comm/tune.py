@@ -78,9 +78,7 @@ CHECK_ROUNDS = 8                # the short check of a cached window choice
 MAX_AGE_DAYS = 30.0             # a record older than this is measured again
 MIN_CLASS = 4 << 10
 MAX_CLASS = 64 << 20
-_memory: dict[str, bool] = {}   # decisions of this process (``tune_file`` "none", or not yet read)
-_used: dict[str, bool] = {}     # what this process's reductions use, by key (checkpoints carry it)
-_pinned: dict[str, bool] = {}   # from a checkpoint read (:func:`pin`): decided, never re-checked
+_memory: dict[str, bool] = {}   # decisions of this process (made, or pinned by a checkpoint read)
 
 
 @dataclass
@@ -201,36 +199,30 @@ def stale(record: dict, ranks: int, now: float | None = None,
 
 
 def in_use() -> dict[str, bool]:
-    """The choices this process's ``auto`` reductions have made, by key (host, MPI, size, class):
-    what a checkpoint records so that a resume reduces alike."""
-    return dict(_used)
+    """This process's decisions (made by its ``auto`` reductions, or pinned), by key (host, MPI,
+    size, class): what a checkpoint records so that a resume reduces alike."""
+    return dict(_memory)
 
 
 def pin(choices) -> None:
     """Take ``choices`` (:func:`in_use` of the run that wrote a checkpoint) as this process's
-    decisions for those keys: neither re-checked nor measured. Anything not a ``{str: bool}`` entry
-    is ignored (a checkpoint of an older hpcasync has none)."""
+    decisions for those keys, which are then neither re-checked nor measured (:func:`_decide`
+    trusts its own decisions). Anything not a ``{str: bool}`` entry is ignored (a checkpoint of an
+    older hpcasync has none)."""
     if isinstance(choices, dict):
-        _pinned.update({k: v for k, v in choices.items()
+        _memory.update({k: v for k, v in choices.items()
                         if isinstance(k, str) and isinstance(v, bool)})
 
 
 def _decide(comm, cls: int, wire: torch.dtype) -> bool:
-    """The decision for a class: pinned by a checkpoint, this process's, the file's (re-checked),
-    or measured now (collective; rank 0's view is broadcast). Noted in :func:`in_use`."""
+    """The decision for a class: this process's (made or pinned), the file's (re-checked), or
+    measured now (collective; rank 0's view is broadcast)."""
     key = _key(comm, cls, wire)
-    _used[key] = shm = _decide_key(comm, cls, wire, key)
-    return shm
-
-
-def _decide_key(comm, cls: int, wire: torch.dtype, key: str) -> bool:
     path = tune_file()
     known = None
     if comm.Get_rank() == 0:
         known = _memory.get(key)
-        if key in _pinned:
-            known = {"shm": _pinned[key], "checked": True}
-        elif known is None:
+        if known is None:
             rec = _read(path).get(key)
             if isinstance(rec, dict) and isinstance(rec.get("shm"), bool):
                 why = stale(rec, comm.Get_size()) if _rechecks() else None

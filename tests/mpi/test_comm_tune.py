@@ -122,8 +122,6 @@ def test_a_checkpoint_pins_the_choices_of_the_run_that_wrote_it(tune_file, monke
     re-measurement would now choose otherwise: the checkpoint carries the choices, reading it pins
     them. Here the writing run measured the window; the file and a new measurement now say MPI."""
     from hpcasync.checkpoint import read_checkpoint, save_checkpoint
-    monkeypatch.setattr(tune, "_used", {})
-    monkeypatch.setattr(tune, "_pinned", {})
     calls = []
 
     def measured(verdict):
@@ -146,7 +144,6 @@ def test_a_checkpoint_pins_the_choices_of_the_run_that_wrote_it(tune_file, monke
 
     def next_run(read: bool) -> bool:          # as a new process: nothing in memory
         monkeypatch.setattr(tune, "_memory", {})
-        monkeypatch.setattr(tune, "_pinned", {})
         monkeypatch.setattr(tune, "measure", measured(_m(0.5, 0.4, 0.6)))
         _plant(tune_file, COMM, 100_000 * 4, shm=False)      # the file now says MPI
         calls.clear()
