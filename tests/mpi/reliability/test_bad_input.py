@@ -42,9 +42,10 @@ MINI = ["--dataset", "fashion-mnist-mini", "--train-limit", "512", "--test-limit
 LIMIT_S = 30.0
 # Plain srun's N tasks are N whole singleton jobs started at once: each imports torch (the option
 # parser's family modules do) before its MPI start can show the world of 1, so on 2 cores the case
-# costs 4 start-ups side by side (23 s measured here idle under MPICH; 47 s in a CI run with a
-# compiler beside it). Its bound covers those start-ups; the check itself runs right after MPI_Init,
-# before the data and the model (cli._srun_world_check).
+# costs 4 start-ups side by side (7-8 s here idle under Open MPI, 13-14 s without the early check;
+# 23-31 s beside a CI run's other work, 47 s in CI with a compiler beside it). Its bound covers
+# those start-ups; the check itself runs right after MPI_Init, before the data and the model
+# (cli._srun_world_check).
 SRUN_LIMIT_S = 60.0
 _RESULTS: list[dict] = []
 
