@@ -20,7 +20,7 @@ from .errors import run_guarded  # noqa: E402
 from .options import OptionParser as _Parser  # noqa: E402
 from .options import add_sim_arguments, add_train_arguments  # noqa: E402
 from .runtime import startup  # noqa: E402
-from .runtime.ft import early_kill_point  # noqa: E402
+from . import inject  # noqa: E402
 from .supervisor import announce  # noqa: E402
 
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     announce()                # under `hpcasync launch`: this rank's pid, for its lines
     startup.watch()           # under ULFM: a rank that dies before MPI is up ends the job
-    run_guarded(early_kill_point, "launch")
+    run_guarded(inject.point, "launch")
     ns = run_guarded(_parse, argv)
     if ns.command != "train":
         startup.done()

@@ -30,7 +30,8 @@ import torch
 from .config import TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
-from .runtime import algorithms, ft, join, runtime_module, startup
+from . import inject
+from .runtime import algorithms, join, runtime_module, startup
 from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
@@ -106,7 +107,7 @@ def train(cfg: TrainConfig) -> dict:
     # read (and so check) the data before MPI starts: a bad file is then said once, by rank 0
     setup_logging(launcher_rank())
     join.prepare_joiner()       # a replacement spawned by --grow-back (runtime.join)
-    ft.early_kill_point("data")
+    inject.point("data")
     train_set, test_set = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                                        train_limit=cfg.train_limit, test_limit=cfg.test_limit)
     # try the model, loss and optimizer on the data (CPU) while an error is still said once
@@ -121,7 +122,7 @@ def train(cfg: TrainConfig) -> dict:
     startup.entering_mpi()
     init_mpi()
     startup.done()          # from here a dead rank is ULFM's to report (errors.fail_fast)
-    ft.early_kill_point("mpi")
+    inject.point("mpi")
     if join.is_joiner():        # merged into the running job's world
         topo = join.joiner_topology(cfg)
     else:

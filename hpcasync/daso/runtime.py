@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 
+from .. import inject
 from ..comm import DASO_CHUNK_ELEMS, FlatModel
 from . import DASO, DasoSchedule, LinkDelay
 from ..errors import ConfigError
@@ -230,7 +231,7 @@ def run(ctx: RunContext) -> RunResult:
         try:
             cur.start(lambda: opt.broadcast_parameters(root=0))
             if cur.finished:
-                ctx.kill_point("final")
+                inject.point("final")
                 summary = _final(opt, topo, cfg, rows, counters, delay)
                 continue
             if cur.begin_epoch():
@@ -270,7 +271,7 @@ def run(ctx: RunContext) -> RunResult:
             ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
                                  step=step, force=True, writer=topo.rank == 0
                                  and not (redo == epoch and _saved(ctx, epoch, step)))
-            ctx.kill_point("epoch_done")
+            inject.point("epoch_done")
             cur.next_epoch()
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):

@@ -29,11 +29,12 @@ import time
 
 import torch
 
+from .. import inject
 from ..errors import ConfigError
 from ..hetero import StepDelay
 from ..runtime import join
 from ..runtime.context import RunContext, RunResult
-from ..runtime.ft import signal_hook, ulfm_enabled
+from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
 from .checkpoint import consistent_point, global_state, load_state, local_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
@@ -112,7 +113,6 @@ def run(ctx: RunContext) -> RunResult:
                  hp.local_opt, hp.lr_local, hp.delta, hp.warmup_iters, worker.progress,
                  delay.model.describe())
     start_epoch, start_batch, loss_carry = 1, 0, 0.0
-    inject = signal_hook(topo.rank)          # testing: HPCASYNC_INJECT_SIGNAL=RANK:STEP
     rec = SyncRecovery(ctx, enabled=ulfm_enabled())
     growth = join.Growth(ctx, rec)           # --grow-back: replacements join after a death
     # a replacement (runtime.join): the live state from a survivor, after ODSGD's constructor
@@ -165,7 +165,7 @@ def run(ctx: RunContext) -> RunResult:
         try:
             cur.start(lambda: setup(topo.rank))
             if cur.finished:                               # the final gathers
-                ctx.kill_point("final")
+                inject.point("final")
                 summary = {"bytes_communicated": topo.world.allreduce(worker.bytes_sent),
                            "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}
                 if rec.failures:         # the global model, bitwise on every survivor
@@ -191,8 +191,6 @@ def run(ctx: RunContext) -> RunResult:
                 opt.step()
                 cur.step_done(loss_value)
                 rec.step_completed()
-                if inject is not None:
-                    inject()
                 if cur.in_epoch:
                     consistent_point(ctx, worker, epoch=epoch, batch=cur.done,
                                      loss_sum=cur.loss_sum)

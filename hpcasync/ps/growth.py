@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from .. import inject
 from ..errors import ConfigError, ProcessFailedError
 from ..runtime import join
 from ..runtime.logs import setup_logging
@@ -158,7 +159,7 @@ class PSGrowth:
             return {"keys": joiner_keys, "survivor_keys": keys, "ps_rank": keys[server],
                     "src": keys[server]}
 
-        ctx.kill_point("grow")          # testing hook: a death before the connect
+        inject.point("grow")
         world, msg = join.connect(comm, server, groups, order)
         from .. import topology
 

@@ -7,7 +7,8 @@ push's gradient is used only until that worker is answered). A reply is a header
 flight) taken from a :class:`ReplyPool`, where equal replies share one copy.
 
 So the PS holds (n + e)·4 + R·n·4 bytes, R the copies alive (at most one reply in flight per
-worker, so R ≤ N; measured 1–3 with 3 workers). ``peak_bytes`` records the most it held.
+worker, so R ≤ N; small in practice: docs/design/ps.md#memory). ``peak_bytes`` records the most
+it held.
 
 Example (tests/test_ps_memory.py): ``t = P2PTransport(comm, 0, numel)``; the PS's
 ``t.send_reply(w, theta, version, True)`` to three workers at one version leaves
@@ -25,6 +26,7 @@ import weakref
 
 import torch
 
+from .. import inject
 from .wire import (_TAG_EXTRA, _TAG_GRAD, _TAG_REPLY, _TAG_THETA, KIND_PUSH, Push, ReplyHeader,
                    _Base, _np, wait_all)
 
@@ -183,8 +185,7 @@ class P2PTransport(_Base):
         MPI = self.MPI
         reqs = [self._push_header(kind, grad.numel(), **head)]
         if kind == KIND_PUSH:
-            if self.before_header is not None:      # here: after the header, before the data
-                self.before_header()
+            inject.point("push")                # here: after the header, before the data
             n = min(grad.numel(), self.numel)
             reqs.append(self.comm.Isend([_np(grad[:n]), MPI.FLOAT], dest=self.ps_rank,
                                         tag=_TAG_GRAD))

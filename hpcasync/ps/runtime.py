@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from .. import inject
 from ..errors import CheckpointError, ConfigError, TopologyError, proc_failure
 from ..hetero import DelayModel
 from ..hetero import add_arguments as add_hetero_arguments
@@ -32,7 +33,7 @@ from .serving import serve
 from .shards import align_resume, check_shards
 from .growth import PSGrowth, Regrow, worker_view
 from .growth import validate as validate_growth
-from .takeover import (ServerLost, StartupLost, Takeover, dump_buffers, known_dead,
+from .takeover import (ServerLost, StartupLost, Takeover, known_dead,
                        restart_without_the_dead, restore_buffers, take_over)
 from .wire import END_GROW
 
@@ -254,9 +255,9 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         torch.nn.utils.vector_to_parameters(takeover.theta.to(topo.device), model.parameters())
     # the front door's object: a worker's optimizer, the server's rule and loop
     try:
-        ctx.kill_point("startup")
+        inject.point("startup")
         if takeover is not None:
-            ctx.kill_point("adopt", fire=topo.is_ps)
+            inject.point("adopt", fire=topo.is_ps)
         opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
                               transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
                               steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
@@ -270,7 +271,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     if takeover is not None:       # the survivors' BatchNorm state, not the fresh model's
         restore_buffers(opt, takeover)
         if topo.is_ps:
-            dump_buffers(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+            inject.dump(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
                          theta=flat.params)
     if state is not None and K > 1:    # each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
@@ -301,13 +302,6 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
             saved = state.get("worker_locals")     # SHAT/ENSEMBLE: its own model (stop checkpoint)
             if opt.keeps_local and saved and saved[opt.worker] is not None:
                 opt.resume_local(saved[opt.worker])
-        inject = ft.signal_hook(topo.rank)
-
-        def after_step() -> None:
-            ctx.after_step()
-            if inject is not None:
-                inject()
-        opt.transport.before_header = ft.kill_hook(topo.rank)
         kept = (takeover is not None and takeover.local is not None and opt.keeps_local
                 and start < cfg.epochs * batches_per_worker)
         if kept:                    # SHAT/ENSEMBLE after a takeover: its own model goes on
@@ -315,12 +309,12 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         try:
             if kept:                # (the first reply, then the local model: a testing hook's)
                 opt.start()
-                dump_buffers(f"resumed{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+                inject.dump(f"resumed{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
                              local=flat.params)
             wstats = run_worker(opt, model, ctx.train, epochs=cfg.epochs,
                                 batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
                                 delay=None if delay.trivial else delay, oracle=oracle,
-                                after_step=after_step, grad_hook=_nan_hook(topo.rank),
+                                after_step=ctx.after_step,
                                 start_step=start, stop_requested=stop_flag, loss_fn=ctx.loss_fn)
             stopping = opt.finish(stop_requested=None if wstats.stop_sent or wstats.stopped
                                   else stop_flag,
@@ -342,7 +336,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
                    "worker_wait_s": round(opt.transport.wait_time, 3),
                    "worker_start_step": wstats.start_step}
     # the survivors (all ranks without ULFM) go on together; a dead rank cannot free windows
-    ctx.kill_point("final")
+    inject.point("final")
     comm, lost = ft.survivors(topo.world, ulfm)
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
     opt.close(comm, root, collective=not lost, broadcast_model=False)
@@ -379,16 +373,3 @@ def _ps_failed(topo) -> ft.PSFailed:
                        "resume from its last checkpoint with --resume auto")
 
 
-def _nan_hook(rank: int):
-    """Testing hook: ``HPCASYNC_INJECT_NAN=RANK:STEP`` makes that rank push a NaN gradient at that
-    step (the PS must reject it and training must go on)."""
-    spec = os.environ.get("HPCASYNC_INJECT_NAN", "")
-    r, _, s = spec.partition(":")
-    if not (r.isdigit() and s.isdigit() and int(r) == rank):
-        return None
-    step = int(s)
-
-    def hook(i: int, grad: torch.Tensor) -> None:
-        if i == step:
-            grad[0] = float("nan")
-    return hook

@@ -14,10 +14,11 @@ import logging
 import os
 import time
 
+from .. import inject
 from ..runtime import ft
 from ..runtime.context import RunContext
 from .shards import shard_snapshot
-from .takeover import Takeover, dump_buffers
+from .takeover import Takeover
 
 log = logging.getLogger("hpcasync")
 
@@ -33,7 +34,6 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     from .worker import collect_locals
 
     cfg, rule, transport = ctx.cfg, opt.rule, opt.transport
-    inject, kill = ft.signal_hook(ctx.topo.rank), ft.kill_hook(ctx.topo.rank)
 
     def on_epoch(epoch: int, record: dict) -> None:
         opt.load_theta()
@@ -50,10 +50,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             first[0] = False
             takeover.records[-1]["first_push_unix"] = round(time.time(), 4)
             ctx.metrics.write("server_resumed", **takeover.records[-1])
-        if inject is not None:
-            inject()
-        if kill is not None:
-            kill()
+        inject.point("served")
         ctx.progress.update(1, loss=loss, tau=staleness)
         n = server.stats.accepted
         if cfg.log_every and n % cfg.log_every == 0:
@@ -70,7 +67,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         """A checkpoint of the PS state now (module doc); epoch label as SSGD's: the epoch in
         progress, or the one just crossed."""
         epoch = server.next_epoch - 1 if kind == "epoch" else server.next_epoch
-        ctx.kill_point("checkpoint")
+        inject.point("checkpoint")
         snapshot = state_now(kind)
         if worker_locals is not None:
             snapshot["worker_locals"] = worker_locals
@@ -103,7 +100,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         ctx.metrics.write("worker_failed", **record, detected_unix=round(time.time(), 4))
         if os.environ.get("HPCASYNC_DUMP_BUFFERS"):       # testing hook (ps.takeover)
             opt.load_theta()
-            dump_buffers(f"worker-failed-{record['worker']}", model=opt.flat.buffers,
+            inject.dump(f"worker-failed-{record['worker']}", model=opt.flat.buffers,
                          **opt.buffer_state())
         if growth is not None and not record["finished"]:
             grow_wanted[0] = True       # spawned between two pushes (stop_requested)

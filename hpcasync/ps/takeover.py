@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from .. import inject
 from ..errors import proc_failure
 from ..runtime.elastic import atomic_shrink, revoke_all
 from ..runtime.recovery import _kept
@@ -165,22 +166,11 @@ def restore_buffers(opt, takeover: Takeover) -> None:
             flat.buffers.copy_(torch.stack(have).mean(0).to(flat.buffers))
     else:
         flat.buffers.copy_(takeover.own_buffers.to(flat.buffers))
-    dump_buffers(f"takeover-{'server' if opt.is_server else 'worker'}-{opt.comm.Get_rank()}",
+    inject.dump(f"takeover-{'server' if opt.is_server else 'worker'}-{opt.comm.Get_rank()}",
                  model=flat.buffers, worker_ranks=list(opt.worker_ranks),
                  survivors=takeover.buffers if opt.is_server else None,
                  ints={n: b.detach().cpu().clone() for n, b in module.named_buffers()
                        if n in ints})
-
-
-def dump_buffers(tag: str, **what) -> None:
-    """Testing hook: ``HPCASYNC_DUMP_BUFFERS=DIR`` saves ``what`` (tensors cloned to the CPU) to
-    ``DIR/<tag>.pt`` (the BatchNorm state at a takeover, after a worker's death)."""
-    where = os.environ.get("HPCASYNC_DUMP_BUFFERS")
-    if not where:
-        return
-    os.makedirs(where, exist_ok=True)
-    copy = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in what.items()}
-    torch.save(copy, os.path.join(where, f"{tag}.pt"))
 
 
 def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
@@ -269,10 +259,10 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
                                   for s, (r, v) in enumerate(sources)),
                         new.Get_size() - K, 100 * share)
         ctx.metrics.write("server_failed", **record)
-    os.environ.pop("HPCASYNC_INJECT_KILL", None)     # testing hooks named the old ranks
+    inject.forget(inject.KILL_ENV)      # (a push count of the old server's run)
     local = opt.local_model() if opt.keeps_local and not opt.is_server else None
-    if os.environ.get("HPCASYNC_DUMP_BUFFERS"):       # testing hook: each survivor's θ
-        dump_buffers(f"takeover{len(records)}-reply-{original[me]}", version=mine[0],
+    if os.environ.get(inject.DUMP_ENV):       # each survivor's θ, for a test
+        inject.dump(f"takeover{len(records)}-reply-{original[me]}", version=mine[0],
                      theta=None if opt.is_server else opt.last_reply(), versions=mine[3],
                      server_theta=opt.rule.theta if opt.is_server else None,
                      shard=mine[2], server=original[server], local=local, rebuilt=theta)
@@ -291,7 +281,7 @@ def _exchange(ctx, new, opt, mine, own, own_ints, K: int) -> tuple:
     serves, every survivor's buffers and (K > 1) each shard's slice to it (gathers). Returns
     ``(every, server, sources, states, theta)``; ``states``/``theta`` are None off the server."""
     every = new.allgather(mine)
-    ctx.kill_point("takeover")          # testing hook: a death between the two collectives
+    inject.point("takeover")
     workers = [r for r, e in enumerate(every) if e[2] < 0]
     sources = _shard_sources(every, K) if K > 1 else None
     servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)

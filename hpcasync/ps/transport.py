@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import inject
 from .memory import transport_bytes, worker_transport_bytes
 from .p2p import P2PTransport, ReplyPool
 from .wire import (_TAG_REPLY, KIND_DONE, KIND_FINISH, KIND_PEEK, KIND_PUSH, KIND_STOP, Push,
@@ -121,8 +122,7 @@ class RMATransport(_Base):
                 self.win_in.Put([_np(extra), MPI.FLOAT], self.ps_rank,
                                 target=(base + self.numel, self.extra, MPI.FLOAT))
             self.win_in.Unlock(self.ps_rank)
-            if self.before_header is not None:
-                self.before_header()
+            inject.point("push")
         req = self._push_header(kind, grad.numel(), **head)
         self.wait_time += wait(req)
 

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import inject
 from ..data import batches, num_batches, shard_indices
 
 log = logging.getLogger("hpcasync")
@@ -52,14 +53,12 @@ class WorkerStats:
 def run_worker(opt, model: torch.nn.Module, train, *, epochs: int,
                batch_size: int, seed: int, device: str = "cpu", delay=None,
                oracle: bool = False, after_step: Callable[[], None] | None = None,
-               grad_hook: Callable[[int, torch.Tensor], None] | None = None,
                start_step: int = 0,
                stop_requested: Callable[[], bool] | None = None,
                loss_fn: Callable = F.cross_entropy) -> WorkerStats:
     """Run worker ``opt.worker`` (a :class:`~hpcasync.ps.ParameterServer`) to the end of its budget (``epochs`` passes over its
     shard) or until the PS answers with the stop flag; its last push carries the ``last`` flag.
-    ``grad_hook(step, grad)`` may alter the gradient before it is pushed (tests inject NaN this
-    way). ``start_step``: resume at this position (a spent budget: no initial reply, nothing to do).
+    ``start_step``: resume at this position (a spent budget: no initial reply, nothing to do).
     ``stop_requested()``: this rank's preemption flag, sent with each push. Returns the counters."""
     w, W, flat = opt.worker, opt.num_workers, opt.flat
     stats = WorkerStats(steps=start_step, start_step=start_step)
@@ -90,8 +89,7 @@ def run_worker(opt, model: torch.nn.Module, train, *, epochs: int,
             stats.cpu_time += cpu
             natural = cpu if cpu_clock else wall   # a rank the OS kept waiting is not slow
             grad = flat.grads
-            if grad_hook is not None:
-                grad_hook(stats.steps, grad)
+            inject.point("gradient", step=stats.steps, grad=grad)
             if delay is not None:      # the median of recent steps: one-off spikes do not count
                 recent.append(natural)
                 stats.sleep_time += delay.sleep_extra(w, stats.steps, statistics.median(recent))

@@ -13,7 +13,6 @@ recorded or saved.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import inject
 from .divergence import DEFAULT_FACTOR, DivergenceGuard
 
 log = logging.getLogger("hpcasync")
@@ -141,24 +141,12 @@ class RunContext:
     # make_optimizer(params) -> the optimizer of --optimizer/--lr/--momentum/--weight-decay
     # (ssgd, daso); None: the runtime builds its own torch.optim.SGD from cfg
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    _fault_step: int | None = field(default=None, init=False)
-    # failure injection (HPCASYNC_INJECT_KILL_AT, runtime.ft.kill_points): kill_point(phase)
-    kill_point: Callable[[str], None] = field(default=None, init=False)
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
     def __post_init__(self) -> None:
         self.divergence = DivergenceGuard(
             factor=getattr(self.cfg, "divergence_factor", DEFAULT_FACTOR))
-        # Testing hook: HPCASYNC_INJECT_FAULT=RANK:STEP raises on that rank after that many steps,
-        # so the abort path is exercised with a real exception inside a real run.
-        from .ft import kill_points
-
-        self.kill_point = kill_points(self.topo.rank)
-        spec = os.environ.get("HPCASYNC_INJECT_FAULT", "")
-        if spec:
-            rank, _, step = spec.partition(":")
-            if rank.isdigit() and step.isdigit() and int(rank) == self.topo.rank:
-                self._fault_step = int(step)
+        inject.start_run()
 
     def optimizer_for(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """The optimizer a synchronous runtime (ssgd, daso) runs: ``--optimizer`` with --lr,
@@ -176,9 +164,7 @@ class RunContext:
     def after_step(self) -> None:
         """Call once per training step on every training rank: counts steps, runs the hooks."""
         self.steps += 1
-        self.kill_point("step")
-        if self._fault_step is not None and self.steps >= self._fault_step:
-            raise RuntimeError(f"injected fault (HPCASYNC_INJECT_FAULT) at step {self.steps}")
+        inject.point("step")
 
     def step_done(self, epoch: int, batch: int, loss: float) -> float:
         """After a synchronous runtime's step ``batch`` (1-based) of ``epoch``: run the per-step
@@ -239,12 +225,12 @@ class RunContext:
         """
         stop = False
         if force:
-            self.kill_point("epoch_agree")
+            inject.point("epoch_agree")
         if self.preempt is not None and step % self.check_every == 0:
             stop = self.preempt.agree(comm)
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):
-            self.kill_point("checkpoint")
+            inject.point("checkpoint")
             if writer:
                 state = make_state()
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
@@ -267,7 +253,7 @@ class RunContext:
         ``eval_comm`` must not call it. Returns the record (on every calling rank).
         """
         comm = self.topo.world if eval_comm is None else eval_comm
-        self.kill_point("epoch_end")
+        inject.point("epoch_end")
         self.divergence.check_weights(model, where=f"the end of epoch {epoch}")
         test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device,
                                        loss_fn=self.loss_fn)

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import inject
 from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
 
 log = logging.getLogger("hpcasync")
@@ -60,8 +61,6 @@ __all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState
 GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
 #: set (through the spawn's ``PMIX_ENVAR`` info key) in the environment of a replacement
 JOINER_ENV = "HPCASYNC_ELASTIC_JOINER"
-#: failure injection names ranks of the first launch: a replacement drops it
-_INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
 
 #: this process's part in a grow: ``root`` (the rank ``sync()`` broadcasts from: the lowest
 #: survivor after a grow, else 0); on a replacement also ``world``, ``max_ranks``, ``pending``
@@ -272,7 +271,6 @@ class FaultTolerance:
         self.error: BaseException | None = None
         self.resets: list[dict] = []
         self._detected = None
-        self._kill_point = _kill_points() if self.ulfm else (lambda phase: None)
         self.grow_back, self.max_ranks = False, None
         self.set_growth(grow_back, max_ranks)
         #: after a grow (or on a replacement): the first sync is checked (:func:`check_synced`)
@@ -338,7 +336,7 @@ class FaultTolerance:
         # the world was revoked by report_error: nothing more to revoke before the first shrink
         new, _, attempts = atomic_shrink(
             m.comm, m.rebuild,
-            on_shrink=lambda world, new: self._kill_point("reset"),  # a death inside the rebuild
+            on_shrink=lambda world, new: inject.point("reset"),  # a death inside the rebuild
             no_death="elastic reset: the rebuild failed on another survivor, and no rank died "
                      "since the last attempt")
         m.done_with(new)
@@ -491,14 +489,14 @@ def is_joiner() -> bool:
 def join_world():
     """A replacement's side of a grow (``hpcasync.init`` / ``hvd.init`` call it first): merge with
     the survivors that spawned it, take the place they give, and return the grown world
-    (intracommunicator; the same object on a second call). Drops ``HPCASYNC_INJECT_*``."""
+    (intracommunicator; the same object on a second call)."""
     if "world" in _GROWN:
         return _GROWN["world"]
     from ..topology import init_mpi
     from .join import _Watchdog
 
-    for name in (*_INJECT_ENV, JOINER_ENV):
-        os.environ.pop(name, None)
+    inject.forget_first_launch()
+    inject.forget(JOINER_ENV)
     MPI = init_mpi()
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
@@ -589,15 +587,6 @@ def defer_startup_failure(exc: BaseException, comms) -> bool:
     log.info("a rank died before the training loop began (%s); the elastic loop resets first",
              exc)
     return True
-
-
-def _kill_points():
-    """``HPCASYNC_INJECT_KILL_AT``'s kill points for this process's ``MPI_COMM_WORLD`` rank."""
-    from mpi4py import MPI
-
-    from .ft import kill_points
-
-    return kill_points(MPI.COMM_WORLD.Get_rank())
 
 
 def _revoked(comm) -> bool:

@@ -45,9 +45,7 @@ ULFM the launcher ends the job; the PS dying after its end messages is :class:`P
 The synchronous runtimes (ssgd, odsgd, daso) survive dead ranks under ULFM too:
 :mod:`hpcasync.runtime.recovery`.
 
-Testing hook: ``HPCASYNC_INJECT_KILL=RANK:N`` (:func:`kill_hook`) makes that rank SIGKILL itself at
-its N-th push (a worker: after its gradient is written, before the header; the PS: after its N-th
-accepted push), so a test kills a real process at a known point.
+Tests kill a real process at a known point through :mod:`hpcasync.inject`.
 
 Example::
 
@@ -57,7 +55,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -159,136 +156,6 @@ def translate(rank: int, src, dst) -> int:
     return -1 if r == MPI.UNDEFINED else int(r)
 
 
-def inject_hook(var: str, rank: int, sig: int) -> Callable[[], None] | None:
-    """Testing hook: the environment variable ``var=RANK:N`` (several, comma-separated: other
-    ranks) makes this rank send itself ``sig`` at the N-th call of the returned function (None
-    when ``var`` does not name this rank). A SIGKILL is first logged to
-    ``HPCASYNC_INJECT_KILL_LOG`` when set (``RANK push N UNIX_TIME``)."""
-    mine = [n for r, _, n in (item.partition(":") for item in os.environ.get(var, "").split(","))
-            if r.isdigit() and n.isdigit() and int(r) == rank]
-    if not mine:
-        return None
-    calls, at = [0], int(mine[0])
-
-    def hook() -> None:
-        calls[0] += 1
-        if calls[0] == at:
-            if sig == signal.SIGKILL:
-                _log_kill(f"{rank} push {at}")
-            os.kill(os.getpid(), sig)
-    return hook
-
-
-def kill_hook(rank: int) -> Callable[[], None] | None:
-    """``HPCASYNC_INJECT_KILL=RANK:N``: that rank SIGKILLs itself at the N-th call."""
-    return inject_hook("HPCASYNC_INJECT_KILL", rank, signal.SIGKILL)
-
-
-KILL_AT_ENV, KILL_LOG_ENV = "HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL_LOG"
-#: the phases before the topology exists, in the order a rank meets them (the CLI's start-up)
-EARLY_PHASES = ("launch", "data", "mpi")
-PHASES = (*EARLY_PHASES, "startup", "adopt", "step", "epoch_end", "checkpoint", "final",
-          "epoch_agree", "recovery", "epoch_done", "takeover", "reset", "grow", "recovered")
-
-
-def kill_points(rank: int) -> Callable[[str], None]:
-    """Failure injection: ``HPCASYNC_INJECT_KILL_AT=RANK:PHASE:N[:WAIT]`` (several,
-    comma-separated: one rank after another) makes rank RANK SIGKILL itself the N-th time it
-    reaches PHASE — WAIT seconds later when given (the others go on meanwhile: a death inside
-    their next wait) —, PHASE one of :data:`PHASES` (the CLI's start-up, :func:`early_kill_point`:
-    ``launch``: its imports done, before the options are read; ``data``: before the data set is
-    loaded, MPI not started; ``mpi``: MPI just initialised, before the topology's collectives;
-    then the synchronous runtimes' and the PS's ``startup``: before the first broadcast;
-    ``adopt``: a PS takeover's set-up, before the new server's first broadcast (every survivor
-    counts it, it fires on the new server only: ``R:adopt:1`` for every R kills the first
-    adopter, whichever rank it is); ``step``: after a completed step; ``epoch_end``: before the
-    evaluation; ``checkpoint``: when
-    a checkpoint is written; ``final``: before the final gathers; ``epoch_agree``: at an epoch
-    end, before its preemption agreement (the last collective of DASO's epoch end);
-    ``recovery``: in a synchronous recovery, after the state broadcast, before the topology is
-    rebuilt; ``epoch_done``: DASO's epoch end's last collective done, before the loop
-    moves to the next epoch; ``takeover``: a PS takeover's exchange, between its allgather and
-    its gathers, counted and fired on every survivor; ``reset``: an elastic loop's reset
-    (:mod:`hpcasync.runtime.elastic`), after the shrink, before the rebuild; ``grow``: a
-    grow-back's survivor once the replacements are spawned, before the merge or connect,
-    :mod:`hpcasync.runtime.join`; ``recovered``: a synchronous recovery's attempt done, after its
-    last collective). ``RANK:PHASE:N:WAIT:bg`` kills WAIT seconds later from a timer
-    while the rank goes on (a death inside its next collective); ``RANK:PHASE:N:WAIT:sleep`` only
-    sleeps (a late rank); ``RANK:PHASE:N:WAIT:fail`` raises
-    :class:`~hpcasync.errors.ProcessFailedError` after WAIT seconds, as an MPI call that reports a
-    death does (at ``epoch_done``, with a rank killed there: the last collective failed on this
-    rank and completed on the others — what Open MPI does now and then, made deterministic).
-    With
-    ``HPCASYNC_INJECT_KILL_LOG=FILE`` it first appends ``RANK PHASE N UNIX_TIME`` to FILE, so a
-    test or study measures the time from the kill. Returns ``point(phase, fire=True)``
-    (``fire=False``: counted, never killed)."""
-    plan: dict[str, tuple[int, float, str]] = {}
-    for item in filter(None, os.environ.get(KILL_AT_ENV, "").split(",")):
-        r, phase, n, wait, how = (item.split(":") + [""] * 5)[:5]
-        if phase not in PHASES or not (r.isdigit() and n.isdigit()) \
-                or not (wait == "" or wait.replace(".", "", 1).isdigit()) \
-                or how not in ("", "bg", "sleep", "fail"):
-            from ..errors import ConfigError
-            raise ConfigError(f"{KILL_AT_ENV}: {item!r} is not RANK:PHASE:N[:WAIT[:bg|sleep|fail]] "
-                              f"with "
-                              f"PHASE one "
-                              f"of {', '.join(PHASES)}")
-        if int(r) == rank:
-            plan[phase] = (int(n), float(wait or 0), how)
-    counts = dict.fromkeys(plan, 0)
-
-    def point(phase: str, fire: bool = True) -> None:
-        if phase not in plan:
-            return
-        counts[phase] += 1
-        n, wait, how = plan[phase]
-        if counts[phase] == n and fire:
-            if how == "bg":
-                import threading
-                threading.Timer(wait, _kill, (f"{rank} {phase} {n}",)).start()
-                return
-            if wait:
-                import time
-                time.sleep(wait)
-            if how == "fail":
-                from ..errors import ProcessFailedError
-                raise ProcessFailedError(f"injected ({KILL_AT_ENV}): a collective failed here "
-                                         f"at {phase} {n}", [])
-            if how != "sleep":
-                _kill(f"{rank} {phase} {n}")
-    return point
-
-
-_EARLY: list = []
-
-
-def early_kill_point(phase: str) -> None:
-    """:func:`kill_points` for the :data:`EARLY_PHASES`, before the topology gives a rank: this
-    process's rank is the launcher's (:func:`hpcasync.errors.launcher_rank`). A no-op unless
-    ``HPCASYNC_INJECT_KILL_AT`` is set."""
-    if not os.environ.get(KILL_AT_ENV):
-        return
-    if not _EARLY:
-        from ..errors import launcher_rank
-
-        _EARLY.append(kill_points(launcher_rank()))
-    _EARLY[0](phase)
-
-
-def _kill(what: str) -> None:
-    _log_kill(what)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _log_kill(what: str) -> None:
-    """Append ``WHAT UNIX_TIME`` to ``HPCASYNC_INJECT_KILL_LOG`` (when set), just before a kill."""
-    path = os.environ.get(KILL_LOG_ENV)
-    if path:
-        import time
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"{what} {time.time():.6f}\n")
-
-
 def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) -> None:
     """Add to ``summary["failed_workers"]`` the ``lost`` ranks (from :func:`survivors`) that the
     PS had not seen die: they died after their last message."""
@@ -365,10 +232,3 @@ class SigtermCheckpoint:
                     path, resume_command(self.world_size))
         for h in logging.getLogger("hpcasync").handlers + logging.getLogger().handlers:
             h.flush()
-
-
-def signal_hook(rank: int):
-    """Testing hook: ``HPCASYNC_INJECT_SIGNAL=RANK:N`` makes that rank send itself SIGUSR1 (a real
-    signal, as Slurm's) at the N-th call of the returned function (workers: steps; the PS:
-    accepted pushes), or returns None. Lets tests signal exactly one rank at a known point."""
-    return inject_hook("HPCASYNC_INJECT_SIGNAL", rank, signal.SIGUSR1)

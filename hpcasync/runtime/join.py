@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .. import inject
 from ..errors import ConfigError, HpcasyncError, ProcessFailedError
 from .logs import setup_logging
 
@@ -65,8 +66,6 @@ DEFAULT_TIMEOUT_S = 300.0
 #: milliseconds: a death during it (a survivor's, a joiner's) must end the job within 30 s
 CONNECT_TIMEOUT_ENV = "HPCASYNC_JOIN_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT_S = 20.0
-#: failure injection meant for the first launch's ranks (a joiner inherits the launcher's env)
-_INJECT_ENV = ("HPCASYNC_INJECT_KILL_AT", "HPCASYNC_INJECT_KILL", "HPCASYNC_INJECT_FAULT")
 
 _joined: dict[str, Any] = {}
 
@@ -116,8 +115,7 @@ def prepare_joiner() -> None:
     """First thing in a joiner: drop the failure-injection variables, which name ranks of the
     first launch (a joiner inherits the launcher's environment and takes a dead rank's number)."""
     if is_joiner():
-        for name in _INJECT_ENV:
-            os.environ.pop(name, None)
+        inject.forget_first_launch()
 
 
 def joined() -> dict | None:
@@ -250,7 +248,7 @@ class Growth:
             adopt(False)
             return False
         spawned = time.perf_counter()
-        ctx.kill_point("grow")          # testing hook: a death between the spawn and the merge
+        inject.point("grow")
         with _Watchdog(f"grow-back (waiting for {want} spawned rank(s) to start)"):
             merged = inter.Merge(high=False)
         merged_at = time.perf_counter()

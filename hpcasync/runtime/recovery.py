@@ -45,6 +45,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from .. import inject
 from ..errors import ProcessFailedError, proc_failure  # noqa: F401 (re-exported)
 from .elastic import agreed, atomic_shrink, is_process_failure  # noqa: F401 (agreed re-exported)
 from .ft import _ranks_in
@@ -128,14 +129,14 @@ class SyncRecovery:
             src = max(range(len(positions)), key=lambda r: (positions[r], -r))
             blob, history = new.bcast((state(), self.ctx.history)
                                       if new.Get_rank() == src else None, root=src)
-            getattr(self.ctx, "kill_point", _no_point)("recovery")
+            inject.point("recovery")
             self.ctx.topo = topo.shrunk(new)
             load(blob)
             self.position = tuple(positions[src])      # this rank now holds that state
             self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
             # testing hook: a failure after the attempt's last collective, on one rank only
             # (the others completed it: only the agreement sends them into another attempt)
-            getattr(self.ctx, "kill_point", _no_point)("recovered")
+            inject.point("recovered")
             return positions, src
 
         # (recover runs in an except: a failed attempt is an MPI failure itself, not its context)
@@ -238,7 +239,7 @@ class EpochCursor:
         """Run ``setup()`` (the start-up broadcast) once, at the first position; a death there
         is a failure like any other (``startup`` kill point)."""
         if not self.started:
-            self.ctx.kill_point("startup")
+            inject.point("startup")
             setup()
             self.started = 1
 
@@ -325,10 +326,6 @@ class EpochCursor:
         else:
             self.plan = self.plan.reshard(done, self.ctx.topo.size, self.ctx.cfg.batch_size)
             self.done = 0
-
-
-def _no_point(phase: str) -> None:
-    """A context without failure injection (a user's own loop)."""
 
 
 def _mpi_failure(exc: BaseException) -> bool:

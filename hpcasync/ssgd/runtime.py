@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from .. import inject
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
 from ..errors import ConfigError
@@ -140,7 +141,7 @@ def run(ctx: RunContext) -> RunResult:
         try:
             cur.start(lambda: opt.broadcast_parameters(root=0))  # (resumed: the same anyway)
             if cur.finished:                         # the final gathers
-                ctx.kill_point("final")
+                inject.point("final")
                 summary = {"backend": cfg.backend, "steps": opt.steps,
                            "bytes_communicated": topo.world.allreduce(opt.bytes_sent),
                            **delay.record(),
