@@ -28,9 +28,8 @@ started inside a job): a launcher hands a job to its processes through variables
 launcher that saw its parent's would try to join the parent's job. ``OMPI_*`` settings are harmless
 under MPICH (it ignores them), so the Open MPI defaults are set for both. MPICH needs none: hydra
 oversubscribes and runs as root without being told. It has no counterpart of Open MPI's
-``mpi_yield_when_idle`` that helps here (MPICH 5.0.2, 4 ranks on 2 cores, three ranks waiting in
-``MPI_Recv``/``MPI_Barrier`` for one computing: each waiter used as much CPU with
-``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` or ``MPIR_CVAR_POLLS_BEFORE_YIELD=10`` as without).
+``mpi_yield_when_idle`` that helps here: neither ``MPIR_CVAR_CH4_PROGRESS_THROTTLE`` nor
+``MPIR_CVAR_POLLS_BEFORE_YIELD`` lowers the CPU a waiting rank spins (docs/design/restarts.md).
 
 Example::
 
@@ -178,7 +177,7 @@ def clear_stale_sessions(tmpdir: str | None = None) -> list[str]:
     the kernel later hands the same PID to a new ``prterun`` (``pid_max`` is 32768 on many Linux
     machines: a long test run or a busy node wraps it), that launcher finds the files and stops
     before starting a rank with "The PMIx server's listener thread failed to start" (Open MPI
-    5.0.11, reproduced by planting a stale directory under the launcher's PID). Only this user's
+    5.0.11). Only this user's
     directories whose PID is no running launcher are removed. :func:`mpiexec_command` calls this
     for Open MPI, so every launch from hpcasync (the supervisor, benchmarks, experiments, the
     tests) starts clean."""
@@ -235,7 +234,7 @@ def mpiexec_command(n: int, *, oversubscribe: bool = True, ft: bool = False,
                           f"({describe()}): put the matching mpiexec first on PATH")
     if vendor == MPICH:
         # hydra starts its proxies from the folder it was started from: through a symlink
-        # elsewhere it finds no hydra_pmi_proxy and waits forever (measured, MPICH 5.0.2)
+        # elsewhere it finds no hydra_pmi_proxy and waits forever (MPICH 5.0.2)
         path = os.path.realpath(path)
     cmd = [path]
     if vendor == OPEN_MPI:

@@ -265,9 +265,9 @@ for _alg in (
     ps_algorithm("dana", _RULES + "dana:DANAZero", "DANA-Zero, N momentum buffers, look-ahead reply",
                  momentum_rule=True),
     # default_lr: NAG-ASGD's one shared Nesterov buffer turns the other workers' in-flight pushes
-    # into extra momentum: at lr 0.05 (batch 32, momentum 0.9, 4 ranks, fashion-mnist, 2 epochs)
-    # 5 of 16 runs collapsed below 50 %; at 0.02 none of 12 did (tests/mpi/test_learning_bars.py).
-    # The papers show the same instability at scale (why DANA and SMEGA2 exist).
+    # into extra momentum: runs at lr 0.05 can collapse, runs at 0.02 do not (docs/design/rules.md,
+    # NAG-ASGD; tests/mpi/test_learning_bars.py). The papers show the same instability at scale
+    # (why DANA and SMEGA2 exist).
     ps_algorithm("nag", _RULES + "nag:NAG", "NAG-ASGD, shared Nesterov buffer",
                  momentum_rule=True, default_lr=0.02),
 ):

@@ -77,8 +77,8 @@ def single_host_open_mpi_defaults() -> None:
 def ulfm_open_mpi_defaults() -> None:
     """Before MPI_Init, under ULFM (``mpirun --with-ft ulfm`` sets ``OMPI_MCA_mpi_ft_enable=1``):
     skip the PMIx fence at the start of MPI_Finalize (``async_mpi_finalize``). After a process
-    had died, that job-wide fence now and then never completed (Open MPI 5.0.11: the survivors
-    hung in MPI_Finalize); ULFM's MPI_Finalize first shrinks COMM_WORLD and runs a barrier over the
+    has died, that job-wide fence now and then never completes (Open MPI 5.0.11: the survivors
+    hang in MPI_Finalize); ULFM's MPI_Finalize first shrinks COMM_WORLD and runs a barrier over the
     survivors, which already waits for all of them and flushes their messages. A user setting
     of OMPI_MCA_async_mpi_finalize wins."""
     env = os.environ
@@ -87,8 +87,8 @@ def ulfm_open_mpi_defaults() -> None:
         env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
         # mpi4py's object reductions (comm.allreduce(x), reduce, scan) run point to point on a
         # private duplicate of the communicator, which ULFM's revoke of the communicator does not
-        # reach: a survivor waiting there for a survivor already in MPI_Comm_shrink waited for
-        # good (a death at the final gathers hung the job). Without fast_reduce they are an
+        # reach: a survivor waiting there for a survivor already in MPI_Comm_shrink waits for
+        # good (a death at the final gathers hangs the job). Without fast_reduce they are an
         # allgather on the communicator itself, which the revoke ends. Only before mpi4py.MPI is
         # imported (MPI4PY_RC_FAST_REDUCE=false does it for a harness that imports it first).
         import sys

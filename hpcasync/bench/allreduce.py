@@ -79,11 +79,10 @@ def time_interleaved(comm, methods: dict, nbytes: int, iters: int) -> dict[str, 
     The methods take turns inside every iteration (each call after a barrier; the order and the
     buffer each method reduces are drawn afresh every iteration, from one seeded generator that
     every rank shares), so a burst of background load hits all of them alike instead of
-    whichever happened to be running, no method keeps a buffer whose pages happen to be faster
-    (two identical MPI calls on two different 16 MiB buffers differed by 6-9 % here), and no
-    method always follows the same other one on the same buffer (a fixed rotation gave ``ours``
-    the buffer the window had just written, every iteration: 0.94-0.97x an identical MPI call at
-    1 MiB on 2 ranks, in three runs).
+    whichever happened to be running, no method keeps a buffer whose pages happen to be faster,
+    and no method always follows the same other one on the same buffer (a fixed rotation would
+    hand one method the buffer another had just written, every iteration). Why, with figures:
+    docs/design/comm.md.
     """
     from mpi4py import MPI
 

@@ -31,8 +31,9 @@ step (after an idle barrier), so a burst of load on the machine hits all of them
 A step's time is the slowest rank's (the others wait for it at the next collective anyway); the
 table gives the median over the timed steps. Ratios: ``X/compute`` = time(X) / time(compute)
 (≥ 1; 1.05 = 5 % over the bound); ``DDP/ours`` and ``Horovod/ours`` = time(peer) / time(ours)
-(> 1: ours is faster); ``Horovod/facade``, ``DDP/facade`` the same for the facade. Check line: ours and ours-no-overlap must end bitwise equal (they run the
-same reductions on the same data), and ours must stay close to DDP (same algorithm).
+(> 1: ours is faster); ``Horovod/facade``, ``DDP/facade`` the same for the facade. Check line:
+ours and ours-no-overlap must end bitwise equal (they run the same reductions on the same data),
+and ours must stay close to DDP (same algorithm).
 
 Differences from the references: DDP's own benchmarks (``torch/distributed/benchmarks``) time
 ResNet-50 on GPUs with NCCL; Horovod's ``pytorch_synthetic_benchmark.py`` reports images/s of one

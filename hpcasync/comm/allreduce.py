@@ -8,8 +8,9 @@ For ranks i = 0 … N-1 holding x_i, every rank ends with  Σ_i x_i  (``average=
 * ``"mpi"``: ``MPI_Allreduce`` / ``MPI_Iallreduce`` in place (with ``HPCASYNC_PERSISTENT=1``, a
   persistent request Start()ed instead where the buffer is a registered one: :mod:`.persistent`).
 * ``"auto"`` (default): ``mpi``, except where the communicator lives on one node and the window
-  was *measured* on this machine to be at least 1.2x faster for the message's size class
-  (:mod:`.tune`: measured once per class, kept in a file so later runs choose the same). Deciding
+  was *measured* on this machine to be faster for the message's size class, beyond the
+  measurement's spread (:mod:`.tune`: its margins, measured once per class, kept in a file so
+  later runs choose the same). Deciding
   is collective the first time a communicator / size class is seen.
 
 Buffers are cut into consecutive pieces of at most ``bucket_bytes`` bytes (on the wire) and at most

@@ -16,8 +16,7 @@ of about a microsecond, kept small by caching per communicator and per buffer:
   communicator re-checks only what can change under the same object -- its address (``set_``,
   ``.data =``), its size (``resize_``), its dtype (``.data =`` a view of another dtype),
   ``requires_grad`` and contiguity (``transpose_``) -- and
-  calls ``MPI_Allreduce``. That halves the bookkeeping (1.21 -> 0.6 us a call, 1 rank, measured
-  with experiments/probes/allreduce_overhead.py's loop).
+  calls ``MPI_Allreduce``. That halves the bookkeeping (docs/design/comm.md).
 
 With ``HPCASYNC_PERSISTENT=1`` a span of a registered storage (a FlatModel's) is instead reduced by
 starting its persistent request (:mod:`.persistent`).

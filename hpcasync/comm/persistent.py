@@ -27,8 +27,8 @@ from ..errors import ConfigError
 from .cache import on_free, private_dup
 from .ops import check_dtype, mpi_datatype, sum_op
 
-#: the default of ``HPCASYNC_PERSISTENT`` (off: not measured faster than MPI_Allreduce on this
-#: machine, docs/design/comm.md)
+#: the default of ``HPCASYNC_PERSISTENT`` (off: no faster than MPI_Allreduce in the comparisons
+#: of docs/design/comm.md, "Default: off")
 DEFAULT = False
 #: requests one storage may hold; later new spans take the plain path (the same on every rank)
 MAX_PER_STORAGE = 1024
@@ -120,7 +120,7 @@ def request(comm, tensor: torch.Tensor, datatype, op):
 
         # on comm's private duplicate (an attribute of comm: freeing comm calls forget() first,
         # then frees the duplicate). On comm itself MPICH would defer freeing comm, and so the
-        # callback, until the requests that reference it were freed: never.
+        # callback, until the requests that reference it are freed: never.
         dup = private_dup(comm)
         buf = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)  # no reference held:
         req = region.requests[key] = dup.Allreduce_init(        # the region's finalizer frees

@@ -15,12 +15,12 @@ rounds of both methods on the buffers they time (MPI's own buffers and the windo
 before each — in batches, for at least :data:`MIN_TIME_S` (so that the rounds span more than one
 mood of the scheduler when ranks share cores) and until the paired ratio t_MPI/t_window is clear
 of :data:`MARGIN` (its median ± two standard errors, all above or all below), or the class's round
-or time budget is spent. Times are combined with ``MPI_MAX`` after each batch, so every rank reaches the same
-decision with no further message. The window is chosen only when the lower end of that interval is
-at or above :data:`MARGIN` (the window at least 3 % faster, beyond the spread) and the median at or
-above :data:`EFFECT` (10 % faster in the typical round: with ranks sharing cores, timings minutes
-apart differ by more than one measurement's spread, so a near tie goes to MPI), and only when a
-second, independent measurement agrees; anything else is MPI.
+or time budget is spent. Times are combined with ``MPI_MAX`` after each batch, so every rank
+reaches the same decision with no further message. The window is chosen only when the lower end
+of that interval is at or above :data:`MARGIN` (the window at least 3 % faster, beyond the
+spread) and the median at or above :data:`EFFECT` (10 % faster in the typical round: with ranks
+sharing cores, timings minutes apart differ by more than one measurement's spread, so a near tie
+goes to MPI), and only when a second, independent measurement agrees; anything else is MPI.
 
 Reproducibility: the choice changes the summation order (window: rank order; MPI: its tree), so
 decisions are written to a small JSON file (:func:`tune_file`: ``$HPCASYNC_TUNE_FILE``, default
@@ -30,8 +30,9 @@ average and the date. A later run reads the file instead of measuring, but re-ch
 _TUNE_RECHECK=0`` turns this off): a cached window choice is confirmed by a short paired check at
 its first use in each process (the window slower than MPI there: measured again, and the file
 rewritten); a record older than :data:`MAX_AGE_DAYS`, or measured while other work kept the
-machine busy and read on a machine half as loaded, is measured again (:func:`stale`). ``hpcasync tune`` shows, clears or re-measures the file's choices;
-``HPCASYNC_ALLREDUCE=mpi|shm`` forces the choice of ``auto``.
+machine busy and read on a machine half as loaded, is measured again (:func:`stale`).
+``hpcasync tune`` shows, clears or re-measures the file's choices; ``HPCASYNC_ALLREDUCE=mpi|shm``
+forces the choice of ``auto``.
 
 Resume: since a re-check or a re-measurement may change a choice between two jobs, a checkpoint
 carries the choices its run made (:func:`in_use`, a header field written by

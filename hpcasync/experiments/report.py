@@ -10,9 +10,9 @@ shown) of:
   per epoch;
 * time to the target accuracy (``[report] target``): the time of the first epoch record at or above
   it, "not reached" when no seed got there ("k/n" when some did);
-* PS memory: the rule's state bytes and, where the runs record them (runs since issue 13), the
-  transport's bytes and the total (``ps_transport_bytes``, ``ps_total_bytes``: ``ps.memory``); mean
-  staleness (from the staleness histogram) where the runs record it.
+* PS memory: the rule's state bytes and, where the runs record them, the transport's bytes and
+  the total (``ps_transport_bytes``, ``ps_total_bytes``: ``ps.memory``); mean staleness (from
+  the staleness histogram) where the runs record it.
 
 The output is a function of the files only: sorted keys, fixed number formats, no clock, PNGs
 without the ``Software`` metadata — two reports of the same runs are byte-identical.
@@ -53,7 +53,7 @@ class RunStats:
     ps_state_bytes: float | None
     staleness: dict[int, int]
     breakdown: dict[str, float]                            # field -> mean seconds per epoch
-    ps_transport_bytes: float | None = None                # absent in runs before issue 13
+    ps_transport_bytes: float | None = None                # None: the run does not record it
     ps_total_bytes: float | None = None
     ps_busy: float | None = None                           # simulated server: busy share, mean
     ps_wait: float | None = None                           # ... and mean wait per push (s)

@@ -18,8 +18,8 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
 
 * fusion is by fixed contiguous buckets of the flat buffer (``bucket_bytes``: 256 KiB when
   overlapping, else 64 MiB, Horovod's fusion threshold), not Horovod's timed fusion buffer;
-  ``overlap`` defaults to on for CUDA parameters and off on the CPU, where hpcasync measured it
-  slower (``hpcasync.ssgd.DistributedOptimizer``); ``num_groups``/``groups`` make the buckets
+  ``overlap`` defaults to on for CUDA parameters and off on the CPU, where it is slower
+  (``hpcasync.ssgd.DistributedOptimizer``); ``num_groups``/``groups`` make the buckets
   (each group one bucket; a group must be a contiguous run of parameters, else ConfigError);
 * the flat buffer serves float32 parameters on one device with ``Compression.none/fp16/bf16``;
   any other dtype (float64, float16, bfloat16, mixed), several devices or a custom compressor
@@ -33,7 +33,8 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
   ``set_to_none`` says;
 * ``gradient_predivide_factor`` f is Horovod's: gradients scaled by 1/f before the sum and by
   f/size after it (then ``overlap`` is off: the scaling needs the whole gradient);
-* ``op=hvd.Adasum`` returns Horovod's Adasum optimizer (:mod:`.adasum`), and sparse gradients are reduced as Horovod's are (:mod:`.sparse`).
+* ``op=hvd.Adasum`` returns Horovod's Adasum optimizer (:mod:`.adasum`), and sparse gradients are
+  reduced as Horovod's are (:mod:`.sparse`).
 
 ``process_set=`` (:mod:`.process_sets`): the gradients are averaged over the set's ranks, on its
 communicator; on a rank outside the set the optimizer reduces nothing and ``step()`` uses that

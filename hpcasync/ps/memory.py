@@ -109,8 +109,8 @@ def ps_memory(rule: str, kind: str, num_workers: int, numel: int, extra: int = 0
 
 
 def memory_table(numel: int, extra: int, workers, rules=("smega2", "dana", "asgd")) -> str:
-    """A markdown table of :func:`ps_memory` (GB = 1e9 bytes), with rma's figure before issue 13
-    (N reply slots besides the N gradient slots)."""
+    """A markdown table of :func:`ps_memory` (GB = 1e9 bytes), and for comparison rma with N reply
+    slots besides the N gradient slots (its earlier layout: docs/design/ps.md#memory)."""
     lines = ["| N | rule | rule state | rma or rma-put: total | p2p: total (bound, N replies "
              "in flight) | p2p: total (1 reply in flight) | rma before issue 13: total |",
              "|" + "---|" * 7]

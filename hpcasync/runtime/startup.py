@@ -1,10 +1,10 @@
 """A rank that dies before MPI is up ends the job within seconds, with one line naming it.
 
 Under ULFM (``mpirun --with-ft ulfm``) Open MPI's launcher does not end a job whose process died,
-and ``MPI_Init`` waits in a job-wide PMIx fence for every rank. A rank killed before it reached
-that fence (while importing, reading its options, loading the data) left the others in
-``MPI_Init`` for good, holding the GIL, so no Python thread of theirs could act (Open MPI 5.0.11,
-measured). Once ``MPI_Init`` has returned, ULFM reports a dead rank to the collective that meets
+and ``MPI_Init`` waits in a job-wide PMIx fence for every rank. A rank killed before it reaches
+that fence (while importing, reading its options, loading the data) leaves the others in
+``MPI_Init`` for good, holding the GIL, so no Python thread of theirs can act (Open MPI 5.0.11).
+Once ``MPI_Init`` has returned, ULFM reports a dead rank to the collective that meets
 it and :func:`hpcasync.errors.fail_fast` ends the job; this module covers the time before.
 
 :func:`watch` (the CLI, first thing; under ULFM only) forks a small watcher. Until its rank says
@@ -158,7 +158,7 @@ def _exit_on(signum: int):
     while it is inside ``MPI_Init`` holding the GIL, where no Python handler can run: libc's
     ``_exit`` is itself the C handler (it takes the signal number as its status and is
     async-signal-safe). Under ULFM the launcher reports a job whose ranks were killed by a signal
-    as a success (exit 0, measured); a rank's non-zero exit status makes it a failure. Not SIGHUP
+    as a success (exit 0); a rank's non-zero exit status makes it a failure. Not SIGHUP
     (status 1): UCX, loaded inside ``MPI_Init``, takes SIGHUP for its debug mode. Returns the
     previous C handler for :func:`_restore` (None: not installed)."""
     try:

@@ -23,8 +23,8 @@ exponential time of mean ``node_mtbf_s``, independently, so the job's MTBF is
 
 Failures happen only while the job trains (not during a pause, a join or a restart): the same
 rule as the real-run study (``experiments/probes/mtbf.py``); it underestimates the loss when the
-job MTBF comes near the pauses. Costs are taken as independent of the rank count: measured on
-4 ranks, they are lower bounds for 1024 (a larger spawn, a larger restart).
+job MTBF comes near the pauses. Costs are taken as independent of the rank count: costs
+measured on a few ranks are lower bounds for 1024 (a larger spawn, a larger restart).
 
 Example::
 

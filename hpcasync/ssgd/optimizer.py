@@ -4,8 +4,9 @@ Every step, every rank averages its gradient with all the others', g ← (1/N)·
 the same local optimizer step, so replicas stay bitwise identical (invariant 3). The gradient's
 path: ``loss.backward()`` writes into views of ``FlatModel.grads``; the buffer is cut into buckets
 (contiguous ranges from its end, :mod:`.buckets`), each averaged by one allreduce — with
-``overlap=True`` (the default on a GPU; off on the CPU, where it measured slower) started from gradient hooks while backward still runs, on a communication
-thread; ``synchronize()`` waits for them (and averages the BatchNorm buffers last) -> the user's
+``overlap=True`` (the default on a GPU; off on the CPU, where it is slower: docs/design/ssgd.md)
+started from gradient hooks while backward still runs, on a communication thread;
+``synchronize()`` waits for them (and averages the BatchNorm buffers last) -> the user's
 ``optimizer.step()`` reads the averaged ``p.grad`` views. ``overlap=False`` reduces the same buckets
 in the same order after backward: the results are bitwise those of the overlapped path.
 
@@ -47,21 +48,18 @@ class DistributedOptimizer(AlgorithmOptimizer):
         average_buffers: average floating buffers (BatchNorm running statistics) in one more
             allreduce after the gradients' buckets, every step (default True: replicas stay
             bitwise identical, buffers included; the cost is the buffers' few bytes). False: only
-            when :meth:`average_buffers` is called (the CLI did this at epoch ends before).
+            when :meth:`average_buffers` is called.
         overlap: True: start each gradient bucket's allreduce as soon as backward has produced
             all its gradients; False: the same buckets after backward, in ``step()`` (bitwise the
-            same results). Default None = on when the model is on a GPU, off on the CPU. Measured
-            on this 2-core machine (``experiments/results/ssgd.md``, idle, a core per rank): with
+            same results). Default None = on when the model is on a GPU, off on the CPU: with
             the CPU computing backward, the communication thread competes with it for the core,
-            and overlapped resnet20 took 1.13x compute-only against 1.08x without overlap
-            (lenet 1.14 vs 1.10, mlp 1.66 vs 1.37). On a GPU the CPU is free to drive MPI while
-            the device computes, which is what overlap is for.
+            and overlapped steps are slower than non-overlapped ones (figures:
+            docs/design/ssgd.md). On a GPU the CPU is free to drive MPI while the device
+            computes, which is what overlap is for.
         bucket_bytes: bucket size in bytes of float32 gradient. Default: 256 KiB with overlap
             (buckets start during backward; resnet20's 1.1 MB of gradient makes ~5), one bucket
             of up to 64 MiB without (Horovod's fusion threshold, as ``hpcasync.horovod``: after
-            backward a small bucket only adds an allreduce latency; issue 25 measured the 256 KiB
-            buckets at 1.08x compute-only against the facade's one bucket at 1.00x, resnet20 at 4
-            ranks on 2 cores).
+            backward a small bucket only adds an allreduce latency: docs/design/ssgd.md).
         progress: ``"thread"`` (default: a communication thread runs the blocking allreduces) or
             ``"test"`` (nonblocking allreduces advanced from the gradient hooks); see
             :class:`~hpcasync.ssgd.buckets.BucketReducer`.
@@ -116,7 +114,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self._told_clip = False
         # a subclass with its own synchronize() (e.g. a hierarchical allreduce) must not have
         # the buckets started behind its back: no hooks for it
-        if overlap is None:                     # auto: see the docstring (measured on CPU)
+        if overlap is None:                     # auto: see the docstring
             overlap = self.flat.params.device.type == "cuda"
         overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
         if bucket_bytes is None:
