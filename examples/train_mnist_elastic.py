@@ -1,6 +1,8 @@
-"""Your own SSGD loop that survives a dead rank: ``hpcasync.elastic`` (Horovod's elastic shape).
+"""Your own SSGD (or OD-SGD) loop that survives a dead rank: ``hpcasync.elastic`` (Horovod's
+elastic shape).
 
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --epochs 2
+    mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm odsgd
 
 Kill one rank (``kill -9``) while it trains: the survivors roll back to the last commit, shrink
 the world, re-deal the rest of the epoch over themselves and go on; the script ends with exit 0.
@@ -35,6 +37,8 @@ import hpcasync
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--algorithm", choices=("ssgd", "odsgd"), default="ssgd")
+parser.add_argument("--odsgd-warmup", type=int, default=4, help="OD-SGD's SSGD warm-up steps")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=0.01)
@@ -50,13 +54,14 @@ kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
 if hpcasync.elastic.is_joiner():           # a replacement takes a dead rank's number: the kills
     kills = {}                             # name ranks of the first launch
 
-ctx = hpcasync.init("ssgd", seed=0)
+ctx = hpcasync.init(args.algorithm, seed=0)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
 if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
     os.kill(os.getpid(), signal.SIGKILL)
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
 sgd = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.size, momentum=0.9)
-opt = hpcasync.optimizer("ssgd", model, sgd)
+hyper = {"warmup_iters": args.odsgd_warmup} if args.algorithm == "odsgd" else {}
+opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size, rank=ctx.rank,
                                           num_replicas=ctx.size, seed=1)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
@@ -121,6 +126,8 @@ def train(state):
 
 
 train(state)
+if args.algorithm == "odsgd":
+    opt.finish()                           # the model holds the global weights, equal everywhere
 if state.rank == 0:
     print(f"done: {state.steps} steps on {state.size} ranks (resets: {resets})", flush=True)
 if args.out:

@@ -123,10 +123,10 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,
                             fail_fast=fail_fast, ps_ranks=ps_ranks)
     if comm is None:
-        from .runtime.elastic import is_joiner, join_world
+        from .runtime import join
 
-        if is_joiner():             # a replacement spawned by an elastic grow-back
-            comm = join_world()
+        if join.is_joiner():        # a replacement spawned by a grow-back
+            comm = join.join_world()
     if fail_fast:
         install_fail_fast()
     topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)

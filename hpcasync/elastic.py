@@ -31,7 +31,8 @@ are rebuilt on the survivors (``state.rank``/``state.size``/``state.roles`` are 
 reset callbacks run, rank 0's state is broadcast and ``train(state)`` is called again; the
 sampler deals the rest of the epoch from the committed position over the survivors
 (:class:`~hpcasync.data.sharding.ElasticSampler`: no sample of the epoch trained twice or lost).
-SSGD only: another algorithm's optimizer is a one-line ConfigError at ``State(...)`` under ULFM.
+SSGD and OD-SGD: another algorithm's optimizer is a one-line ConfigError at ``State(...)`` under
+ULFM.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -62,8 +63,9 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "is_joiner", "run
 
 is_joiner = _core.is_joiner
 
-#: algorithms whose optimizer survives a reset (set_comm over the survivors)
-SUPPORTED = ("ssgd",)
+#: algorithms whose optimizer survives a reset (set_comm over the survivors; its state_dict
+#: complete at a commit: OD-SGD completes its round in flight there)
+SUPPORTED = ("ssgd", "odsgd")
 _RESERVED = ("rank", "size", "roles", "ft")
 
 

@@ -63,10 +63,10 @@ def init(comm=None, process_sets=None, *, algorithm: str | None = None,
         INIT_OPTIONS.update(algorithm=algorithm, ranks_per_node=ranks_per_node, ps_rank=ps_rank,
                             ps_ranks=ps_ranks)
     if comm is None:
-        from ..runtime.elastic import is_joiner, join_world
+        from ..runtime import join
 
-        if is_joiner():             # a replacement spawned by hvd.elastic's grow-back: the
-            comm = join_world()     # grown world, as the survivors' init(comm=grown)
+        if join.is_joiner():        # a replacement spawned by hvd.elastic's grow-back: the
+            comm = join.join_world()    # grown world, as the survivors' init(comm=grown)
     from . import process_sets as _ps
 
     process_sets = _ps.check(process_sets, comm_given=comm is not None)

@@ -98,7 +98,13 @@ class ODSGD(AlgorithmOptimizer):
                              "lr_local": lr_local})
         if params is not None:
             self._set_groups(params)
-        comm = default_topology().world if comm is None else comm
+        if comm is None:
+            from ..runtime.join import is_joiner
+            from ..topology import init_mpi
+
+            # a replacement builds on its own launch's world (local), as SSGD's default does: its
+            # elastic State moves it onto the grown world with the survivors' set_comm
+            comm = init_mpi().COMM_WORLD if is_joiner() else default_topology().world
         self.comm = comm
         self.worker = ODSGDWorker(flat, comm, hp=hp, progress=progress)
         self._layout = None

@@ -24,50 +24,47 @@ attempt, its bookkeeping per shrink and what to revoke; :func:`is_process_failur
 test of "this exception is a process failure".
 
 **Growing back** (opt-in: ``HPCASYNC_GROW_BACK=1``, or ``run(grow_back=True)`` of a front end):
-after the shrink the survivors spawn replacements running the user's own command (``MPI_Comm_spawn``
-of ``sys.executable`` with ``sys.orig_argv``, marked by ``HPCASYNC_ELASTIC_JOINER=1`` in their
-environment, not by an option the script's argparse would refuse), merge with them, and each
+after the shrink the survivors spawn replacements running the user's own command
+(:func:`hpcasync.runtime.join.spawn`, the CLI's grow-back's too), merge with them, and each
 replacement takes a dead rank's number (:func:`hpcasync.runtime.join._order`). The front end is
 rebuilt on the grown world (``Membership.regrow``) by the same calls a replacement makes in its
-``hpcasync.init`` / ``hvd.init`` (:func:`join_world`) and its optimizers' constructors; then
+``hpcasync.init`` / ``hvd.init`` (:func:`hpcasync.runtime.join.join_world`, the one entry of a
+replacement) and its optimizers' constructors; then
 every rank runs the reset callbacks and syncs from the lowest surviving rank (:func:`sync_root`),
 and one allgather of a digest of the state checks that the replacements hold the survivors'
 (:func:`check_synced`). Design: docs/design/elastic.md.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import functools
 import hashlib
 import logging
 import os
-import sys
 import time
 from typing import Any, Callable
 
 import torch
 
 from .. import inject
+from . import join
 from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
 
 log = logging.getLogger("hpcasync")
 
 __all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState", "State",
            "TorchState", "agreed", "atomic_shrink", "elastic_run", "is_joiner",
-           "is_process_failure", "join_world", "revoke_all", "sync_root"]
+           "is_process_failure", "revoke_all", "sync_root"]
 
 #: grow back after a death (``1``/``true``/``on``); ``HPCASYNC_MAX_RANKS`` the size to grow to
 GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
-#: set (through the spawn's ``PMIX_ENVAR`` info key) in the environment of a replacement
-JOINER_ENV = "HPCASYNC_ELASTIC_JOINER"
 
-#: this process's part in a grow: ``root`` (the rank ``sync()`` broadcasts from: the lowest
-#: survivor after a grow, else 0); on a replacement also ``world``, ``max_ranks``, ``pending``
-#: (its first attempt has not run yet)
-_GROWN: dict[str, Any] = {"root": 0}
+#: ``root``: the rank ``sync()`` broadcasts from after a reset (the lowest survivor after a
+#: grow, else 0); unset on a replacement until its first reset (then ``join.joined()``'s)
+_GROWN: dict[str, Any] = {}
 #: front ends' functions freeing their communicators at exit in a process of a grown job
-_RELEASE: list[Callable[[], None]] = []
+_RELEASE = join.AT_EXIT
+is_joiner = join.is_joiner
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -280,8 +277,9 @@ class FaultTolerance:
         """Grow back after a death (None: ``HPCASYNC_GROW_BACK``), to ``max_ranks`` ranks (None:
         ``HPCASYNC_MAX_RANKS``, else the size of the world now, the starting size). On a
         replacement both are the survivors' (sent with its place)."""
-        if "world" in _GROWN:                    # a replacement: what the survivors grow with
-            self.grow_back, self.max_ranks = True, _GROWN["max_ranks"]
+        joined = join.joined()
+        if joined is not None:                   # a replacement: what the survivors grow with
+            self.grow_back, self.max_ranks = True, joined.get("max_ranks")
             return
         if grow_back is None:
             grow_back = _env_flag(GROW_ENV)
@@ -370,19 +368,8 @@ class FaultTolerance:
         t0 = time.perf_counter()
         try:
             kept = world.allgather(before_rank)
-            info = MPI.Info.Create()
-            info.Set("wdir", os.getcwd())
-            info.Set("PMIX_ENVAR", f"{JOINER_ENV}=1")     # Open MPI 5 (the deprecated "env")
-            error = ""
-            try:
-                with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))",
-                               connect=False):
-                    inter = world.Spawn(sys.executable, args=list(sys.orig_argv[1:]),
-                                        maxprocs=want, info=info, root=0)
-            except MPI.Exception as exc:
-                inter, error = None, exc.Get_error_string()
-            finally:
-                info.Free()
+            with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))", connect=False):
+                inter, error = join.spawn(world, want)
             if not world.allreduce(inter is not None, op=MPI.LAND):
                 if inter is not None:
                     inter.Free()
@@ -395,13 +382,13 @@ class FaultTolerance:
             root = min(keys)
             with _Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
                 merged = inter.Merge(high=False)
-                merged.bcast({"joiner_keys": joiner_keys, "survivors": len(keys), "root": root,
+                merged.bcast({"keys": joiner_keys, "survivor_keys": keys, "src": root,
                               "max_ranks": self.max_ranks}, root=0)
                 grown = merged.Split(0, key=keys[m.rank()])
             merged.Free()
             inter.Free()
             _GROWN["root"] = root
-            _register_release()
+            join.register_release()
             m.regrow(grown)
         except Exception as exc:       # noqa: BLE001 - a death while growing: not survived
             if not _mpi_error(exc):
@@ -425,10 +412,10 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
         def wrapper(state, *args, **kwargs):
             tol = ft(state) if callable(ft) and not isinstance(ft, FaultTolerance) else ft
             reset_required = False
-            if _GROWN.get("pending"):
+            joined = join.joined()
+            if joined is not None and joined.pop("pending", False):
                 # a replacement's first attempt: the survivors are in their reset, which runs
                 # the reset callbacks and then syncs: the same calls, in the same order, here
-                _GROWN["pending"] = False
                 tol.check_pending = True
                 state.on_reset()
             while True:
@@ -477,42 +464,10 @@ def _env_flag(name: str) -> bool:
 def sync_root() -> int:
     """The rank ``State.sync()`` broadcasts from: 0, or after a grow the lowest surviving rank
     (a replacement may hold a dead rank 0's place)."""
-    return _GROWN["root"]
-
-
-def is_joiner() -> bool:
-    """This process is a replacement spawned by a grow-back (no MPI call)."""
-    return "world" in _GROWN or (os.environ.get(JOINER_ENV) == "1"
-                                and "OMPI_PARENT_PORT" in os.environ)
-
-
-def join_world():
-    """A replacement's side of a grow (``hpcasync.init`` / ``hvd.init`` call it first): merge with
-    the survivors that spawned it, take the place they give, and return the grown world
-    (intracommunicator; the same object on a second call)."""
-    if "world" in _GROWN:
-        return _GROWN["world"]
-    from ..topology import init_mpi
-    from .join import _Watchdog
-
-    inject.forget_first_launch()
-    inject.forget(JOINER_ENV)
-    MPI = init_mpi()
-    parent = MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        raise ConfigError(f"{JOINER_ENV}=1 but this process has no parent: not started by "
-                          "hpcasync's elastic grow-back")
-    with _Watchdog("elastic grow-back (a replacement's merge with the survivors)"):
-        merged = parent.Merge(high=True)
-        order = merged.bcast(None, root=0)
-        me = merged.Get_rank() - order["survivors"]
-        world = merged.Split(0, key=order["joiner_keys"][me])
-    merged.Free()
-    parent.Free()
-    _GROWN.update(world=world, root=order["root"], max_ranks=order["max_ranks"], pending=True)
-    _register_release()
-    log.warning("elastic grow-back: joined as rank %d of %d", world.Get_rank(), world.Get_size())
-    return world
+    if "root" in _GROWN:
+        return _GROWN["root"]
+    joined = join.joined()
+    return joined.get("src", 0) if joined is not None else 0
 
 
 def check_synced(membership: Membership, state: "State") -> None:
@@ -551,24 +506,6 @@ def state_digest(state: "State") -> str:
         walk(handler.value.state_dict())
     walk(getattr(state, "_saved_state", {}))
     return h.hexdigest()
-
-
-def _register_release() -> None:
-    """Once per process of a grown job: free the front ends' communicators at exit, before
-    ``MPI_Finalize`` (registered before the exit agreement of the grown world's ``init``, so
-    it runs after it). Open MPI 5.0.11 hung in finalize with dynamic communicators left
-    (docs/design/growth.md, "Feasibility and a finalize hang")."""
-    if not _GROWN.get("release"):
-        _GROWN["release"] = True
-        atexit.register(_release_at_exit)
-
-
-def _release_at_exit() -> None:
-    for fn in _RELEASE:
-        try:
-            fn()
-        except Exception as exc:        # noqa: BLE001 - freeing at exit: never fatal
-            log.debug("elastic: freeing at exit failed: %s", exc)
 
 
 def defer_startup_failure(exc: BaseException, comms) -> bool:

@@ -8,10 +8,10 @@ Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains
 1. **spawn** ``N - survivors`` processes running this very command (``MPI_Comm_spawn`` of
    ``sys.executable`` with the interpreter's own arguments, working directory kept) into the
    allocation's free slots (Open MPI: free slots of the job's hosts, or any with
-   ``mpirun --oversubscribe``). The joiner starts like any rank (options, data, model checks),
-   knows it is one (``OMPI_PARENT_PORT`` and the hidden option ``--grow-joiner`` added to its
-   command; :func:`prepare_joiner` drops the failure-injection variables, which name the ranks
-   of the first launch);
+   ``mpirun --oversubscribe``) with :func:`spawn`. The joiner starts like any rank (options, data,
+   model checks) and knows it is one (:func:`is_joiner`: ``HPCASYNC_JOINER`` in its environment,
+   set through the spawn, and ``OMPI_PARENT_PORT``; :func:`prepare_joiner` drops the
+   failure-injection variables, which name the ranks of the first launch);
 2. **merge** the intercommunicator (``MPI_Intercomm_merge``) and **order** the merged world
    (``MPI_Comm_split`` by key): when the world returns to the size it had before the death, each
    joiner takes a dead rank's place (its rank, its data shard) and the survivors keep theirs, so
@@ -41,7 +41,6 @@ Design and measurements: docs/design/growth.md.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -57,9 +56,11 @@ log = logging.getLogger("hpcasync")
 
 #: set by Open MPI in a process started by MPI_Comm_spawn (the parent's port)
 PARENT_ENV = "OMPI_PARENT_PORT"
-#: the option a grow-back adds to the joiner's command (hidden): a process spawned by anything
-#: else (a user's own MPI program starting hpcasync) is no joiner
-JOINER_FLAG = "--grow-joiner"
+#: the mark of a replacement, set in its environment by :func:`spawn` (``PMIX_ENVAR``): ``1``, or
+#: ``wait`` when the spawner takes it in later (the PS's :class:`Spawned`); a process spawned by
+#: anything else (a user's own MPI program starting hpcasync) is no joiner, and a user's argparse
+#: never sees the mark
+JOINER_ENV = "HPCASYNC_JOINER"
 TIMEOUT_ENV = "HPCASYNC_JOIN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 #: once the spawn has returned (the joiners are past MPI_Init), the merge or connect takes
@@ -67,7 +68,12 @@ DEFAULT_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_ENV = "HPCASYNC_JOIN_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT_S = 20.0
 
+#: what :func:`join_world` learnt (a replacement): its place, the grown ``world``, ``src`` (the
+#: lowest surviving rank, which sends the state), ``pending`` (its front end's first sync to come)
 _joined: dict[str, Any] = {}
+#: front ends' functions freeing their communicators at exit in a process of a grown job
+AT_EXIT: list[Callable[[], None]] = []
+_registered: list[bool] = []
 
 
 class JoinError(HpcasyncError, RuntimeError):
@@ -84,7 +90,6 @@ def add_arguments(group) -> None:
     group.add_argument("--max-ranks", type=int, default=None,
                        help="with --grow-back: grow back to this many ranks (default: the "
                             "starting size)")
-    group.add_argument(JOINER_FLAG, action="store_true", default=False, help=argparse.SUPPRESS)
     group.add_argument("--min-ranks", type=int, default=None,
                        help="under ULFM: fewer ranks than this (after a death and any "
                             "grow-back) end the job with one line (default 1)")
@@ -107,8 +112,10 @@ def validate(cfg) -> None:
 
 
 def is_joiner() -> bool:
-    """This process was started by a grow-back's ``MPI_Comm_spawn`` (Open MPI; no MPI call)."""
-    return PARENT_ENV in os.environ and JOINER_FLAG in sys.argv
+    """This process was started by a grow-back's :func:`spawn` (Open MPI; no MPI call): the one
+    test, for the CLI, ``hpcasync.init`` and ``hvd.init`` alike."""
+    return "world" in _joined or (os.environ.get(JOINER_ENV) in ("1", "wait")
+                                  and PARENT_ENV in os.environ)
 
 
 def prepare_joiner() -> None:
@@ -119,8 +126,85 @@ def prepare_joiner() -> None:
 
 
 def joined() -> dict | None:
-    """What :func:`joiner_topology` learnt (None in a rank of the first launch)."""
+    """What :func:`join_world` learnt (None in a rank of the first launch)."""
     return _joined or None
+
+
+def spawn(comm, n: int, *, later: bool = False):
+    """``MPI_Comm_spawn`` over ``comm`` (root 0) of ``n`` copies of this very command (the
+    interpreter's own arguments, this working directory), each marked a joiner (``later``: the
+    spawner takes them in later, :class:`Spawned`). Returns ``(intercommunicator, "")``, or
+    ``(None, MPI's error string)`` where the spawn failed (on this rank)."""
+    from mpi4py import MPI
+
+    info = MPI.Info.Create()
+    info.Set("wdir", os.getcwd())
+    info.Set("PMIX_ENVAR", f"{JOINER_ENV}={'wait' if later else '1'}")  # Open MPI 5's key
+    try:
+        return comm.Spawn(sys.executable, args=list(sys.orig_argv[1:]), maxprocs=n, info=info,
+                          root=0), ""
+    except MPI.Exception as exc:
+        return None, exc.Get_error_string()
+    finally:
+        info.Free()
+
+
+def join_world():
+    """The one entry of a replacement (the CLI's driver, ``hpcasync.init`` and ``hvd.init`` call
+    it first): merge with the survivors that spawned it, take the place they give (the message
+    ``{"keys", "survivor_keys", "src", ...}`` of :func:`_order`), and return the grown world
+    (the same object on a second call). Two ways in: spawned by every survivor (the merge is
+    the grown world), or by one rank alone while the others went on (:class:`Spawned`: the
+    merge holds that rank and this group; :func:`connect` bridges it to the survivors later)."""
+    if "world" in _joined:
+        return _joined["world"]
+    from ..topology import init_mpi
+
+    inject.forget_first_launch()
+    later = os.environ.pop(JOINER_ENV, "1") == "wait"
+    MPI = init_mpi()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise ConfigError(f"{JOINER_ENV} is set but this process has no parent: not started by "
+                          "hpcasync's grow-back")
+    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
+        merged = parent.Merge(high=True)
+    with _Watchdog("grow-back (waiting for the survivors to take this replacement in)",
+                   connect=not later):      # (the server first stops its workers: ps.growth)
+        msg = merged.bcast(None, root=0)
+    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
+        if msg.get("bridge"):       # spawned by one rank: join the survivors through it
+            grown = _bridge_joiner(merged, msg)
+            merged.Free()
+            merged = grown
+            msg = merged.bcast(None, root=0)
+        me = merged.Get_rank() - len(msg["survivor_keys"])
+        world = merged.Split(0, key=msg["keys"][me])
+    merged.Free()
+    parent.Free()
+    _joined.update(msg, world=world, src=msg.get("src", min(msg["survivor_keys"])), pending=True)
+    register_release()
+    log.warning("grow-back: joined as rank %d of %d", world.Get_rank(), world.Get_size())
+    return world
+
+
+def register_release() -> None:
+    """Once per process of a grown job: run :data:`AT_EXIT` at exit, before ``MPI_Finalize``
+    (registered before the exit agreement of the grown world's ``init``, so it runs after it):
+    Open MPI 5 can hang in finalize with dynamic communicators left (docs/design/growth.md)."""
+    if not _registered:
+        _registered.append(True)
+        import atexit
+
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    for fn in AT_EXIT:
+        try:
+            fn()
+        except Exception as exc:        # noqa: BLE001 - freeing at exit: never fatal
+            log.debug("grow-back: freeing at exit failed: %s", exc)
 
 
 def _timeout(connect: bool = False) -> float:
@@ -226,17 +310,7 @@ class Growth:
         from mpi4py import MPI
 
         t0 = time.perf_counter()
-        error = ""
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())
-        try:
-            argv = [a for a in sys.orig_argv[1:] if a != JOINER_FLAG] + [JOINER_FLAG]
-            inter = topo.world.Spawn(sys.executable, args=argv, maxprocs=want, info=info,
-                                     root=0)
-        except MPI.Exception as exc:
-            inter, error = None, exc.Get_error_string()
-        finally:
-            info.Free()
+        inter, error = spawn(topo.world, want)
         if not topo.world.allreduce(inter is not None, op=MPI.LAND):
             if inter is not None:       # (MPI_Comm_spawn is collective: not seen here)
                 inter.Free()
@@ -302,34 +376,10 @@ class Growth:
 
 
 def joiner_topology(cfg):
-    """The joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: merge with the
-    parents, take the place they give, build the topology over the grown world. Returns it.
-    Two ways in: spawned by every survivor (:meth:`Growth.grow`: the merge is the grown world),
-    or by one rank alone while the others went on (:class:`Spawned`: the merge holds that rank
-    and this group; :func:`connect` bridges it to the survivors later)."""
-    from mpi4py import MPI
-
-    parent = MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        raise ConfigError(f"{PARENT_ENV} is set but this process has no parent: not started by "
-                          "hpcasync's grow-back")
-    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
-        merged = parent.Merge(high=True)
-    with _Watchdog("grow-back (waiting for the survivors to take this replacement in)",
-                   connect=False):      # (the server first stops its workers: ps.growth)
-        msg = merged.bcast(None, root=0)
-    with _Watchdog("grow-back (this replacement's merge with the survivors)"):
-        if msg.get("bridge"):       # spawned by one rank: join the survivors through it
-            grown = _bridge_joiner(merged, msg)
-            merged.Free()
-            merged = grown
-            msg = merged.bcast(None, root=0)
-        me = merged.Get_rank() - len(msg["survivor_keys"])
-        world = merged.Split(0, key=msg["keys"][me])
-    merged.Free()
-    parent.Free()
-    _joined.update(msg, src=msg.get("src", min(msg["survivor_keys"])))
-    return _topology(world, cfg, msg.get("ps_rank", 0))
+    """The CLI joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: the grown
+    world (:func:`join_world`) and the topology over it."""
+    world = join_world()
+    return _topology(world, cfg, _joined.get("ps_rank", 0))
 
 
 # -- replacements spawned by one rank while the others go on (the parameter server) ----------------
@@ -358,15 +408,9 @@ class Spawned:
         from mpi4py import MPI
 
         t0 = time.perf_counter()
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())
-        try:
-            argv = [a for a in sys.orig_argv[1:] if a != JOINER_FLAG] + [JOINER_FLAG]
-            inter = MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=n, info=info, root=0)
-        except MPI.Exception as exc:
-            return exc.Get_error_string()
-        finally:
-            info.Free()
+        inter, error = spawn(MPI.COMM_SELF, n, later=True)
+        if inter is None:
+            return error
         with _Watchdog(f"grow-back (waiting for {n} spawned rank(s) to start)"):
             merged = inter.Merge(high=False)
         inter.Free()
@@ -448,7 +492,7 @@ def receive(ctx) -> dict:
     """The joiner's side of step 4: the live state from the lowest surviving rank (the
     broadcast :meth:`Growth.grow` sends). Collective over the grown world."""
     blob = ctx.topo.world.bcast(None, root=_joined["src"])
-    log.warning("grow-back: joined as rank %d of %d at %s", ctx.topo.rank, ctx.topo.size,
+    log.warning("grow-back: rank %d took the live state at %s", ctx.topo.rank,
                 tuple(blob["record"]["position"]))
     return blob
 
