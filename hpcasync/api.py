@@ -458,6 +458,11 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
             optimizer.checkpoints.request(directory, epoch=epoch, step=step, keep=keep,
                                           extra=extra, header=header)
         return None
+    if not getattr(optimizer, "replicas_equal", True):     # every rank raises alike
+        raise ConfigError(f"hpcasync.save_checkpoint of {algorithm} inside a cycling epoch: the "
+                          "replicas differ there and a checkpoint holds rank 0's state; save "
+                          "after opt.epoch_end(...) (a commit of hpcasync.elastic.State keeps "
+                          "each rank's own state at any step)")
     writer = comm is None or comm.Get_rank() == 0
     path = None
     if writer:

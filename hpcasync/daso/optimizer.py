@@ -44,6 +44,10 @@ Example (the user's loop stays as it is, plus ``epoch_end``)::
             opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
         opt.epoch_end(epoch_loss)          # rank-averaged inside; drives the plateau schedule
 
+``state_dict()`` is complete at any batch (every rank at the same batch: the sends in flight are
+completed and kept with the batch they merge at), so ``hpcasync.elastic.State.commit()`` works
+mid-epoch; inside a cycling epoch each rank's state is its own (:attr:`DASO.replicas_equal`).
+
 Differences from the paper / Heat (see also :mod:`.schedule` and :mod:`.merge`):
 
 * float buffers (BatchNorm statistics) travel and merge with the parameters;
@@ -86,9 +90,9 @@ from ..comm.broadcast import broadcast
 from ..errors import ConfigError
 from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..topology import default_topology
-from .comm import DasoComm, InFlight, pack_state, unpack_state
+from .comm import DasoComm, InFlight, Received, pack_state, unpack_state
 from .merge import held_ranges, merge_
-from .schedule import BatchPlan, DasoSchedule
+from .schedule import CYCLING, BatchPlan, DasoSchedule
 
 log = logging.getLogger(__name__)
 
@@ -295,19 +299,44 @@ class DASO(AlgorithmOptimizer):
         self.comm.reset_counters()
         return record
 
+    @property
+    def replicas_equal(self) -> bool:
+        """Every replica holds the same parameters and state now: between epochs and in the
+        blocking epochs (warm-up, cool-down); inside a cycling epoch the nodes drift apart and
+        each rank's state (its sends in flight) is its own."""
+        sch = self.schedule
+        return not sch.batch or sch.phase != CYCLING or not self.global_phase
+
     def checksum(self) -> str:
         """SHA-256 of this replica's parameters and float buffers (bitwise identity check)."""
         state = pack_state(self.flat.params, self.flat.buffers).cpu().contiguous()
         return hashlib.sha256(state.numpy().tobytes()).hexdigest()
 
     def _extra_state(self) -> dict:
-        if self.inflight:
-            raise ConfigError("DASO state can only be saved between epochs (messages in flight)")
-        return {"schedule": self.schedule.state_dict(), "steps": self.steps}
+        """Complete at any batch: the schedule, and each global send in flight completed now
+        (its sum S, the batch it merges at, the ranges its merge keeps), so a load goes on as
+        the undisturbed run would. Waiting is collective over the send's group: every rank
+        saves at the same batch (a commit, a checkpoint); a send completes the same whenever it
+        is waited for."""
+        inflight = [{"group": m.group, "sent": m.sent_batch, "due": m.due_batch,
+                     "nbytes": m.nbytes, "sum": self.comm.complete(m).clone(),
+                     "keep": [list(r) for r in self._keep.get(m.sent_batch, ())]}
+                    for m in self.inflight]
+        return {"schedule": self.schedule.state_dict(), "steps": self.steps,
+                "lost_before": self._lost_before, "inflight": inflight}
 
     def _load_extra(self, extra: dict) -> None:
         self.schedule.load_state_dict(extra["schedule"])
         self.steps = int(extra["steps"])
+        self._lost_before = int(extra.get("lost_before", -1))
+        self._synced_plan = None
+        self.inflight.clear()
+        self._keep.clear()
+        for m in extra.get("inflight", ()):
+            total = m["sum"].to(device=self._scratch.device)
+            self.inflight.append(InFlight(int(m["group"]), Received(total), int(m["sent"]),
+                                          int(m["due"]), 0.0, int(m["nbytes"])))
+            self._keep[int(m["sent"])] = [tuple(r) for r in m["keep"]]
 
 
 def _each_range(ranges, packed: torch.Tensor, fn, state: torch.Tensor) -> None:

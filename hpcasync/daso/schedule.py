@@ -215,12 +215,13 @@ class DasoSchedule:
                 "daso_batches_to_wait": knobs.batches_to_wait}
 
     def state_dict(self) -> dict:
-        if self.batch:
-            raise ConfigError("DASO state can only be saved between epochs")
-        return {"epoch": self.epoch, "knobs": list(self.knobs),
-                "plateau": self.plateau.state_dict()}
+        """The schedule at any batch: the epoch, the batches done in it and its batch count,
+        the knobs, the plateau detector."""
+        return {"epoch": self.epoch, "batch": self.batch, "nbatches": self.nbatches,
+                "knobs": list(self.knobs), "plateau": self.plateau.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch, self.nbatches = int(state["epoch"]), 0, None
+        self.epoch, self.batch = int(state["epoch"]), int(state.get("batch", 0))
+        self.nbatches = state.get("nbatches") if self.batch else None
         self.knobs = Knobs(*(int(v) for v in state["knobs"]))
         self.plateau.load_state_dict(state["plateau"])

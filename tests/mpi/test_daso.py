@@ -176,6 +176,68 @@ def test_nodes_differ_inside_a_cycling_epoch_and_buffers_travel(topo, data):
     assert allsame(flat.params) and allsame(flat.buffers)
 
 
+def test_state_dict_mid_epoch_with_a_send_in_flight_goes_on_bitwise(topo, data, tmp_path):
+    """DASO's ``state_dict`` is complete at any batch: taken after batch 4 of a cycling epoch
+    (the send of batch 4 in flight on its group, due at batch 5), it neither changes the run
+    that took it nor leaves anything out: a fresh model and DASO loaded with it (every rank its
+    own state, no broadcast) go on bitwise as the undisturbed run, to the end of the next
+    epoch; and a ``hpcasync.elastic.State`` committed at every batch (without ULFM) and
+    restored to the commit of batch 4 goes on bitwise too. Fails with the in-flight sends
+    dropped at the load (no message due at batch 5). ``hpcasync.save_checkpoint`` there (one
+    file: rank 0's state) is a one-line ConfigError on every rank."""
+    import copy
+
+    import hpcasync
+    from hpcasync.errors import ConfigError
+
+    kw = dict(total_epochs=2, batches_per_epoch=8, warmup_epochs=0, cooldown_epochs=0,
+              global_skip=2, batches_to_wait=1, cast=None)
+
+    def make():
+        model = make_model(7)
+        flat = FlatModel(model)
+        return model, flat, DASO(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                 flat, topo, **kw)
+
+    def run(model, opt, epoch, batches):
+        for s in batches:
+            x, y = batch(data, epoch, s, RANK, 8)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    def finish(model, opt, start):
+        run(model, opt, 0, range(start, 8))
+        opt.epoch_end(1.0)
+        run(model, opt, 1, range(8))
+        opt.epoch_end(1.0)
+
+    m1, f1, o1 = make()
+    o1.broadcast_parameters()
+    finish(m1, o1, 0)
+    m2, f2, o2 = make()
+    o2.broadcast_parameters()
+    state = hpcasync.elastic.State(model=m2, optimizer=o2)  # the README's pattern, no ULFM
+    for s in range(5):
+        run(m2, o2, 0, [s])
+        state.commit()                                     # a commit at every batch
+    in_flight = COMM.allreduce(len(o2.inflight))
+    with pytest.raises(ConfigError, match="inside a cycling epoch"):    # rank 0's state only
+        hpcasync.save_checkpoint(tmp_path, m2, o2, epoch=0, step=5)      # (every rank raises)
+    saved = copy.deepcopy((m2.state_dict(), o2.state_dict()))
+    m3, f3, o3 = make()
+    m3.load_state_dict(saved[0])
+    o3.load_state_dict(saved[1])
+    finish(m2, o2, 5)                                      # the run that took the state
+    finish(m3, o3, 5)                                      # the run that loaded it
+    assert in_flight == topo.num_nodes                     # one send: its group, every node
+    for flat in (f2, f3):
+        assert torch.equal(flat.params, f1.params) and torch.equal(flat.buffers, f1.buffers)
+    state.restore()                                        # back to the commit after batch 4
+    finish(m2, o2, 5)
+    assert torch.equal(f2.params, f1.params) and torch.equal(f2.buffers, f1.buffers)
+
+
 @pytest.mark.parametrize("cast", [None, "bf16"])
 def test_blocking_daso_equals_ssgd(topo, data, cast):
     """Blocking epochs are SSGD whatever the cast: the 16-bit cast is only for the nonblocking
