@@ -29,7 +29,9 @@ launcher's before MPI starts; several comma-separated items name other ranks):
 ``HPCASYNC_DUMP_BUFFERS=DIR``
     :func:`dump` saves tensors at a PS takeover (what a test compares).
 
-Counts restart with each training run (:func:`start_run`: the driver's context). A replacement
+The variables are read at the first phase, again at each of the CLI's start-up phases and at
+each run's start (:func:`start_run`), so a test may change them between in-process runs; a phase
+that nothing names costs a dictionary lookup. Counts restart with each run. A replacement
 spawned by a grow-back drops the variables that name ranks of the first launch
 (:func:`forget_first_launch`), as does a PS takeover for ``HPCASYNC_INJECT_KILL``.
 """
@@ -76,15 +78,16 @@ PHASES = {
 }
 EARLY_PHASES = ("launch", "data", "mpi")
 
-_state: dict = {"key": None, "plan": {}, "counts": {}}
+_state: dict = {"plan": None, "counts": {}}
 
 
 def point(phase: str, *, fire: bool = True, step: int | None = None, grad=None) -> None:
     """This process reached ``phase`` (one of :data:`PHASES`): count it and do what the
     variables ask for it. ``fire=False``: counted, never acted on. ``gradient`` passes the
     worker's ``step`` and ``grad`` (poisoned in place)."""
-    plan = _plan()
-    actions = plan.get(phase)
+    if phase in EARLY_PHASES:
+        _state["plan"] = None
+    actions = _plan().get(phase)
     if not actions:
         return
     counts = _state["counts"]
@@ -101,8 +104,9 @@ def point(phase: str, *, fire: bool = True, step: int | None = None, grad=None) 
 
 
 def start_run() -> None:
-    """A training run starts in this process: the counts begin again."""
-    _state["counts"] = {}
+    """A training run starts in this process: the variables are read again, the counts begin
+    again."""
+    _state["plan"], _state["counts"] = None, {}
 
 
 def forget_first_launch() -> None:
@@ -113,6 +117,7 @@ def forget_first_launch() -> None:
 def forget(*names: str) -> None:
     for name in names:
         os.environ.pop(name, None)
+    _state["plan"] = None
 
 
 def dump(tag: str, **what) -> None:
@@ -138,12 +143,9 @@ def _rank() -> int:
 
 
 def _plan() -> dict:
-    env = tuple(os.environ.get(v) for v in _PLAN_ENV)
-    if not any(env):
-        return {}
-    key = (env, _rank())
-    if key != _state["key"]:
-        _state["key"], _state["plan"] = key, _parse(key[1])
+    if _state["plan"] is None:
+        named = any(os.environ.get(v) for v in _PLAN_ENV)
+        _state["plan"] = _parse(_rank()) if named else {}
     return _state["plan"]
 
 
