@@ -185,7 +185,8 @@ class P2PTransport(_Base):
         MPI = self.MPI
         reqs = [self._push_header(kind, grad.numel(), **head)]
         if kind == KIND_PUSH:
-            inject.point("push")                # here: after the header, before the data
+            if self.push_phase:                 # here: after the header, before the data
+                inject.point("push")
             n = min(grad.numel(), self.numel)
             reqs.append(self.comm.Isend([_np(grad[:n]), MPI.FLOAT], dest=self.ps_rank,
                                         tag=_TAG_GRAD))

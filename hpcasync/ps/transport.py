@@ -122,7 +122,8 @@ class RMATransport(_Base):
                 self.win_in.Put([_np(extra), MPI.FLOAT], self.ps_rank,
                                 target=(base + self.numel, self.extra, MPI.FLOAT))
             self.win_in.Unlock(self.ps_rank)
-            inject.point("push")
+            if self.push_phase:
+                inject.point("push")
         req = self._push_header(kind, grad.numel(), **head)
         self.wait_time += wait(req)
 

@@ -132,6 +132,7 @@ class _Base:
         self.end_code = 0                   # the last end message (END_GROW: a grow-back)
         self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
         self.idle_hook = None      # PS: called while waiting for a header
+        self.push_phase = True     # worker: its pushes pass hpcasync.inject's "push" phase
         self.peak_bytes = 0        # the most state_bytes() has been (updated by subclasses)
 
     def state_bytes(self) -> int:
