@@ -3,7 +3,7 @@
 Production code calls ``inject.point(PHASE)`` at each phase of :data:`PHASES` (and nothing else of
 this module but :func:`start_run`, :func:`forget_first_launch` and :func:`dump`); the call does
 nothing unless one of the variables below names this process. Tests set them in the launcher's
-environment (or in ``os.environ`` between in-process runs: they are read again when they change)::
+environment (or in ``os.environ`` between in-process runs: a run's start reads them again)::
 
     HPCASYNC_INJECT_KILL_AT=3:step:5          # rank 3 SIGKILLs itself at its 5th completed step
     HPCASYNC_INJECT_KILL_AT=1:grow:1:2:bg     # rank 1, 2 s after its first grow, from a timer

@@ -359,8 +359,6 @@ class FaultTolerance:
         watchdog for a replacement that never merges). Returns the record, None if not grown."""
         from mpi4py import MPI
 
-        from .join import _order, _Watchdog
-
         m = self.membership
         world, want = m.comm, self.max_ranks - m.size()
         if want <= 0:
@@ -368,7 +366,8 @@ class FaultTolerance:
         t0 = time.perf_counter()
         try:
             kept = world.allgather(before_rank)
-            with _Watchdog(f"elastic grow-back (spawning {want} replacement(s))", connect=False):
+            with join._Watchdog(f"elastic grow-back (spawning {want} replacement(s))",
+                                connect=False):
                 inter, error = join.spawn(world, want)
             if not world.allreduce(inter is not None, op=MPI.LAND):
                 if inter is not None:
@@ -378,9 +377,9 @@ class FaultTolerance:
                                 "on with %d ranks", want, error or "on another rank", m.size())
                 return None
             spawned = time.perf_counter()
-            keys, joiner_keys, same = _order(before, kept, m.size(), want)
+            keys, joiner_keys, same = join._order(before, kept, m.size(), want)
             root = min(keys)
-            with _Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
+            with join._Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
                 merged = inter.Merge(high=False)
                 merged.bcast({"keys": joiner_keys, "survivor_keys": keys, "src": root,
                               "max_ranks": self.max_ranks}, root=0)
