@@ -15,7 +15,7 @@ SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-lim
 
 
 def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("hpcasync: error")]
+    return [line for line in stderr.splitlines() if line.lstrip().startswith("hpcasync: error")]
 
 
 # Every case stops in the option checks, before MPI starts, on every rank alike, and only the

@@ -421,6 +421,7 @@ def test_horovod_node_local_backend_matches_mpi(topo, data):
 
 # -- the CLI -----------------------------------------------------------------------------------
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: the in-process DASO tests (state_dict mid-epoch)
 def test_cli_daso_end_to_end_and_bitwise_resume(tmp_path):
     args = ["train", "--algorithm", "daso", "--ranks-per-node", "2", "--dataset",
             "fashion-mnist-mini", "--train-limit", "1024", "--test-limit", "200", "--model", "mlp",

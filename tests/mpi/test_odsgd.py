@@ -235,6 +235,7 @@ def test_hyper_from_config_defaults():
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: its MPI paths are the in-process OD-SGD tests'
 def test_cli_run_ends_cleanly_with_timing_breakdown(tmp_path):
     out = tmp_path / "od.jsonl"
     r = run_mpi(4, ["train", "--algorithm", "odsgd", "--dataset", "fashion-mnist-mini",

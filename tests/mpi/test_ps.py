@@ -236,6 +236,7 @@ def test_cli_asgd_learns_fashion_mnist_10k(tmp_path):
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: test_bad_pushes_rejected_counted_and_training_continues
 def test_cli_nan_push_rejected_and_ps_on_rank_2(tmp_path):
     m = tmp_path / "nan.jsonl"
     env_extra = {"HPCASYNC_INJECT_NAN": "1:3"}

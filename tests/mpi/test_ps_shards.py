@@ -100,6 +100,7 @@ def _jobs_out(tmp_path_factory) -> Path:
 @pytest.mark.rank0
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.one_mpi       # MPICH: the shards' MPI paths are the in-process shard tests' below
 def test_two_shards_equal_one_server_bitwise(algorithm, tmp_path_factory):
     out = _jobs_out(tmp_path_factory)
     for k in (1, 2):
@@ -115,6 +116,7 @@ def test_two_shards_equal_one_server_bitwise(algorithm, tmp_path_factory):
 @pytest.mark.rank0
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("algorithm", RESUMED)
+@pytest.mark.one_mpi       # MPICH: the shards' MPI paths are the in-process shard tests' below
 def test_resume_of_two_shard_checkpoint_is_bitwise(algorithm, tmp_path_factory):
     from hpcasync.checkpoint import read_checkpoint
 

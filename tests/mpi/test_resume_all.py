@@ -139,6 +139,7 @@ def _run_job(tmp_path_factory) -> Path:
 @pytest.mark.rank0
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("algorithm", algorithms())
+@pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
     assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 14
     out = _run_job(tmp_path_factory)

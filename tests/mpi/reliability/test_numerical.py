@@ -48,7 +48,7 @@ def test_diverging_run_stops_with_one_line_and_no_nan_record(tmp_path, algorithm
 
 
 @pytest.mark.rank0
-@pytest.mark.one_mpi       # MPICH: test_ps.py::test_cli_nan_push_rejected_and_ps_on_rank_2
+@pytest.mark.one_mpi       # MPICH: test_ps.py's in-process bad-push test
 def test_nan_gradients_rejected_at_the_ps_and_counted(tmp_path):
     """Worker rank 2 pushes a NaN gradient at its 5th step: the PS (rank 0) rejects it, counts
     it in the epoch record and the summary, and the run ends normally with finite weights."""

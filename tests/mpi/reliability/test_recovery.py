@@ -123,6 +123,7 @@ PS = ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist-mini", "--trai
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: a death without ULFM and its resume: test_worker_failure's
 def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
     ckpt, partial = tmp_path / "ckpt", tmp_path / "a.jsonl.partial"
     job = start_job([*PS, "--metrics", str(tmp_path / "a.jsonl"), "--checkpoint-dir", str(ckpt),
@@ -162,6 +163,7 @@ def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
 # -- a writer killed before its rename -----------------------------------------------------------
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: a Python writer; test_worker_failure's resume
 def test_writer_killed_before_rename_leaves_only_a_temp_file(tmp_path):
     """The writer's process is SIGKILLed after torch.save wrote the temp file, inside the fsync
     before the rename (made to block there): the directory's good checkpoint stays the latest."""

@@ -31,6 +31,7 @@ def test_divergence_guard_state_round_trips():
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: a resume's MPI path is test_worker_failure's
 def test_a_resumed_ssgd_run_keeps_the_divergence_reference(tmp_path):
     """The checkpoint holds rank 0's guard; resuming with a loss far above the saved best but
     below 3x a fresh guard's first value diverges at once (a fresh guard would not notice)."""
@@ -61,6 +62,7 @@ def test_a_resumed_ssgd_run_keeps_the_divergence_reference(tmp_path):
 
 
 @pytest.mark.rank0
+@pytest.mark.one_mpi       # MPICH: a resume's MPI path is test_worker_failure's
 def test_failed_workers_are_kept_across_a_resume(tmp_path):
     """asgd under ULFM: worker 2 (rank 3) dies at its push 10 of epoch 1; the epoch-1 checkpoint
     holds the failure; a run resumed from it (every worker alive again) lists it, marked
