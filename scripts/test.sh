@@ -82,9 +82,29 @@ for pass in $passes; do
             mapfile -t launch < <("$venv/bin/python" -m hpcasync.launch -n 4)
             [ "${#launch[@]}" -gt 1 ] || { echo "test.sh: no MPI launcher for $venv"; exit 1; }
             echo "test.sh: tests/mpi under ${launch[0]}: ${launch[*]:1}" >&2
-            timeout "$(left)" "${launch[@]:1}" \
-                "$venv/bin/python" -m mpi4py -m pytest "${opts[@]}" "${mpi_paths[@]}"
-            r=$? ;;
+            run_mpi() {
+                timeout "$(left)" "${launch[@]:1}" \
+                    "$venv/bin/python" -m mpi4py -m pytest "${opts[@]}" "$@"
+            }
+            if [ "${mpi_paths[*]}" = tests/mpi ]; then
+                # Two jobs, each in fresh processes: tests/mpi/reliability (rank 0 launches ~110
+                # fault-injection jobs of its own while the other ranks wait), then the rest. In two
+                # CI runs of one job, rank 0 died of SIGSEGV inside MPI_Bcast in the first test
+                # after that directory (tests/mpi/test_api.py, the first to use COMM_WORLD in-process;
+                # cause not found, not reproduced alone); a crash in one job no longer takes the
+                # other's results with it.
+                run_mpi tests/mpi/reliability
+                r1=$?
+                run_mpi tests/mpi --ignore=tests/mpi/reliability
+                r2=$?
+                if [ $r1 = 5 ] && [ $r2 = 5 ]; then r=5
+                elif [ $r1 != 0 ] && [ $r1 != 5 ]; then r=$r1
+                elif [ $r2 != 0 ] && [ $r2 != 5 ]; then r=$r2
+                else r=0; fi
+            else
+                run_mpi "${mpi_paths[@]}"
+                r=$?
+            fi ;;
         *) echo "test.sh: unknown pass '$pass' in HPCASYNC_TEST_PASSES (unit, mpi)"; exit 1 ;;
     esac
     echo "test.sh: $pass pass exit $r" >&2

@@ -195,10 +195,14 @@ def test_recovery_adopts_the_most_advanced_survivors_state(tmp_path):
 @pytest.mark.parametrize("algorithm", ["ssgd", pytest.param("odsgd", marks=pytest.mark.one_mpi)])
 def test_without_ulfm_a_death_ends_the_job_within_30_s_naming_the_rank(tmp_path, algorithm):
     """The launcher ends the job (Open MPI: SIGTERM then SIGKILL to every survivor; MPICH's
-    hydra: SIGKILL at once): non-zero exit in < 30 s; Open MPI's line names the dead rank."""
-    out, metrics, wall = _run(tmp_path, algorithm, "2:step:30", ft=False,
-                              extra=ODSGD if algorithm == "odsgd" else ())
-    assert out.returncode != 0 and wall < 30, (out.returncode, wall)
+    hydra: SIGKILL at once): non-zero exit within 30 s of the death (the kill log's time, not the
+    launch: start-up and 30 steps took 30.6 s of a loaded 2-core box under MPICH); Open MPI's line
+    names the dead rank."""
+    out, metrics, _ = _run(tmp_path, algorithm, "2:step:30", ft=False,
+                           extra=ODSGD if algorithm == "odsgd" else ())
+    ended = time.time()
+    killed_at = float((tmp_path / "kills").read_text().split()[-1])
+    assert out.returncode != 0 and ended - killed_at < 30, (out.returncode, ended - killed_at)
     if VENDOR == OPEN_MPI:
         assert re.search(r"process rank 2 with PID \d+ on node \S+ exited on\s+signal 9",
                          out.stderr), out.stderr[-2000:]
