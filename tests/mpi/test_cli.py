@@ -15,7 +15,8 @@ SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-lim
 
 
 def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.lstrip().startswith("hpcasync: error")]
+    return [line for line in stderr.splitlines()       # prterun's help lines may leave a NUL
+            if line.lstrip(" \t\0").startswith("hpcasync: error")]
 
 
 # Every case stops in the option checks, before MPI starts, on every rank alike, and only the

@@ -69,7 +69,7 @@ def _ended_with_one_line(code, out, took, dead: int) -> None:
     assert code is not None, f"still running {LIMIT_S} s after launch:\n{out[-3000:]}"
     assert took is not None and took < BOUND_S, (took, out[-3000:])
     assert code != 0, out[-3000:]
-    ours = [line for line in out.splitlines() if line.lstrip().startswith("hpcasync: error")]
+    ours = [line for line in out.splitlines() if line.lstrip(" \t\0").startswith("hpcasync: error")]
     assert len(ours) == 1, out[-3000:]
     assert re.search(rf"rank\(s\) {dead} died", ours[0]), ours
     assert "Traceback" not in out, out[-3000:]
