@@ -110,6 +110,13 @@ def reference_summary(args: list[str], directory: Path, n: int = 4) -> dict:
     return summary
 
 
+def error_lines(text: str) -> list[str]:
+    """The lines of ``text`` that are an ``hpcasync: error`` line, as a rank printed it. Blanks
+    and NULs before it are skipped: prterun's aggregated help message ("1 more process has sent
+    help message ...") once left a NUL at the start of the next line in a job's stderr."""
+    return [ln for ln in text.splitlines() if ln.lstrip(" \t\0").startswith("hpcasync: error")]
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
     """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
     t0 = time.time()

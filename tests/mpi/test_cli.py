@@ -8,15 +8,10 @@ import time
 import pytest
 
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import clean_env, run_cli, run_mpi
+from tests.mpi_util import clean_env, error_lines, run_cli, run_mpi
 
 SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "2048", "--test-limit", "500",
          "--epochs", "1", "--progress", "off"]
-
-
-def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines()       # prterun's help lines may leave a NUL
-            if line.lstrip(" \t\0").startswith("hpcasync: error")]
 
 
 # Every case stops in the option checks, before MPI starts, on every rank alike, and only the
@@ -40,7 +35,7 @@ def test_bad_option_one_line_error_before_mpi(args, needle):
     t0 = time.time()
     r = run_mpi(4, ["train", *SMALL, *args], timeout=60)
     assert r.returncode != 0 and time.time() - t0 < 30
-    lines = _error_lines(r.stderr)
+    lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr            # said once (rank 0), not by every rank
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
@@ -65,7 +60,7 @@ def test_missing_dataset_files(tmp_path):
     r = run_mpi(2, ["train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--epochs", "1"],
                 timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r.stderr)
+    lines = error_lines(r.stderr)
     assert len(lines) == 1 and "fashion-mnist not found" in lines[0] and str(tmp_path) in lines[0], r.stderr
 
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from hpcasync import launch
 from hpcasync.errors import ConfigError
 from hpcasync.runtime import ft
-from tests.mpi_util import VENDOR, clean_env, run_mpi
+from tests.mpi_util import VENDOR, clean_env, error_lines, run_mpi
 
 PROBE = ("import json, sys; from mpi4py import MPI; c = MPI.COMM_WORLD; "
          "open(f'{sys.argv[1]}/{c.Get_rank()}-{c.Get_size()}.json', 'x').write("
@@ -90,7 +90,7 @@ def test_fault_tolerance_asked_for_under_mpich_ends_the_job_with_one_line():
     r = run_mpi(2, ["train", "--algorithm", "asgd", "--dataset", "fashion-mnist-mini",
                     "--train-limit", "256", "--test-limit", "100", "--epochs", "1",
                     "--progress", "off"], env=clean_env(**{ft.FT_ENV: "1"}), timeout=120)
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hpcasync: error")]
+    errors = error_lines(r.stderr)
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
     assert "needs Open MPI" in errors[0] and "MPICH" in errors[0]
     assert "Traceback" not in r.stderr

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import (REPO, SSGD_REFERENCE, clean_env, last_summary, mpiexec,
+from tests.mpi_util import (REPO, SSGD_REFERENCE, clean_env, error_lines, last_summary, mpiexec,
                             reference_summary, run_mpi, wait_for)
 
 # 16 steps an epoch, 3 epochs; the ranks agree on a stop every 10 steps
@@ -77,6 +77,6 @@ def test_bad_checkpoint_one_line_error(tmp_path, damage):
     r = run_mpi(2, [*ARGS, "--epochs", "2", "--train-limit", "512", *extra, "--resume", str(path)],
                 timeout=120)
     assert r.returncode != 0
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("hpcasync: error")]
+    lines = error_lines(r.stderr)
     assert lines and str(path.name) in lines[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr

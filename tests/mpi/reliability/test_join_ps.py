@@ -16,7 +16,7 @@ import pytest
 
 from hpcasync.launch import mpiexec_command
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, need_ulfm
+from tests.mpi_util import REPO, clean_env, error_lines, last_summary, mpiexec, need_ulfm
 
 TRAIN = 3000                             # 3 workers x 31 batches of 32 per epoch
 BUDGET = 2 * (TRAIN // 3 // 32)          # pushes per worker in 2 epochs
@@ -144,9 +144,7 @@ def test_a_death_during_the_grow_ends_the_job_with_one_line_in_seconds(tmp_path)
     killed = {ln.split()[1]: float(ln.split()[3]) for ln in log.read_text().splitlines()}
     assert set(killed) == {"step", "grow"}
     assert ended - killed["grow"] < 30, (ended - killed["grow"], out.stderr[-3000:])
-    lines = [ln for ln in out.stderr.splitlines()      # prterun's help lines may leave a NUL
-             if ln.lstrip(" \t\0").startswith("hpcasync: error")]
-    assert any("rank(s) 1, 3 died" in ln for ln in lines), out.stderr[-3000:]
+    assert any("rank(s) 1, 3 died" in ln for ln in error_lines(out.stderr)), out.stderr[-3000:]
 
 
 @pytest.mark.rank0

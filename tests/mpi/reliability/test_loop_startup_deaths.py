@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
+from tests.mpi_util import REPO, clean_env, error_lines, mpiexec, need_ulfm
 
 LIMIT_S = 60.0            # the whole job; the requirement is 30 s from the kill to the end
 SCRIPT = """
@@ -52,7 +52,7 @@ def test_own_loop_death_before_mpi_init_ends_the_job_with_one_line(tmp_path):
     took = time.time() - float(killed.read_text())
     assert job.returncode != 0, out[-3000:]
     assert took < 30, (took, out[-3000:])
-    ours = [line for line in out.splitlines() if line.lstrip(" \t\0").startswith("hpcasync: error")]
+    ours = error_lines(out)
     assert len(ours) == 1 and re.search(r"rank\(s\) 1 died during start-up", ours[0]), out[-3000:]
     assert "unreachable" not in out and "Traceback" not in out, out[-3000:]
 

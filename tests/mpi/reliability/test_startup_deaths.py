@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests.mpi_util import REPO, VENDOR, clean_env, mpiexec, need_ulfm
+from tests.mpi_util import REPO, VENDOR, clean_env, error_lines, mpiexec, need_ulfm
 
 ARGS = ["train", "--dataset", "fashion-mnist-mini", "--train-limit", "600", "--test-limit", "100",
         "--epochs", "1", "--model", "mlp", "--progress", "off"]
@@ -69,7 +69,7 @@ def _ended_with_one_line(code, out, took, dead: int) -> None:
     assert code is not None, f"still running {LIMIT_S} s after launch:\n{out[-3000:]}"
     assert took is not None and took < BOUND_S, (took, out[-3000:])
     assert code != 0, out[-3000:]
-    ours = [line for line in out.splitlines() if line.lstrip(" \t\0").startswith("hpcasync: error")]
+    ours = error_lines(out)
     assert len(ours) == 1, out[-3000:]
     assert re.search(rf"rank\(s\) {dead} died", ours[0]), ours
     assert "Traceback" not in out, out[-3000:]
