@@ -1,8 +1,14 @@
-"""Your own SSGD (or OD-SGD) loop that survives a dead rank: ``hpcasync.elastic`` (Horovod's
-elastic shape).
+"""Your own SSGD (or OD-SGD, or DASO) loop that survives a dead rank: ``hpcasync.elastic``
+(Horovod's elastic shape).
 
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --epochs 2
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm odsgd
+    mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm daso \
+        --ranks-per-node 2
+
+DASO (two virtual nodes of 2 ranks): the first epoch cycles (nodes drift apart between global
+merges), the last one is blocking; it counts each epoch's batches from the sampler and closes
+each epoch with ``opt.epoch_end(loss)``.
 
 Kill one rank (``kill -9``) while it trains: the survivors roll back to the last commit, shrink
 the world, re-deal the rest of the epoch over themselves and go on; the script ends with exit 0.
@@ -11,11 +17,12 @@ which takes the dead rank's number and the survivors' state: the run goes on wit
 Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
-world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its N-th step (counted from 0; N = the steps of the whole
-run: after its last step, before ``train`` returns; N = -1: after loading the data, before the
-optimizer's first broadcast); ``--out DIR`` writes, on each
-survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
-the parameters; ``joined``: a replacement; written by a replacement too, under the dead rank's
+world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
+N-th step (counted from 0; N = the steps of the whole run: after its last step, before ``train``
+returns; N = -1: after loading the data, before the optimizer's first broadcast); ``--out DIR``
+writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
+the parameters, and one in each reset callback, before the sync; ``joined``: a replacement;
+written by a replacement too, under the dead rank's
 number, which it took) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data
 indices this rank trained on since the previous commit, with the sampler's position before and
 after. A replacement ignores ``--kill-rank``.
@@ -37,7 +44,10 @@ import hpcasync
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", choices=("ssgd", "odsgd"), default="ssgd")
+parser.add_argument("--algorithm", choices=("ssgd", "odsgd", "daso"), default="ssgd")
+parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (DASO)")
+parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batches between global "
+                    "sends while cycling")
 parser.add_argument("--odsgd-warmup", type=int, default=4, help="OD-SGD's SSGD warm-up steps")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
@@ -54,24 +64,33 @@ kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
 if hpcasync.elastic.is_joiner():           # a replacement takes a dead rank's number: the kills
     kills = {}                             # name ranks of the first launch
 
-ctx = hpcasync.init(args.algorithm, seed=0)
+ctx = hpcasync.init(args.algorithm, seed=0, ranks_per_node=args.ranks_per_node)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
 if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
     os.kill(os.getpid(), signal.SIGKILL)
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
 sgd = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.size, momentum=0.9)
-hyper = {"warmup_iters": args.odsgd_warmup} if args.algorithm == "odsgd" else {}
-opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size, rank=ctx.rank,
                                           num_replicas=ctx.size, seed=1)
+hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
+         "daso": {"epochs": args.epochs, "sampler": sampler, "warmup_epochs": 0,
+                  "cooldown_epochs": 1, "global_skip": args.daso_global_skip}}.get(args.algorithm, {})
+opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0)
 
 me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
+reset_params = []                          # a digest of the parameters in each reset callback
+
+
+def digest():
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
 
 
 def on_reset():
     resets.append(state.size)
+    reset_params.append(digest())
     pending.clear()                        # trained since the last commit: rolled back
     for group in opt.param_groups:         # as Horovod's examples: lr scaled with the world
         group["lr"] = args.lr * state.size
@@ -104,12 +123,15 @@ def train(state):
         # the data set is in memory: the loader deals indices, the batch is sliced from tensors
         loader = DataLoader(range(len(train_set)), batch_size=args.batch_size,
                             sampler=state.sampler)
+        losses = []
         for state.batch, idx in enumerate(loader, start=state.batch):
             maybe_die()
             x, y = train_set.images[idx].to(ctx.device), train_set.labels[idx].to(ctx.device)
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             opt.step()
+            losses.append(loss.item())
             executed[0] += 1
             pending.extend(idx.tolist())
             state.steps += 1
@@ -117,6 +139,8 @@ def train(state):
             if state.steps % args.commit_every == 0:
                 before = commit(before)
         before = commit(before)            # the epoch's tail (if any) is not trained
+        if args.algorithm == "daso":       # close the epoch: its rank-averaged loss drives the
+            opt.epoch_end(sum(losses) / max(1, len(losses)))   # schedule (plateau)
         state.epoch += 1                   # (not left at the last epoch: a call after the end,
         state.batch = 0                    # when a rank dies after the last step, trains nothing)
         state.sampler.set_epoch(state.epoch)
@@ -131,9 +155,7 @@ if args.algorithm == "odsgd":
 if state.rank == 0:
     print(f"done: {state.steps} steps on {state.size} ranks (resets: {resets})", flush=True)
 if args.out:
-    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
-                                     for p in model.parameters()))
     Path(args.out, f"rank{me}.json").write_text(json.dumps({
         "size": state.size, "resets": resets, "executed": executed[0], "steps": state.steps,
-        "epoch": state.epoch, "params": digest.hexdigest(), "rank": state.rank,
-        "joined": hpcasync.elastic.is_joiner()}))
+        "epoch": state.epoch, "params": digest(), "rank": state.rank,
+        "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params}))

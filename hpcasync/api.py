@@ -346,12 +346,16 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
         from .daso.optimizer import DASO
 
         missing = [k for k in ("epochs", "steps_per_epoch") if k not in hyper]
+        if "sampler" in hyper and missing == ["steps_per_epoch"]:
+            missing = []                # an ElasticSampler counts each epoch's batches
         if missing:
             raise ConfigError(f"daso schedules its phases by epoch: pass "
                               f"{' and '.join(f'{k}=...' for k in missing)} (steps_per_epoch: "
-                              "batches per rank and epoch, e.g. len(loader))")
+                              "batches per rank and epoch, e.g. len(loader); or sampler=your "
+                              "hpcasync.elastic.ElasticSampler)")
         hyper["total_epochs"] = hyper.pop("epochs")
-        hyper["batches_per_epoch"] = hyper.pop("steps_per_epoch")
+        if "steps_per_epoch" in hyper:
+            hyper["batches_per_epoch"] = hyper.pop("steps_per_epoch")
         result = DASO(opt, model, **hyper)
     if broadcast:
         try:

@@ -31,8 +31,11 @@ are rebuilt on the survivors (``state.rank``/``state.size``/``state.roles`` are 
 reset callbacks run, rank 0's state is broadcast and ``train(state)`` is called again; the
 sampler deals the rest of the epoch from the committed position over the survivors
 (:class:`~hpcasync.data.sharding.ElasticSampler`: no sample of the epoch trained twice or lost).
-SSGD and OD-SGD: another algorithm's optimizer is a one-line ConfigError at ``State(...)`` under
-ULFM.
+SSGD, OD-SGD and DASO (give DASO the sampler, ``hpcasync.optimizer("daso", ..., epochs=E,
+sampler=sampler)``, so that an epoch dealt over fewer ranks is recounted; it keeps its node
+groups, and after a death inside a cycling epoch the survivors average their restored states
+before the sync); a parameter-server algorithm's optimizer is a one-line ConfigError at
+``State(...)`` under ULFM.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -63,9 +66,10 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "is_joiner", "run
 
 is_joiner = _core.is_joiner
 
-#: algorithms whose optimizer survives a reset (set_comm over the survivors; its state_dict
-#: complete at a commit: OD-SGD completes its round in flight there)
-SUPPORTED = ("ssgd", "odsgd")
+#: algorithms whose optimizer survives a reset (set_comm / DASO's set_topology over the
+#: survivors; its state_dict complete at a commit: OD-SGD completes its round in flight there,
+#: DASO its global sends in flight)
+SUPPORTED = ("ssgd", "odsgd", "daso")
 _RESERVED = ("rank", "size", "roles", "ft")
 
 
@@ -88,8 +92,10 @@ class _FrontDoor(_core.Membership):
     def comms(self) -> list:
         out = [self.topo.world, self.topo.local, self.topo.glob]
         for opt in self.state._optimizers():
-            out += [getattr(opt, "comm", None), getattr(getattr(opt, "reducer", None), "comm",
-                                                        None)]
+            comm = getattr(opt, "comm", None)
+            out += [comm, getattr(getattr(opt, "reducer", None), "comm", None)]
+            if hasattr(comm, "group_comms"):          # DASO's global groups
+                out += list(comm.group_comms())
         return [c for c in out if c is not None]
 
     def rebuild(self, new) -> None:
@@ -97,9 +103,22 @@ class _FrontDoor(_core.Membership):
                                              algorithm=self.algorithm)
         self.topo, self._own_world = self.roles.topology, True
         for opt in self.state._optimizers():
-            opt.set_comm(self.topo.world)
+            self.move(opt, after_death=True)
         for sampler in self.state._samplers():
             sampler.set_world(self.topo.rank, self.topo.size)
+
+    def move(self, opt, *, after_death: bool) -> None:
+        """``opt`` onto the current topology. DASO (``set_topology``) keeps its node groups;
+        after a death inside a cycling epoch, where the nodes have drifted apart, the survivors
+        average their restored states when they all hold the same commit (collective; else
+        the sync takes the most advanced one's, the root's), so that the sync drops no node's
+        progress; after a grow the sync from a survivor brings the replacements up. The others
+        reduce over the new world (``set_comm``)."""
+        if hasattr(opt, "set_topology"):
+            same = self.commits is not None and len(set(self.commits)) == 1
+            opt.set_topology(self.topo, average=after_death and same and not opt.replicas_equal)
+        else:
+            opt.set_comm(self.topo.world)
 
     def regrow(self, grown) -> None:
         """What a replacement's ``hpcasync.init`` (the first call's options) does over
@@ -113,7 +132,7 @@ class _FrontDoor(_core.Membership):
         self.topo, self._own_world = default_topology(), True
         self.roles = api._sync_roles(self.topo, self.algorithm)
         for opt in self.state._optimizers():
-            opt.set_comm(self.topo.world)
+            self.move(opt, after_death=False)
         for sampler in self.state._samplers():
             sampler.set_world(self.topo.rank, self.topo.size)
 
@@ -143,15 +162,15 @@ class State(_core.TorchState):
         unsupported = [a for a in algos if a not in SUPPORTED]
         if ft.ulfm and unsupported:
             raise ConfigError(f"hpcasync.elastic survives a death with {', '.join(SUPPORTED)} "
-                              f"only; this state holds a {', '.join(unsupported)} optimizer (run "
+                              f"only; this state's optimizer runs {', '.join(unsupported)} (run "
                               "it without --with-ft: a death then ends the job, restart from a "
                               "checkpoint)")
         object.__setattr__(self, "ft", ft)
         object.__setattr__(self, "_membership", membership)
         super().__init__(**values)
-        if _core.is_joiner():   # a replacement: its optimizers reduce over the grown world
-            for opt in self._optimizers():  # (built on its own COMM_WORLD: local, as regrow)
-                opt.set_comm(membership.topo.world)
+        if _core.is_joiner():   # a replacement: its optimizers onto the grown world (built on
+            for opt in self._optimizers():  # its own launch's: local), as the survivors' regrow
+                membership.move(opt, after_death=False)
 
     # -- the core's hooks ------------------------------------------------------------------------
     def default_bcast_object(self, obj):
@@ -180,7 +199,8 @@ class State(_core.TorchState):
 
     def _optimizers(self) -> list:
         return [h.value for h in self._handlers.values()
-                if isinstance(h.value, torch.optim.Optimizer) and hasattr(h.value, "set_comm")]
+                if isinstance(h.value, torch.optim.Optimizer)
+                and (hasattr(h.value, "set_comm") or hasattr(h.value, "set_topology"))]
 
     def _samplers(self) -> list:
         return [h.value for h in self._handlers.values() if isinstance(h.value, ElasticSampler)]

@@ -25,7 +25,12 @@ Args:
     topo: a :class:`~hpcasync.topology.Topology`; nodes may be uneven (after a death: global
         group j is local rank j mod L_p of every node p, see :mod:`.comm`).
     total_epochs: epochs of the run (the cool-down counts back from it).
-    batches_per_epoch: batches (``step()`` calls) per epoch, a count.
+    batches_per_epoch: batches (``step()`` calls) per epoch, a count; or ``sampler``:
+    sampler: an :class:`~hpcasync.data.sharding.ElasticSampler` (anything with ``num_batches``,
+        the batches left for every rank): each epoch counts the batches it deals, and an epoch
+        whose world changed (an elastic reset, a load) is recounted as the batches done plus the
+        sampler's left (:mod:`hpcasync.elastic`: the rest of the epoch is dealt over the
+        survivors). Call ``sampler.record_batch()`` after ``step()``, as the elastic example does.
     warmup_epochs=4, cooldown_epochs=4, global_skip=4, local_skip=1, batches_to_wait=1,
     max_global_skips=8, plateau_patience=3, plateau_threshold=0.05: see :class:`DasoSchedule`.
     cast="bf16": wire format of the nonblocking global sends ("bf16", "fp16", None/"none").
@@ -105,19 +110,29 @@ class DASO(AlgorithmOptimizer):
     algorithm = "daso"
 
     def __init__(self, optimizer: torch.optim.Optimizer, flat, topo=None, *, total_epochs: int,
-                 batches_per_epoch: int, warmup_epochs: int = 4, cooldown_epochs: int = 4,
+                 batches_per_epoch: int | None = None, sampler=None, warmup_epochs: int = 4, cooldown_epochs: int = 4,
                  global_skip: int = 4, local_skip: int = 1, batches_to_wait: int = 1,
                  max_global_skips: int = 8, cast: str | None = "bf16",
                  chunk_elems: int = DASO_CHUNK_ELEMS, plateau_patience: int = 3,
                  plateau_threshold: float = 0.05, local_backend: str = "mpi",
                  link_delay_us_per_mb: float = 0.0):
-        if not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+        if (batches_per_epoch is None) == (sampler is None):
+            raise ConfigError("DASO counts the batches of an epoch: give batches_per_epoch (an "
+                              "integer) or sampler (an ElasticSampler), one of them")
+        if sampler is not None and not hasattr(sampler, "num_batches"):
+            raise ConfigError(f"DASO sampler must say the batches it has left (num_batches, as "
+                              f"an ElasticSampler does); got {type(sampler).__name__}")
+        if sampler is None and (not isinstance(batches_per_epoch, int) or batches_per_epoch < 1):
             raise ConfigError(f"DASO batches_per_epoch must be an integer >= 1, "
                               f"got {batches_per_epoch!r}")
         self._wrap(as_flat(flat), optimizer)
         flat = self.flat
-        self.topo = topo = default_topology() if topo is None else topo
-        self.batches_per_epoch = batches_per_epoch
+        joiner = topo is None and _is_joiner()
+        if topo is None:
+            topo = _own_topology() if joiner else default_topology()
+        self.topo, self._own_topo = topo, joiner
+        self.batches_per_epoch, self.sampler = batches_per_epoch, sampler
+        self._recount = False           # the world changed inside the epoch: count it again
         self.schedule = DasoSchedule(
             total_epochs=total_epochs, num_groups=topo.max_local_size, warmup_epochs=warmup_epochs,
             cooldown_epochs=cooldown_epochs, global_skip=global_skip, local_skip=local_skip,
@@ -136,7 +151,7 @@ class DASO(AlgorithmOptimizer):
                            "local_backend": local_backend,
                            "link_delay_us_per_mb": link_delay_us_per_mb}
         self.global_phase = topo.num_nodes > 1      # one node: no global send / merge
-        if not self.global_phase and topo.rank == 0:
+        if not self.global_phase and topo.rank == 0 and not joiner:
             log.info("DASO: one node (%d ranks): no global phase (no sends, no merges); the "
                      "node-local average is the average over all ranks", topo.size)
         n = flat.params.numel() + flat.buffers.numel()
@@ -159,7 +174,7 @@ class DASO(AlgorithmOptimizer):
         ``with opt.skip_synchronize(): opt.step()``. Returns the batch's plan."""
         if self._synced_plan is not None:
             raise ConfigError("DASO synchronize() called twice for one batch")
-        plan = self.schedule.advance(self.batches_per_epoch)
+        plan = self.schedule.advance(self._epoch_batches())
         self._collect()
         self.comm.progress(self.inflight)
         if plan.grad_sync == "global":
@@ -168,6 +183,17 @@ class DASO(AlgorithmOptimizer):
             self.comm.local_average(self.flat.grads)
         self._synced_plan = plan
         return plan
+
+    def _epoch_batches(self) -> int:
+        """The batch count of the current epoch: the one given, or the sampler's (module doc of
+        ``sampler``); after a change of world inside the epoch, the schedule is recounted."""
+        if self.sampler is None:
+            return self.batches_per_epoch
+        n = self.schedule.batch + self.sampler.num_batches
+        if self._recount:
+            self.schedule.recount(n)
+            self._recount = False
+        return n
 
     def _check_skip(self) -> None:
         if self._synced_plan is None:
@@ -237,7 +263,12 @@ class DASO(AlgorithmOptimizer):
         new communicators, the schedule cycles over the largest node's size; the epoch, its
         batch and the knobs are kept. ``average``: average every replica's parameters, buffers
         and optimizer state over the survivors (what a cycling epoch's end does), so that nodes
-        that had drifted apart go on from one state. Collective over ``topo.world``."""
+        that had drifted apart go on from one state. Also the survivors and their replacements
+        after a grow-back (``average=False``: the state is then synced from a survivor). With a
+        ``sampler`` the epoch is recounted at the next step. Collective over ``topo.world``."""
+        if self._own_topo:              # a replacement's topology of itself alone
+            self.topo.free()
+            self._own_topo = False
         self.topo = topo
         self.inflight.clear()
         self._keep.clear()
@@ -246,6 +277,7 @@ class DASO(AlgorithmOptimizer):
         self.comm = DasoComm(topo, **self._comm_args)
         self.schedule.num_groups = topo.max_local_size
         self.global_phase = topo.num_nodes > 1
+        self._recount = True
         if average:
             with torch.no_grad():
                 self._average_everything()
@@ -330,6 +362,7 @@ class DASO(AlgorithmOptimizer):
         self.steps = int(extra["steps"])
         self._lost_before = int(extra.get("lost_before", -1))
         self._synced_plan = None
+        self._recount = True            # (maybe) another world: a sampler recounts the epoch
         self.inflight.clear()
         self._keep.clear()
         for m in extra.get("inflight", ()):
@@ -337,6 +370,21 @@ class DASO(AlgorithmOptimizer):
             self.inflight.append(InFlight(int(m["group"]), Received(total), int(m["sent"]),
                                           int(m["due"]), 0.0, int(m["nbytes"])))
             self._keep[int(m["sent"])] = [tuple(r) for r in m["keep"]]
+
+
+def _is_joiner() -> bool:
+    from ..runtime.join import is_joiner
+
+    return is_joiner()
+
+
+def _own_topology():
+    """A replacement spawned by an elastic grow-back builds its DASO on a topology of itself
+    alone (local: no collective the survivors would have to match); its ``hpcasync.elastic``
+    State moves it onto the grown world with the survivors' ``set_topology``."""
+    from ..topology import Topology, init_mpi
+
+    return Topology.build(init_mpi().COMM_SELF, ranks_per_node=1)
 
 
 def _each_range(ranges, packed: torch.Tensor, fn, state: torch.Tensor) -> None:

@@ -183,6 +183,19 @@ class DasoSchedule:
         self.batch += 1
         return plan
 
+    def recount(self, nbatches: int) -> None:
+        """The world changed inside the epoch (an elastic reset dealt the rest of the epoch over
+        another number of ranks): the epoch has ``nbatches`` batches in all from now on, the
+        ``batch`` done included. The plans of the batches left follow the new count (sends that
+        would not be merged before its last batch are not started; its last batch averages)."""
+        if self.batch == 0:
+            self.nbatches = None                # not begun: the first advance counts it
+            return
+        if not isinstance(nbatches, int) or nbatches < self.batch:
+            raise ConfigError(f"DASO epoch {self.epoch}: {self.batch} batches are done, the "
+                              f"recounted epoch has {nbatches!r}")
+        self.nbatches = nbatches
+
     def end_epoch(self, loss: float) -> dict:
         """Close the epoch with its rank-averaged loss; adapt knobs; returns the epoch's record
         (``daso_epoch``, ``daso_batches``: the schedule's own count of the epoch it closes and of

@@ -27,7 +27,7 @@ Growing back (horovodrun's ``--max-np``, here ``mpirun -x HPCASYNC_GROW_BACK=1``
 max_ranks=N)``): after the shrink the survivors spawn replacements running the same command; a
 replacement's ``hvd.init()`` merges with them and takes a dead rank's number, so ``hvd.size()`` is
 back to N; then every rank — survivors and replacements — runs the reset callbacks once and the
-state is broadcast from the lowest surviving rank. Unlike Horovod, where a new worker starts in
+state is broadcast from the lowest surviving rank (holding the most commits). Unlike Horovod, where a new worker starts in
 ``state.sync()`` without the callbacks, a replacement runs them too: it then makes the same calls
 as the survivors in the same order (a callback may communicate). Between ``hvd.init()`` and
 ``train(state)`` a script builds its optimizer and state and makes no collective call of its own

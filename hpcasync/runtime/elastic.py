@@ -30,7 +30,8 @@ replacement takes a dead rank's number (:func:`hpcasync.runtime.join._order`). T
 rebuilt on the grown world (``Membership.regrow``) by the same calls a replacement makes in its
 ``hpcasync.init`` / ``hvd.init`` (:func:`hpcasync.runtime.join.join_world`, the one entry of a
 replacement) and its optimizers' constructors; then
-every rank runs the reset callbacks and syncs from the lowest surviving rank (:func:`sync_root`),
+every rank runs the reset callbacks and syncs from the root (:func:`sync_root`: the lowest
+survivor holding the most commits),
 and one allgather of a digest of the state checks that the replacements hold the survivors'
 (:func:`check_synced`). Design: docs/design/elastic.md.
 """
@@ -59,8 +60,9 @@ __all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState
 #: grow back after a death (``1``/``true``/``on``); ``HPCASYNC_MAX_RANKS`` the size to grow to
 GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
 
-#: ``root``: the rank ``sync()`` broadcasts from after a reset (the lowest survivor after a
-#: grow, else 0); unset on a replacement until its first reset (then ``join.joined()``'s)
+#: ``root``: the rank ``sync()`` broadcasts from after a reset (the lowest survivor holding the
+#: most commits; after a grow its place in the grown world); unset on a replacement until its
+#: first reset (then ``join.joined()``'s)
 _GROWN: dict[str, Any] = {}
 #: front ends' functions freeing their communicators at exit in a process of a grown job
 _RELEASE = join.AT_EXIT
@@ -91,6 +93,8 @@ class Membership:
     """
 
     comm: Any = None
+    #: during a reset: every survivor's count of commits, by rank of the shrunk world
+    commits: list | None = None
 
     def comms(self) -> list:
         return [self.comm]
@@ -120,7 +124,7 @@ class Membership:
         return self.comm.Get_size()
 
     def bcast_object(self, obj):
-        """``obj`` of :func:`sync_root` (rank 0, or the lowest survivor after a grow)."""
+        """``obj`` of :func:`sync_root`."""
         return self.comm.bcast(obj, root=sync_root())
 
     def is_root(self) -> bool:
@@ -323,17 +327,28 @@ class FaultTolerance:
             revoke_all(self.membership.comms())
             return False
 
-    def reset(self) -> None:
+    def reset(self, commits: int = 0) -> None:
         """Shrink the world over the survivors and rebuild the front end on them. Atomic: the
         rebuild ends in one ``MPI_Comm_agree``; if it failed anywhere (a death during the
-        rebuild's collectives), every survivor shrinks again and rebuilds on the smaller world."""
+        rebuild's collectives), every survivor shrinks again and rebuilds on the smaller world.
+
+        ``commits``: this rank's count of commits (its restored state's). The survivors may hold
+        different ones (DASO's cycling epochs sync only inside a node: a node far from the dead
+        rank can commit again before it learns of the death); the sync root is the lowest
+        survivor holding the most, and ``membership.commits`` (every survivor's count) tells
+        the rebuild whether all hold the same commit."""
         m = self.membership
         m.check_reset()
         t0, before, before_rank = time.perf_counter(), m.comm.Get_size(), m.rank()
-        _GROWN["root"] = 0
+
+        def attempt(new):
+            m.commits = new.allgather(int(commits))
+            _GROWN["root"] = m.commits.index(max(m.commits))
+            m.rebuild(new)
+
         # the world was revoked by report_error: nothing more to revoke before the first shrink
         new, _, attempts = atomic_shrink(
-            m.comm, m.rebuild,
+            m.comm, attempt,
             on_shrink=lambda world, new: inject.point("reset"),  # a death inside the rebuild
             no_death="elastic reset: the rebuild failed on another survivor, and no rank died "
                      "since the last attempt")
@@ -378,7 +393,7 @@ class FaultTolerance:
                 return None
             spawned = time.perf_counter()
             keys, joiner_keys, same = join._order(before, kept, m.size(), want)
-            root = min(keys)
+            root = keys[_GROWN["root"]]         # the sync root's place in the grown world
             with join._Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
                 merged = inter.Merge(high=False)
                 merged.bcast({"keys": joiner_keys, "survivor_keys": keys, "src": root,
@@ -419,11 +434,13 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                 state.on_reset()
             while True:
                 if reset_required:
-                    tol.reset()
+                    tol.reset(getattr(state, "_commit_count", 0))
                     state.on_reset()
                 ok, result = True, None
                 try:
                     state.sync()
+                    state._commit_count = tol.membership.bcast_object(
+                        getattr(state, "_commit_count", 0))         # the root's, with its state
                     if tol.check_pending:
                         tol.check_pending = False
                         check_synced(tol.membership, state)
@@ -461,8 +478,9 @@ def _env_flag(name: str) -> bool:
 
 
 def sync_root() -> int:
-    """The rank ``State.sync()`` broadcasts from: 0, or after a grow the lowest surviving rank
-    (a replacement may hold a dead rank 0's place)."""
+    """The rank ``State.sync()`` broadcasts from: 0 before any reset; after one the lowest
+    survivor holding the most commits (:meth:`FaultTolerance.reset`), after a grow that
+    survivor's place (a replacement may hold a dead rank 0's)."""
     if "root" in _GROWN:
         return _GROWN["root"]
     joined = join.joined()
@@ -548,6 +566,7 @@ class State:
         self._bcast_object = bcast_object or self.default_bcast_object
         self._rank = get_rank or self.default_rank
         self._reset_callbacks: list = []
+        self._commit_count = 0          # commits of this state (the sync root's after a sync)
 
     def default_bcast_object(self, obj):
         """The front end's broadcast of a picklable object from rank 0."""
@@ -568,6 +587,7 @@ class State:
     def commit(self) -> None:
         """Save the state (in memory, local: no communication), then :meth:`check_host_updates`."""
         self.save()
+        self._commit_count += 1
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -621,8 +641,12 @@ class Handler:
         self.value = value
         self.save()
 
+    def snapshot(self):
+        """A copy of the value's state now."""
+        return copy.deepcopy(self.value.state_dict())
+
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
+        self.saved = self.snapshot()
 
     def restore(self) -> None:
         self.value.load_state_dict(self.saved)
@@ -632,8 +656,8 @@ class Handler:
 
 
 class ModelHandler(Handler):
-    def save(self) -> None:
-        self.saved = {k: v.detach().clone() for k, v in self.value.state_dict().items()}
+    def snapshot(self):
+        return {k: v.detach().clone() for k, v in self.value.state_dict().items()}
 
 
 class TorchState(ObjectState):
@@ -653,8 +677,11 @@ class TorchState(ObjectState):
         raise NotImplementedError
 
     def save(self) -> None:
-        for h in self._handlers.values():
-            h.save()
+        """All or nothing: every value's copy is taken before any is kept (an optimizer whose
+        ``state_dict`` communicates may fail after the model's copy was taken)."""
+        snapshots = [(h, h.snapshot()) for h in self._handlers.values()]
+        for h, snap in snapshots:
+            h.saved = snap
         super().save()
 
     def restore(self) -> None:

@@ -234,3 +234,28 @@ def test_an_epoch_end_redone_from_the_state_before_it_counts_the_epoch_once():
     closed(twice)
     twice.batch, twice.nbatches = 5, 5
     assert twice.end_epoch(1.0)["daso_epoch"] == 2 and twice.phase == "cooldown"
+
+
+def test_recount_after_a_change_of_world_moves_the_last_batch():
+    """An elastic reset deals the rest of an epoch over another number of ranks: after 3 of 6
+    batches the epoch is recounted as 7; the closing average moves to batch 6, no send starts
+    whose merge would land on it, and the epoch closes after 7 batches."""
+    sch = DasoSchedule(total_epochs=2, num_groups=2, warmup_epochs=0, cooldown_epochs=1,
+                       global_skip=1)
+    plans = [sch.advance(6) for _ in range(3)]
+    assert [p.average for p in plans] == ["none"] * 3
+    sch.recount(7)
+    plans = [sch.advance(7) for _ in range(4)]
+    assert [p.average for p in plans] == ["none", "none", "none", "all"]
+    assert [p.send_group is not None for p in plans] == [True, True, False, False]
+    assert sch.end_epoch(1.0)["daso_batches"] == 7
+    with pytest.raises(ConfigError, match="batch count must stay fixed"):
+        sch.advance(6), sch.advance(5)          # without a recount the count is fixed
+    sch2 = DasoSchedule(total_epochs=2, num_groups=2, warmup_epochs=0, cooldown_epochs=1)
+    for _ in range(3):
+        sch2.advance(6)
+    with pytest.raises(ConfigError, match="3 batches are done"):
+        sch2.recount(2)
+    sch3 = DasoSchedule(total_epochs=2, num_groups=2)
+    sch3.recount(9)                             # not begun: the first advance counts it
+    assert sch3.nbatches is None

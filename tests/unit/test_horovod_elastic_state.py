@@ -76,3 +76,41 @@ def test_object_state_sync_takes_the_broadcast_value_and_callbacks_run_on_reset(
     state.register_reset_callbacks([lambda: calls.append(1), lambda: calls.append(2)])
     state.on_reset()
     assert calls == [1, 2]
+
+
+class _FailingStateDict(torch.optim.SGD):
+    """An optimizer whose ``state_dict`` fails once when told to (as DASO's or OD-SGD's may
+    while completing a message in flight to a dead rank)."""
+    fail = False
+
+    def state_dict(self):
+        if self.fail:
+            raise RuntimeError("a peer died")
+        return super().state_dict()
+
+
+def test_a_commit_that_fails_keeps_the_previous_commit_whole_and_is_not_counted():
+    """The model's copy is taken before the optimizer's: a commit whose optimizer copy fails
+    must not leave the new model beside the old optimizer state (all or nothing), nor count."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = _FailingStateDict(model.parameters(), lr=0.1, momentum=0.9)
+    state = hvd.elastic.TorchState(model, opt, batch=0)
+    _train_step(model, opt)
+    state.batch = 1
+    state.commit()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    assert state._commit_count == 1
+    _train_step(model, opt)
+    state.batch = 2
+    opt.fail = True
+    try:
+        state.commit()
+    except RuntimeError:
+        pass
+    opt.fail = False
+    assert state._commit_count == 1
+    state.restore()
+    assert state.batch == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, committed[k]), k
