@@ -215,6 +215,7 @@ ROUTES = {
     "own-loop": ("loop", "ssgd", (0, 1, 2, 3)),
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
     "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
+    "own-loop-elastic-daso": ("elastic", "daso", (0, 1, 2, 3)),
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -267,7 +268,9 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         for f in outdir.iterdir():
             f.unlink()
     outdir.mkdir(exist_ok=True)
-    script = LOOP_ELASTIC if route == "own-loop-elastic" else ELASTIC
+    script = {"own-loop-elastic": LOOP_ELASTIC,
+              "own-loop-elastic-daso": [*LOOP_ELASTIC, "--algorithm", "daso", "--ranks-per-node",
+                                        "2"]}.get(route, ELASTIC)
     return [*launch, *script, "--out", str(outdir)], runs / f"{rid}.out"
 
 
@@ -557,7 +560,10 @@ if __name__ == "__main__":
             "CLI: `hpcasync train` (LeNet, Fashion-MNIST's first 12000 images, 2 epochs, "
             "batch 32, test on 2000); own loop: `examples/train_mnist.py --algorithm ssgd` "
             "(same data); elastic: `tests/horovod_elastic_script.py` (linear model, 4000 "
-            "images, 2 epochs, commit every 4 steps). Outcomes: *survived* (exit 0 with the "
+            "images, 2 epochs, commit every 4 steps); own-loop-elastic: "
+            "`examples/train_mnist_elastic.py` (linear model, Fashion-MNIST's first 24000 "
+            "images, 6 epochs, batch 16, commit every 4 steps; `-daso`: 2 virtual nodes of 2, "
+            "epochs 1-5 cycling with a global send every batch, epoch 6 blocking). Outcomes: *survived* (exit 0 with the "
             "result), *ended* (non-zero exit within 30 s of the kill), *ended late* (after "
             "30 s), *HANG* (no exit 60 s after the kill: every rank's stacks dumped with "
             "SIGABRT + faulthandler, then killed). *phase hit*: from the run's own records "
