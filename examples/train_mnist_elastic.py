@@ -20,10 +20,10 @@ Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --ki
 world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
 N-th step (counted from 0; N = the steps of the whole run: after its last step, before ``train``
 returns; N = -1: after loading the data, before the optimizer's first broadcast); ``--out DIR``
-writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and committed, a digest of
-the parameters, and one in each reset callback, before the sync; ``joined``: a replacement;
-written by a replacement too, under the dead rank's
-number, which it took) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data
+writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and
+committed, a digest of the parameters, and one in each reset callback, before the sync;
+``joined``: a replacement; written by a replacement too, under the dead rank's number, which it
+took) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data
 indices this rank trained on since the previous commit, with the sampler's position before and
 after. A replacement ignores ``--kill-rank``.
 """
@@ -74,7 +74,8 @@ sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size,
                                           num_replicas=ctx.size, seed=1)
 hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
          "daso": {"epochs": args.epochs, "sampler": sampler, "warmup_epochs": 0,
-                  "cooldown_epochs": 1, "global_skip": args.daso_global_skip}}.get(args.algorithm, {})
+                  "cooldown_epochs": 1,
+                  "global_skip": args.daso_global_skip}}.get(args.algorithm, {})
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0)

@@ -110,7 +110,8 @@ class DASO(AlgorithmOptimizer):
     algorithm = "daso"
 
     def __init__(self, optimizer: torch.optim.Optimizer, flat, topo=None, *, total_epochs: int,
-                 batches_per_epoch: int | None = None, sampler=None, warmup_epochs: int = 4, cooldown_epochs: int = 4,
+                 batches_per_epoch: int | None = None, sampler=None, warmup_epochs: int = 4,
+                 cooldown_epochs: int = 4,
                  global_skip: int = 4, local_skip: int = 1, batches_to_wait: int = 1,
                  max_global_skips: int = 8, cast: str | None = "bf16",
                  chunk_elems: int = DASO_CHUNK_ELEMS, plateau_patience: int = 3,
@@ -127,7 +128,9 @@ class DASO(AlgorithmOptimizer):
                               f"got {batches_per_epoch!r}")
         self._wrap(as_flat(flat), optimizer)
         flat = self.flat
-        joiner = topo is None and _is_joiner()
+        from ..runtime.join import is_joiner
+
+        joiner = topo is None and is_joiner()
         if topo is None:
             topo = _own_topology() if joiner else default_topology()
         self.topo, self._own_topo = topo, joiner
@@ -370,12 +373,6 @@ class DASO(AlgorithmOptimizer):
             self.inflight.append(InFlight(int(m["group"]), Received(total), int(m["sent"]),
                                           int(m["due"]), 0.0, int(m["nbytes"])))
             self._keep[int(m["sent"])] = [tuple(r) for r in m["keep"]]
-
-
-def _is_joiner() -> bool:
-    from ..runtime.join import is_joiner
-
-    return is_joiner()
 
 
 def _own_topology():
