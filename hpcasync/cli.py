@@ -79,7 +79,10 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
 
 def _train(ns) -> int:
-    cfg = config_from_args(ns)
+    from .runtime import algorithms, argument_checks
+
+    cfg = config_from_args(ns).validate(algorithms())   # before torch: a bad option is said at once
+    argument_checks(cfg)
     _srun_world_check()
     from .train import train
 

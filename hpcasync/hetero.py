@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from .errors import ConfigError
 
@@ -212,6 +211,8 @@ class StepDelay:
     def __init__(self, model: DelayModel, rank: int, device: str = "cpu"):
         self.model, self.rank = model, rank
         self.active = not model.trivial
+        import torch
+
         self.cpu_clock = torch.device(device).type == "cpu"
         self.recent: deque[float] = deque(maxlen=15)
         self.slept = 0.0          # seconds slept so far

@@ -19,7 +19,7 @@ class OptionParser(argparse.ArgumentParser):
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from . import registry
-    from .runtime import algorithms, runtime_modules
+    from .runtime import algorithms, argument_modules
 
     lrs = "".join(f"; {name} {lr:g}" for name, lr in registry.algorithm_lrs().items())
 
@@ -71,7 +71,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--divergence-factor", type=float, default=10.0,
                    help="stop when the mean loss of the last 20 steps exceeds this many times its "
                         "best and the first loss (0: only non-finite losses/weights stop the run)")
-    for module in runtime_modules():
+    for module in argument_modules():
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
 

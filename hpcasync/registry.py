@@ -32,6 +32,10 @@ class Algorithm:
         name: the name users type (``--algorithm``, ``hpcasync.optimizer(name, ...)``).
         family: one of :data:`FAMILIES`.
         runtime: the CLI's runtime module (``run(ctx)``, optional ``add_arguments``/``validate``).
+        arguments: the module whose ``add_arguments(parser)`` adds the family's CLI options
+            without importing torch (so a command line is parsed, and a bad option said, in a
+            fraction of a second on every rank), and may provide ``validate_options(cfg)``, its
+            torch-free checks; None: the runtime module's ``add_arguments``.
         rule: the parameter-server family's update rule, ``"module:Class"`` (imported when built).
         rule_kwargs: keyword arguments the name fixes on the rule, as pairs (``(("mode",
             "adaptive"),)``: dcasgd-a is DCASGD with adaptive λ).
@@ -59,6 +63,7 @@ class Algorithm:
     options: tuple[tuple[str, str], ...] = ()
     default_lr: float | None = None
     summary: str = ""
+    arguments: str | None = None
 
     @property
     def is_ps(self) -> bool:
@@ -68,7 +73,7 @@ class Algorithm:
 def ps_algorithm(name: str, rule: str, summary: str = "", **fields) -> Algorithm:
     """An entry of the parameter-server family: run by ``hpcasync.ps.runtime`` and simulated."""
     return Algorithm(name, "ps", "hpcasync.ps.runtime", rule=rule, simulated=True,
-                     summary=summary, **fields)
+                     summary=summary, arguments="hpcasync.ps.options", **fields)
 
 
 _RULES = "hpcasync.rules."
@@ -158,6 +163,12 @@ def runtimes() -> dict[str, str]:
     return {a.name: a.runtime for a in _TABLE.values()}
 
 
+def argument_modules() -> dict[str, str]:
+    """name -> the module whose ``add_arguments`` adds its CLI options (:attr:`Algorithm.arguments`,
+    else the runtime module)."""
+    return {a.name: a.arguments or a.runtime for a in _TABLE.values()}
+
+
 def option_owners() -> dict[str, tuple[str, ...]]:
     """CLI option dest -> the algorithms that take it (the others refuse it)."""
     owners: dict[str, tuple[str, ...]] = {}
@@ -237,11 +248,14 @@ class LiveMapping(Mapping):
 
 for _alg in (
     Algorithm("ssgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True, horovod_backend=True,
-              simulated=True, summary="synchronous SGD: one gradient allreduce per step"),
+              simulated=True, summary="synchronous SGD: one gradient allreduce per step",
+              arguments="hpcasync.ssgd.options"),
     Algorithm("daso", "daso", "hpcasync.daso.runtime", user_optimizer=True, horovod_backend=True,
-              summary="DASO: node-local sync, delayed global averaging"),
+              summary="DASO: node-local sync, delayed global averaging",
+              arguments="hpcasync.daso.options"),
     Algorithm("odsgd", "odsgd", "hpcasync.odsgd.runtime",
-              summary="OD-SGD: synchronous PS with its own global momentum"),
+              summary="OD-SGD: synchronous PS with its own global momentum",
+              arguments="hpcasync.odsgd.options"),
     ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
     ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
                  rule_kwargs=(("mode", "constant"),), options=(("dc_lambda", "lam"),)),

@@ -9,14 +9,23 @@ One concern per module:
                     blocking global averages, the emulated slow link
 * :mod:`.optimizer` ``DASO``, the wrapper around the user's torch optimizer
 
-The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.daso.runtime`.
+The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.daso.runtime` (its options:
+:mod:`hpcasync.daso.options`).
 """
-from .comm import DasoComm, InFlight, LinkDelay, pack_state, unpack_state
-from .merge import merge, merge_, merge_weights
-from .optimizer import DASO
-from .plateau import PlateauDetector
-from .schedule import BatchPlan, DasoSchedule, Knobs, next_knobs, phase_of, plan_batch
+from .merge import merge, merge_, merge_weights     # torch-free (and `merge` names the function)
 
+_LAZY = {**dict.fromkeys(("DasoComm", "InFlight", "LinkDelay", "pack_state", "unpack_state"), ".comm"),
+         "DASO": ".optimizer", "PlateauDetector": ".plateau",
+         **dict.fromkeys(("BatchPlan", "DasoSchedule", "Knobs", "next_knobs", "phase_of",
+                          "plan_batch"), ".schedule")}
 __all__ = ["DASO", "BatchPlan", "DasoComm", "DasoSchedule", "InFlight", "Knobs", "LinkDelay",
            "PlateauDetector", "merge", "merge_", "merge_weights", "next_knobs", "pack_state",
            "phase_of", "plan_batch", "unpack_state"]
+
+
+def __getattr__(name):          # imported at first use: the package's options module needs no torch
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

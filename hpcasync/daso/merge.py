@@ -25,9 +25,12 @@ float buffers too (BatchNorm running statistics), not only to the parameters.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:          # annotations only: the module imports no torch (hpcasync.daso's options)
+    import torch
 
 
 def merge_weights(*, batches_to_wait: int, num_nodes: int) -> tuple[float, float]:

@@ -37,6 +37,7 @@ from ..runtime.context import RunContext, RunResult, max_over
 from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
 from .optimizer import optimizer_state_tensors
+from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .schedule import CYCLING
 from ..hetero import StepDelay
 
@@ -56,33 +57,6 @@ OPTIONS = {
     "daso_chunk_elems": ("chunk_elems", DASO_CHUNK_ELEMS),
     "daso_link_delay_us_per_mb": ("link_delay_us_per_mb", 0.0),
 }
-
-
-def add_arguments(parser) -> None:
-    g = parser.add_argument_group("daso")
-    g.add_argument("--daso-warmup-epochs", type=int, default=4,
-                   help="blocking epochs at the start (default 4)")
-    g.add_argument("--daso-cooldown-epochs", type=int, default=4,
-                   help="blocking epochs at the end (default 4)")
-    g.add_argument("--daso-global-skip", type=int, default=4,
-                   help="batches between global sends in the first cycling epoch (default 4)")
-    g.add_argument("--daso-local-skip", type=int, default=1,
-                   help="batches between node-local gradient averages (default 1)")
-    g.add_argument("--daso-batches-to-wait", type=int, default=1,
-                   help="batches between a global send and its merge (default 1)")
-    g.add_argument("--daso-max-global-skips", type=int, default=8,
-                   help="global skip after a reset from (1, 1, 1) (default 8)")
-    g.add_argument("--daso-cast", choices=("none", "bf16", "fp16"), default="bf16",
-                   help="wire format of every message between nodes (default bf16)")
-    g.add_argument("--daso-plateau-patience", type=int, default=3,
-                   help="epochs without improvement that make a plateau (default 3)")
-    g.add_argument("--daso-plateau-threshold", type=float, default=0.05,
-                   help="relative loss improvement that counts (default 0.05)")
-    g.add_argument("--daso-chunk-elems", type=int, default=DASO_CHUNK_ELEMS,
-                   help=f"largest piece of a global send, in elements (default {DASO_CHUNK_ELEMS})")
-    g.add_argument("--daso-link-delay-us-per-mb", type=float, default=0.0,
-                   help="emulated slow inter-node link: µs per 10^6 bytes of every global "
-                        "message (default 0: off)")
 
 
 def daso_kwargs(cfg) -> dict:

@@ -23,7 +23,6 @@ import torch
 from .. import inject
 from ..errors import CheckpointError, ConfigError, TopologyError, proc_failure
 from ..hetero import DelayModel
-from ..hetero import add_arguments as add_hetero_arguments
 from ..hetero import check_options as check_hetero
 from .. import registry
 from ..rules import make_rule, ps_lr_factor, rule_hyperparameters
@@ -32,6 +31,7 @@ from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
 from .growth import PSGrowth, Regrow, worker_view
+from .options import add_arguments, validate_options  # noqa: F401 (the runtime's options)
 from .growth import validate as validate_growth
 from .takeover import (ServerLost, StartupLost, Takeover, known_dead,
                        restart_without_the_dead, restore_buffers, take_over)
@@ -41,34 +41,6 @@ log = logging.getLogger("hpcasync")
 
 #: the parameter-server algorithms, a live view of :mod:`hpcasync.registry`
 ALGORITHMS = registry.LiveNames(registry.ps_names)
-
-
-def add_arguments(parser) -> None:
-    g = parser.add_argument_group(f"parameter server ({', '.join(registry.ps_names())})")
-    g.add_argument("--ps-transport", default="rma", choices=("rma", "rma-put", "p2p"),
-                   help="rma: one-sided Put in / Get out (default); rma-put: the PS Puts replies; "
-                        "p2p: two-sided Isend/Recv")
-    g.add_argument("--ps-ranks", type=int, default=1,
-                   help="K server ranks (--ps-rank and the K-1 after it), each serving a "
-                        "contiguous shard of the parameters; the other ranks train (default 1)")
-    g.add_argument("--ps-momentum", type=float, default=0.0,
-                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat (default 0)")
-    g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
-    g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
-    g.add_argument("--dc-ms-momentum", type=float, default=None,
-                   help="dcasgd-a: mean-square momentum m (0.95)")
-    g.add_argument("--lc-predictor", default=None, help="lcasgd: linear (default), ema, lstm, oracle")
-    g.add_argument("--lc-lambda", type=float, default=None, help="lcasgd: λ (1.0)")
-    g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
-    g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")
-    g.add_argument("--lc-max-factor", type=float, default=None,
-                   help="lcasgd: upper bound of the compensation factor (1.0; inf = unbounded)")
-    g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
-    g.add_argument("--ps-warmup-epochs", type=float, default=None,
-                   help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
-                        "dana, nag as in the SMEGA2 paper, with its x0.1 steps at epochs 80 and "
-                        "120; 0 for the others)")
-    add_hetero_arguments(parser)
 
 
 def rule_hyper(cfg) -> dict:
@@ -103,15 +75,7 @@ def validate(cfg) -> None:
     """Pre-MPI checks: options that belong to another algorithm, the rule's hyperparameters
     (built on a 1-element θ), the heterogeneity options."""
     opt = cfg.options
-    for option, owners in registry.option_owners().items():
-        if opt.get(option) is not None and cfg.algorithm not in owners:
-            flag = "--" + option.replace("_", "-")
-            raise ConfigError(f"{flag} applies to {', '.join(owners)}, not {cfg.algorithm}")
-    if opt.get("ps_momentum", 0.0) and registry.get(cfg.algorithm).momentum_rule:
-        raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
-    warm = opt.get("ps_warmup_epochs")
-    if warm is not None and not 0 <= warm < float("inf"):
-        raise ConfigError(f"--ps-warmup-epochs must be a finite number >= 0, got {warm}")
+    validate_options(cfg)
     build_rule(cfg, torch.zeros(1), 1)
     check_hetero(opt)
     join.validate(cfg)

@@ -3,7 +3,8 @@
 
 A runtime module provides ``run(ctx: RunContext) -> RunResult`` and may provide
 ``add_arguments(parser)`` (its own option group) and ``validate(cfg)`` (checks that need no MPI).
-Modules are imported lazily so ``hpcasync --help`` and option errors stay fast.
+Modules are imported lazily, and the options come from torch-free modules (``Algorithm.arguments``),
+so ``hpcasync --help`` and option errors stay fast.
 """
 from __future__ import annotations
 
@@ -27,3 +28,17 @@ def runtime_module(name: str):
 def runtime_modules():
     """Each distinct runtime module once (several algorithm names may share one)."""
     return [importlib.import_module(m) for m in dict.fromkeys(registry.runtimes().values())]
+
+
+def argument_checks(cfg) -> None:
+    """The torch-free checks of ``cfg.algorithm``'s options: ``validate_options(cfg)`` of its
+    arguments module when it has one (the runtime's ``validate`` makes them again, with the rest)."""
+    module = importlib.import_module(registry.argument_modules()[cfg.algorithm])
+    if hasattr(module, "validate_options"):
+        module.validate_options(cfg)
+
+
+def argument_modules():
+    """Each distinct module that adds CLI options once (:func:`hpcasync.registry.argument_modules`:
+    the built-in families' are torch-free)."""
+    return [importlib.import_module(m) for m in dict.fromkeys(registry.argument_modules().values())]

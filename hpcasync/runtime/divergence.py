@@ -27,7 +27,6 @@ import math
 from collections import deque
 from typing import Any
 
-import torch
 
 from ..errors import ConfigError, DivergedError
 
@@ -59,6 +58,8 @@ def first_nonfinite(obj: Any, where: str = "") -> str | None:
     """The path (e.g. ``model['fc.weight']``) of the first floating tensor in ``obj`` — a module,
     a tensor, or dicts/lists/tuples of them — holding a NaN or an infinity; None when all are
     finite. One reduction per tensor."""
+    import torch          # here: the option check above is made before any rank imports torch
+
     if isinstance(obj, torch.nn.Module):
         obj = obj.state_dict()
     if isinstance(obj, torch.Tensor):

@@ -29,6 +29,7 @@ import torch
 
 from ..comm import allreduce, iallreduce
 from ..errors import ConfigError
+from .options import DEFAULT_PROGRESS, PROGRESS
 
 log = logging.getLogger("hpcasync")
 
@@ -42,11 +43,6 @@ FUSION_BYTES = 64 * 2**20
 def default_bucket_bytes(overlap: bool) -> int:
     """The bucket size when none is given: small buckets to overlap, one fused bucket else."""
     return DEFAULT_BUCKET_BYTES if overlap else FUSION_BYTES
-
-PROGRESS = ("thread", "test")
-#: the default ``progress``; to be settled by ``hpcasync bench ssgd`` on an idle machine (columns
-#: ``ours`` and ``ours-test``)
-DEFAULT_PROGRESS = "thread"
 
 
 def bucket_ranges(offsets: list[int], numels: list[int], bucket_bytes: int,

@@ -22,7 +22,6 @@ Design: docs/design/ssgd.md#runtime (heterogeneity, the Horovod backend).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 
 from .. import inject
@@ -37,32 +36,10 @@ from ..runtime import join
 from ..runtime.ft import ulfm_enabled
 from ..runtime.recovery import EpochCursor, SyncRecovery
 from ..train import params_digest
-from .buckets import DEFAULT_PROGRESS, PROGRESS
+from .options import DEFAULT_PROGRESS, PROGRESS, add_arguments  # noqa: F401 (the runtime's options)
 from .optimizer import DistributedOptimizer
 
 log = logging.getLogger("hpcasync")
-
-
-def add_arguments(parser) -> None:
-    group = parser.add_argument_group("ssgd")
-    group.add_argument("--compress", choices=("none", "bf16", "fp16"), default="none",
-                       help="wire format of gradient allreduces (ssgd, daso)")
-    group.add_argument("--link-delay-us-per-mb", type=float, default=0.0,
-                       help="ssgd: emulated slow inter-node link, µs per 10^6 bytes of each "
-                            "step's gradient message (only with more than one node; default 0)")
-    group.add_argument("--ssgd-overlap", action=argparse.BooleanOptionalAction, default=None,
-                       help="ssgd: start each gradient bucket's allreduce during backward "
-                            "(default: on with --device cuda, off on the CPU, where the "
-                            "communication thread measured slower; --no-ssgd-overlap reduces the "
-                            "same buckets after backward)")
-    group.add_argument("--ssgd-bucket-mb", type=float, default=None,
-                       help="ssgd: gradient bucket size in MiB (default: 0.25 with overlap, one "
-                            "bucket of up to 64 without)")
-    group.add_argument("--ssgd-progress", choices=PROGRESS, default=DEFAULT_PROGRESS,
-                       help="ssgd: how overlapped buckets progress: a communication thread of "
-                            "blocking allreduces, or nonblocking ones tested from the gradient "
-                            "hooks (default %(default)s)")
-    join.add_arguments(group)
 
 
 def validate(cfg) -> None:
