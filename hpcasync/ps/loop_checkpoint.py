@@ -4,6 +4,13 @@ Every ParameterServer holds one :class:`LoopCheckpoints` (``opt.checkpoints``). 
 asks the server for the checkpoint of its label and trains on; the server, inside ``serve()``,
 writes ONE file when every worker has asked for that label or has finished. Nothing waits.
 
+How a request travels: the worker sends it (a synchronous send, completed later) and counts it in
+every header it sends after (``wire``: the push header's request count). The server receives a
+worker's requests from that worker alone, when a header says more were sent than it took: no probe
+of any source (under ULFM, Open MPI 5.0.11, probing beside the server's receive from any worker
+left that receive failing with MPI_ERR_PROC_FAILED_PENDING after a worker's death was
+acknowledged, and the job hung). The worker's FINISH header counts its last requests.
+
 Example (every rank)::
 
     found = hpcasync.load_checkpoint("ckpt", model, opt)      # None: a fresh start, said in the log
@@ -65,11 +72,18 @@ class LoopCheckpoints:
         opt = self.opt
         msg = {"directory": str(directory), "keep": int(keep), "label": (int(epoch), int(step)),
                "header": dict(header), "part": self.worker_part(epoch, step, extra)}
+        if opt.finished:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{opt.algorithm} worker {opt.worker}: save_checkpoint after its "
+                              "last message to the server (opt.finish(), or the server's stop): "
+                              "the server would never take it; save before")
         self.sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
+        opt.transport.requests += 1        # the next header says so: the server receives it then
 
     def flush(self) -> None:
-        """Worker, before its last message: wait until the server has taken every request (it
-        polls while serving, so this ends), so no request can arrive after the worker finished."""
+        """Worker, after its FINISH header (which counts every request): wait until the server
+        has taken them (it receives them when it reads that header)."""
         from .wire import wait
 
         sends, self.sends = self.sends, []
@@ -79,8 +93,9 @@ class LoopCheckpoints:
     # -- server side ----------------------------------------------------------------------------
 
     def attach(self, server) -> "Collector":
-        """Server, at ``serve()``: continue a loaded clock, and poll for requests between pushes
-        and while idle. Returns the collector (``close()`` it when ``serve`` returns)."""
+        """Server, at ``serve()``: continue a loaded clock, take each worker's requests when its
+        header counts them, and write complete labels between messages. Returns the collector
+        (``close()`` it when ``serve`` returns)."""
         opt = self.opt
         clock, self.resume_clock = self.resume_clock, None
         if clock is not None:
@@ -91,17 +106,13 @@ class LoopCheckpoints:
             log.info("PS %s: resuming the server's clock at %d accepted pushes (epoch %d)",
                      opt.algorithm, server.stats.accepted, server.next_epoch)
         collector = self.collector = Collector(self, server)
-        stop, idle = server.stop_requested, opt.transport.idle_hook
+        stop = server.stop_requested
 
-        def stop_requested() -> bool:
-            collector.poll()
+        def stop_requested() -> bool:       # the loop's top: a finish or a death may complete one
+            if collector.pending:
+                collector.complete()
             return stop is not None and stop()
-
-        def idle_hook() -> None:
-            collector.poll()
-            if idle is not None:
-                idle()
-        server.stop_requested, opt.transport.idle_hook = stop_requested, idle_hook
+        server.stop_requested, server.on_header = stop_requested, collector.take
         return collector
 
     def snapshot(self, epoch: int, step: int, extra: dict, parts: dict | None) -> dict:
@@ -145,7 +156,7 @@ class LoopCheckpoints:
         """The server's own ``save_checkpoint`` (inside ``on_epoch`` or after ``serve()``): a
         server-only file, unless the workers already completed this label (then that file)."""
         if self.collector is not None:
-            self.collector.poll()
+            self.collector.complete()
             done = self.collector.written.get((int(epoch), int(step)))
             if done is not None:
                 return done
@@ -206,21 +217,29 @@ class Collector:
         self.pending: dict[tuple[int, int], dict] = {}
         self.written: dict[tuple[int, int], Path] = {}
         self.last: dict[int, dict] = {}          # each worker's latest part
+        self.received = [0] * self.opt.num_workers     # requests taken from each worker
+
+    def take(self, push) -> None:
+        """A header from worker ``push.worker`` (``PSServer.on_header``, before the message is
+        handled): receive, from that worker alone, the requests it counts and this server has not
+        taken; write the labels that are complete. A dead worker: ``WorkerFailed``."""
+        w = push.worker
+        if w in self.server.failed or push.requests <= self.received[w]:
+            return
+        transport = self.opt.transport
         from mpi4py import MPI
 
-        self._MPI, self._status = MPI, MPI.Status()
-
-    def poll(self) -> None:
-        """Take every request that has arrived; write the labels that are complete."""
-        comm, MPI = self.opt.comm, self._MPI
-        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_REQUEST, status=self._status):
-            msg = comm.recv(source=self._status.Get_source(), tag=TAG_REQUEST)
+        while self.received[w] < push.requests:
+            try:
+                msg = self.opt.comm.recv(source=transport.workers[w], tag=TAG_REQUEST)
+            except MPI.Exception as exc:
+                raise transport._failed(exc) from None
+            self.received[w] += 1
             label, part = tuple(msg["label"]), msg["part"]
             entry = self.pending.setdefault(label, {**msg, "parts": {}})
             entry["parts"][part["worker"]] = part
             self.last[part["worker"]] = part
-        if self.pending:
-            self.complete()
+        self.complete()
 
     def _done(self, w: int) -> bool:
         return bool(self.server.finished[w]) or w in self.server.failed
@@ -240,8 +259,8 @@ class Collector:
                     header=entry["header"])
 
     def close(self) -> None:
-        """After ``serve()``: every worker has finished, so every pending label is complete."""
-        self.poll()
+        """After ``serve()``: every worker has finished (its FINISH header counted its last
+        requests, taken then), so every pending label is complete."""
         self.complete()
 
 

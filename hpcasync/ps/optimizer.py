@@ -476,11 +476,11 @@ class ParameterServer(AlgorithmOptimizer):
             return self.flat.module
         if not self.started and not self.finished and self._hook is not None:
             self.start()        # a user's worker that never stepped (e.g. resumed at its end)
-        self.checkpoints.flush()                  # the server has them before it sees FINISH
         if self.started and not self.finished:
             for t, v in zip(self.transports, self.versions):
                 t.push(torch.zeros(0), kind=KIND_FINISH, version=v)
         self.finished = True
+        self.checkpoints.flush()       # its FINISH header counted them: the server takes them now
         if len(self.transports) == 1:
             stop = self.transport.wait_end(stop_requested)
         else:

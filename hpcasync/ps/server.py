@@ -116,6 +116,9 @@ class PSServer:
         self.on_accept = on_accept
         self.on_frozen = on_frozen
         self.failed: dict[int, dict] = {}
+        #: ``on_header(push)``: called with each message before it is handled (inside the loop's
+        #: failure handling; :mod:`.loop_checkpoint` takes the checkpoint requests it counts)
+        self.on_header: Callable[[Any], None] | None = None
         self.failed_before: list[dict] = []        # from the checkpoint a resumed run began at
         self._done = [False] * W
 
@@ -127,6 +130,8 @@ class PSServer:
             self._poll_stop()
             try:
                 push = self.transport.recv_push()
+                if self.on_header is not None:
+                    self.on_header(push)
             except WorkerFailed as exc:
                 self._lose(exc.ranks)
                 continue
@@ -155,6 +160,8 @@ class PSServer:
             if got is None:
                 return False
             push = self.transport.complete_push(*got)
+            if self.on_header is not None:
+                self.on_header(push)
         except WorkerFailed as exc:
             self._lose(exc.ranks)
             return True

@@ -24,12 +24,14 @@ import torch
 
 # header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr,
 # momentum, weight decay (the worker's current hyperparameters: NaN when it sends none); with G param
-# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values); then, for a
-# model of P parameters, which of them are frozen on the worker now (requires_grad=False), one bit
-# each, BITS_PER_WORD to a float64 word (exact integers), ceil(P / BITS_PER_WORD) words
+# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values); then the
+# count of checkpoint requests the worker sent before this message (the server receives those from
+# it before it handles the message: :mod:`.loop_checkpoint`); then, for a model of P parameters,
+# which of them are frozen on the worker now (requires_grad=False), one bit each, BITS_PER_WORD to a
+# float64 word (exact integers), ceil(P / BITS_PER_WORD) words
 BITS_PER_WORD = 52
 KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
-_PUSH_HEADER = 8
+_PUSH_HEADER = 9
 _TAG_PUSH, _TAG_GRAD, _TAG_EXTRA, _TAG_REPLY, _TAG_THETA, _TAG_END = (4101, 4102, 4103, 4104,
                                                                      4105, 4106)
 
@@ -87,6 +89,7 @@ class Push:
     momentum: float = float("nan")              # its momentum (one for every group)
     weight_decay: float | tuple = float("nan")  # its weight decay (one per param group)
     frozen: tuple[int, ...] = ()                # its frozen parameters now (:func:`mask_words`)
+    requests: int = 0             # checkpoint requests it sent before this message (all so far)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _Base:
         self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
         self.idle_hook = None      # PS: called while waiting for a header
         self.push_phase = True     # worker: its pushes pass hpcasync.inject's "push" phase
+        self.requests = 0          # worker: checkpoint requests sent so far (in every header)
         self.peak_bytes = 0        # the most state_bytes() has been (updated by subclasses)
 
     def state_bytes(self) -> int:
@@ -216,10 +220,11 @@ class _Base:
         G = self.groups
         lr = float(h[7]) if G == 1 else (float(h[7]), *(float(x) for x in h[9 + G: 8 + 2 * G]))
         wd = float(h[9]) if G == 1 else tuple(float(x) for x in h[9: 9 + G])
-        frozen = tuple(int(x) for x in h[8 + 2 * G:])
+        frozen = tuple(int(x) for x in h[9 + 2 * G:])
         return Push(worker=w, kind=int(h[0]), version=int(h[1]), loss=float(h[2]),
                     oracle_loss=float(h[3]), numel=numel, last=bool(h[5]), grad=grad, extra=extra,
-                    stop=bool(h[6]), lr=lr, momentum=float(h[8]), weight_decay=wd, frozen=frozen)
+                    stop=bool(h[6]), lr=lr, momentum=float(h[8]), weight_decay=wd, frozen=frozen,
+                    requests=int(h[8 + 2 * G]))
 
     def _reply_header(self, w: int, version: int, accepted: bool, scalars,
                       stop: bool = False) -> np.ndarray:
@@ -254,8 +259,9 @@ class _Base:
         h[8] = momentum
         h[9: 9 + G] = wds
         h[9 + G: 8 + 2 * G] = lrs[1:]
-        h[8 + 2 * G:] = 0.0
-        h[8 + 2 * G: 8 + 2 * G + len(frozen)] = frozen
+        h[8 + 2 * G] = self.requests
+        h[9 + 2 * G:] = 0.0
+        h[9 + 2 * G: 9 + 2 * G + len(frozen)] = frozen
         return self.comm.Isend([h, self.MPI.DOUBLE], dest=self.ps_rank, tag=_TAG_PUSH)
 
     def _parse_reply(self) -> ReplyHeader:
