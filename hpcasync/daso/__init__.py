@@ -14,7 +14,8 @@ The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.daso.runtime` 
 """
 from .merge import merge, merge_, merge_weights     # torch-free (and `merge` names the function)
 
-_LAZY = {**dict.fromkeys(("DasoComm", "InFlight", "LinkDelay", "pack_state", "unpack_state"), ".comm"),
+_LAZY = {**dict.fromkeys(("DasoComm", "InFlight", "LinkDelay", "pack_state", "unpack_state"),
+                         ".comm"),
          "DASO": ".optimizer", "PlateauDetector": ".plateau",
          **dict.fromkeys(("BatchPlan", "DasoSchedule", "Knobs", "next_knobs", "phase_of",
                           "plan_batch"), ".schedule")}

@@ -10,7 +10,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--odsgd-local-lr", type=float, default=0.5,
                        help="local lr η_l on g/N, as the authors' (0.5)")
     group.add_argument("--odsgd-delta", default="last-step",
-                       help="Δ of the dc modes: last-step (W_t − W_t−1, default) or gap (W_t − W^l_t)")
+                       help="Δ of the dc modes: last-step (W_t − W_t−1, default) or gap "
+                            "(W_t − W^l_t)")
     group.add_argument("--odsgd-warmup-iters", type=int, default=200,
                        help="first N steps are plain SSGD (200)")
     group.add_argument("--odsgd-lambda", type=float, default=None,

@@ -1,5 +1,5 @@
-"""The ``hpcasync train`` options of the parameter server's algorithms: torch-free, so that a command
-line is parsed, and a bad option said, before any rank imports torch."""
+"""The ``hpcasync train`` options of the parameter server's algorithms: torch-free, so that a
+command line is parsed, and a bad option said, before any rank imports torch."""
 from __future__ import annotations
 
 from .. import registry
@@ -21,7 +21,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
     g.add_argument("--dc-ms-momentum", type=float, default=None,
                    help="dcasgd-a: mean-square momentum m (0.95)")
-    g.add_argument("--lc-predictor", default=None, help="lcasgd: linear (default), ema, lstm, oracle")
+    g.add_argument("--lc-predictor", default=None,
+                   help="lcasgd: linear (default), ema, lstm, oracle")
     g.add_argument("--lc-lambda", type=float, default=None, help="lcasgd: λ (1.0)")
     g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
     g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")

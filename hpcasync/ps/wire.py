@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 # header sent with every push (float64): kind, version, loss, oracle loss, numel, last, stop, lr,
-# momentum, weight decay (the worker's current hyperparameters: NaN when it sends none); with G param
-# groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values); then the
-# count of checkpoint requests the worker sent before this message (the server receives those from
-# it before it handles the message: :mod:`.loop_checkpoint`); then, for a model of P parameters,
-# which of them are frozen on the worker now (requires_grad=False), one bit each, BITS_PER_WORD to a
-# float64 word (exact integers), ceil(P / BITS_PER_WORD) words
+# momentum, weight decay (the worker's current hyperparameters: NaN when it sends none); with G
+# param groups the weight decays of groups 1..G-1 and then their lrs follow (8 + 2G values); then
+# the count of checkpoint requests the worker sent before this message (the server receives those
+# from it before it handles the message: :mod:`.loop_checkpoint`); then, for a model of P
+# parameters, which of them are frozen on the worker now (requires_grad=False), one bit each,
+# BITS_PER_WORD to a float64 word (exact integers), ceil(P / BITS_PER_WORD) words
 BITS_PER_WORD = 52
 KIND_PUSH, KIND_PEEK, KIND_STOP, KIND_DONE, KIND_FINISH = 1, 2, 3, 4, 5
 _PUSH_HEADER = 9

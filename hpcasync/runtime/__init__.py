@@ -32,7 +32,8 @@ def runtime_modules():
 
 def argument_checks(cfg) -> None:
     """The torch-free checks of ``cfg.algorithm``'s options: ``validate_options(cfg)`` of its
-    arguments module when it has one (the runtime's ``validate`` makes them again, with the rest)."""
+    arguments module when it has one (the runtime's ``validate`` makes them again, with the
+    rest)."""
     module = importlib.import_module(registry.argument_modules()[cfg.algorithm])
     if hasattr(module, "validate_options"):
         module.validate_options(cfg)
