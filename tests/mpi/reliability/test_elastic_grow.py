@@ -40,7 +40,10 @@ def _run(tmp_path, script: str, kill_rank: int, extra=(), kill_at: int = 3):
                           cwd=REPO, capture_output=True, text=True, timeout=240)
 
 
-def _check(tmp_path, out, killed: int, order, kill_at: int = 3) -> None:
+def _check(tmp_path, out, killed: int, order, kill_at: int = 3, late: int = 0) -> None:
+    """``late``: steps a survivor may run past the death before it sees it (OD-SGD: 1, when the
+    dead rank's part of the round in flight had left before it died, the survivors' first failing
+    wait is the next step's)."""
     assert out.returncode == 0, out.stderr[-3000:]
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
@@ -51,8 +54,10 @@ def _check(tmp_path, out, killed: int, order, kill_at: int = 3) -> None:
         assert (res["steps"], res["epoch"]) == (STEPS, 2), (r, res)
         # the commit before the death is at an even step: the step after it is redone
         committed = kill_at - kill_at % 2
-        assert res["executed"] == (STEPS - committed if r == killed else kill_at + STEPS
-                                   - committed), (r, res)
+        if r == killed:
+            assert res["executed"] == STEPS - committed, (r, res)
+        else:
+            assert 0 <= res["executed"] - (kill_at + STEPS - committed) <= late, (r, res)
     assert len({res["params"] for res in results.values()}) == 1, results
     chains = _check_windows(tmp_path, order)        # each sample of each epoch once
     for chain in chains.values():
@@ -74,7 +79,8 @@ def test_own_loop_grows_back_after_rank0_dies(tmp_path, algorithm):
     out = _run(tmp_path, "train_mnist_elastic.py", 0,
                ["--algorithm", algorithm, "--odsgd-warmup", "2"])
     _check(tmp_path, out, 0,
-           lambda e: epoch_permutation(LENGTH, seed=SEED, epoch=e).tolist())
+           lambda e: epoch_permutation(LENGTH, seed=SEED, epoch=e).tolist(),
+           late=1 if algorithm == "odsgd" else 0)
     assert "grow-back: joined as rank 0 of 4" in out.stderr, out.stderr[-3000:]
 
 
