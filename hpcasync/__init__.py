@@ -34,12 +34,26 @@ __all__ = sorted([*_EXPORTS, "elastic"])
 _SUBMODULES = ("elastic",)
 
 
-def __getattr__(name):
-    import importlib
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A module ``__getattr__`` (PEP 562) for ``package``: ``exports[name]`` (a module, relative to
+    ``package`` when it starts with a dot) is imported at the first use of ``name``. Used here and
+    by the family packages, whose classes import torch while their options modules do not."""
+    def __getattr__(name):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
 
+        return getattr(importlib.import_module(module, package), name)
+    return __getattr__
+
+
+_exported = lazy_exports("hpcasync", _EXPORTS)
+
+
+def __getattr__(name):
     if name in _SUBMODULES:
+        import importlib
+
         return importlib.import_module(f"hpcasync.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hpcasync' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return _exported(name)

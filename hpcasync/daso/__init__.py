@@ -12,6 +12,7 @@ One concern per module:
 The ``hpcasync train --algorithm daso`` runtime is :mod:`hpcasync.daso.runtime` (its options:
 :mod:`hpcasync.daso.options`).
 """
+from .. import lazy_exports
 from .merge import merge, merge_, merge_weights     # torch-free (and `merge` names the function)
 
 _LAZY = {**dict.fromkeys(("DasoComm", "InFlight", "LinkDelay", "pack_state", "unpack_state"),
@@ -23,10 +24,4 @@ __all__ = ["DASO", "BatchPlan", "DasoComm", "DasoSchedule", "InFlight", "Knobs",
            "PlateauDetector", "merge", "merge_", "merge_weights", "next_knobs", "pack_state",
            "phase_of", "plan_batch", "unpack_state"]
 
-
-def __getattr__(name):          # imported at first use: the package's options module needs no torch
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module needs no torch

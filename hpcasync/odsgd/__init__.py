@@ -6,16 +6,12 @@
 * :mod:`.checkpoint` the global state plus every rank's own state
 * :mod:`.runtime`    ``hpcasync train --algorithm odsgd`` (its options: :mod:`.options`)
 """
+from .. import lazy_exports
+
 _LAZY = {**dict.fromkeys(("GlobalState", "ODSGDHyper", "WorkerState", "global_update",
                           "local_update", "simulate_round"), ".core"),
          "ODSGD": ".optimizer", "ODSGDWorker": ".pipeline"}
 __all__ = ["ODSGD", "GlobalState", "ODSGDHyper", "ODSGDWorker", "WorkerState", "global_update",
            "local_update", "simulate_round"]
 
-
-def __getattr__(name):          # imported at first use: the package's options module needs no torch
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module needs no torch

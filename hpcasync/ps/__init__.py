@@ -14,9 +14,6 @@
 The update rules themselves (pure tensor math, shared with the simulator) are :mod:`hpcasync.rules`.
 """
 
+from .. import lazy_exports
 
-def __getattr__(name):
-    if name == "ParameterServer":
-        from .optimizer import ParameterServer
-        return ParameterServer
-    raise AttributeError(name)
+__getattr__ = lazy_exports(__name__, {"ParameterServer": ".optimizer"})

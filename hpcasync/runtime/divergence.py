@@ -27,7 +27,6 @@ import math
 from collections import deque
 from typing import Any
 
-
 from ..errors import ConfigError, DivergedError
 
 __all__ = ["DEFAULT_FACTOR", "DEFAULT_WINDOW", "check_factor", "diverged", "first_nonfinite",

@@ -4,13 +4,9 @@
 * :mod:`.horovod`   the same loop through Horovod's ``DistributedOptimizer`` (``--backend horovod``)
 * :mod:`.runtime`   ``hpcasync train --algorithm ssgd`` (its options: :mod:`.options`)
 """
+from .. import lazy_exports
+
 _LAZY = {"DistributedOptimizer": ".optimizer"}
 __all__ = ["DistributedOptimizer"]
 
-
-def __getattr__(name):          # imported at first use: the package's options module needs no torch
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module needs no torch
