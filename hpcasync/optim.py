@@ -84,15 +84,30 @@ def refuse_sgd_options(groups, options, runs: str) -> None:
                               f"{key}={groups[bad[0]][key]}; use {key}={plain}")
 
 
+def _undecorated(method):
+    """``method`` without torch's ``torch._disable_dynamo`` wrapper (``functools.wraps`` keeps the
+    function it wraps as ``__wrapped__``); the method itself where torch does not wrap it."""
+    return getattr(method, "__wrapped__", method)
+
+
 class AlgorithmOptimizer(torch.optim.Optimizer):
     """Base of the optimizer-shaped object of every algorithm (docs/design/front-door.md).
 
     Subclasses call :meth:`_wrap` or :meth:`_own` in ``__init__``, and may extend
     :meth:`_extra_state` / :meth:`_load_extra` (their counters) and :meth:`_load_plain` (how a
     plain torch optimizer's state maps onto an owned algorithm).
+
+    torch wraps ``Optimizer.add_param_group`` (called by its ``__init__``) and ``state_dict`` in
+    ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``: 2-3.5 CPU-s in every
+    process. The algorithms that own their update (the parameter server's workers and server,
+    OD-SGD) never step a torch optimizer, so here they call the functions underneath and start
+    without that import. The wrapper only marks a graph break for ``torch.compile``, and an
+    algorithm's methods (MPI traffic) are never compiled. (A wrapped torch optimizer, as SSGD and
+    DASO hold, imports it at its first step anyway.)
     """
 
     algorithm: str = ""
+    add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
     _skip = False                      # inside skip_synchronize()
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
 
@@ -227,7 +242,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         base = (self.optimizer.state_dict() if self.optimizer is not None
-                else torch.optim.Optimizer.state_dict(self))
+                else _undecorated(torch.optim.Optimizer.state_dict)(self))
         return {**base, _STATE_KEY: {"algorithm": self.algorithm, **self._extra_state()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

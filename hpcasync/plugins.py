@@ -291,12 +291,18 @@ def make_optimizer(spec: str, params, *, lr: float, momentum: float,
 # -- the pre-MPI trial -----------------------------------------------------------------------------
 
 def check_run(model: str, dataset, *, loss: str = "cross_entropy", loss_fn: Callable | None = None,
-              optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.9,
+              optimizer: str | None = "sgd", lr: float = 0.05, momentum: float = 0.9,
               weight_decay: float = 0.0) -> nn.Module:
     """Try a model on the data, on the CPU, before any rank waits on another: build it
     (``build_model``), run a forward pass on the first two training items, check the output is
     (2, num_classes), the loss a differentiable scalar, and that the optimizer can be built.
     Returns the trial model (thrown away by the driver). Consumes torch's global random numbers.
+
+    ``optimizer=None`` leaves the optimizer out: the driver passes it for the algorithms with their
+    own update rule, which never build one (``--optimizer`` must stay ``sgd`` there, and
+    ``TrainConfig.validate`` already holds lr, momentum and weight decay to the ranges torch's SGD
+    accepts). Building a torch optimizer imports ``torch._dynamo`` (``Optimizer.add_param_group``
+    is wrapped in ``torch._disable_dynamo``): 2-3.5 CPU-s on every rank of every such job.
 
     Raises:
         ConfigError: naming the option (and spec) at fault.
@@ -337,7 +343,8 @@ def check_run(model: str, dataset, *, loss: str = "cross_entropy", loss_fn: Call
     if not value.requires_grad:
         raise ConfigError(f"--loss {loss}: the loss carries no gradient to the model (is it "
                           "computed from the output with torch operations?)")
-    opt = make_optimizer(optimizer, net.parameters(), lr=lr, momentum=momentum,
-                         weight_decay=weight_decay)
-    del opt
+    if optimizer is not None:
+        opt = make_optimizer(optimizer, net.parameters(), lr=lr, momentum=momentum,
+                             weight_decay=weight_decay)
+        del opt
     return net

@@ -30,7 +30,7 @@ import torch
 from .config import TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
-from . import inject
+from . import inject, registry
 from .runtime import algorithms, join, runtime_module, startup
 from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
@@ -113,8 +113,10 @@ def train(cfg: TrainConfig) -> dict:
     # try the model, loss and optimizer on the data (CPU) while an error is still said once
     loss_fn = plugins.make_loss(cfg.loss)
     opt_kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+    # (the optimizer only where the algorithm trains with it: TrainConfig.validate checked the rest)
+    uses_optimizer = cfg.algorithm in registry.user_optimizer_names()
     plugins.check_run(cfg.model, train_set, loss=cfg.loss, loss_fn=loss_fn,
-                      optimizer=cfg.optimizer, **opt_kwargs)
+                      optimizer=cfg.optimizer if uses_optimizer else None, **opt_kwargs)
     shape = {"input_shape": list(train_set.input_shape), "num_classes": train_set.num_classes}
     specs = {f"{key}_spec": {**plugins.spec_record(value, f"--{key}"), **shape}
              for key, value in (("model", cfg.model), ("dataset", cfg.dataset))

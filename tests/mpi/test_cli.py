@@ -3,6 +3,7 @@
 Each test launches its own MPI job from rank 0 (the other ranks wait idle) and asserts a non-zero
 exit within 30 s with the message shown."""
 import json
+import sys
 import time
 
 import pytest
@@ -90,6 +91,25 @@ def test_ssgd_run_writes_metrics_stream(tmp_path):
     assert records[1]["bytes_communicated"] > 0
     assert not (tmp_path / "run.jsonl.partial").exists()
     json.dumps(records)
+
+
+@pytest.mark.rank0
+@pytest.mark.one_mpi     # an import-time property; the run's MPI paths are the asgd tests'
+@pytest.mark.parametrize("algorithm", ["asgd", "odsgd"])
+def test_an_own_update_rule_run_never_imports_torch_dynamo(algorithm, tmp_path):
+    """The algorithms with their own update rule build no torch optimizer, and their optimizer
+    base skips torch's ``torch._disable_dynamo`` wrappers (hpcasync/optim.py): no rank imports
+    ``torch._dynamo`` (2-3.5 CPU-s a rank), checkpoints included. tests/unit/test_optim_base.py
+    checks the base alone."""
+    r = run_mpi(4, ["--", sys.executable, "-X", "importtime", "-m", "hpcasync.cli", "train",
+                    "--algorithm", algorithm, *SMALL, "--train-limit", "512",
+                    "--checkpoint-dir", str(tmp_path)], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert imported.count("torch") == 4, r.stderr[-2000:]     # every rank's table is there
+    assert "torch._dynamo" not in imported
+    assert list(tmp_path.glob("ckpt-*")), "no checkpoint written"
 
 
 @pytest.mark.rank0
