@@ -343,8 +343,7 @@ def check_run(model: str, dataset, *, loss: str = "cross_entropy", loss_fn: Call
     if not value.requires_grad:
         raise ConfigError(f"--loss {loss}: the loss carries no gradient to the model (is it "
                           "computed from the output with torch operations?)")
-    if optimizer is not None:
-        opt = make_optimizer(optimizer, net.parameters(), lr=lr, momentum=momentum,
-                             weight_decay=weight_decay)
-        del opt
+    if optimizer is not None:           # built to check it, then dropped
+        make_optimizer(optimizer, net.parameters(), lr=lr, momentum=momentum,
+                       weight_decay=weight_decay)
     return net
