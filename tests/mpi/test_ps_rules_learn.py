@@ -28,9 +28,11 @@ from tests.mpi_util import COMM, RANK, SIZE
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
 
 STEPS, BATCH, TEST = 40, 32, 1000
-#: accuracy on the first 1000 test images the final model must reach (chance 0.1); two runs of all
-#: 11 on the 2-core box (2026-11-29): 0.669 (ensemble, both runs) to 0.766 (smega2)
-BAR = 0.55
+#: accuracy on the first 1000 test images the final model must reach: 4x chance, as the learning
+#: bars' floor (test_learning_bars.py). Two runs of all 11 on the idle 2-core box (2026-11-29):
+#: 0.669 (ensemble, both runs) to 0.766 (smega2); the push order, and so the accuracy, follows the
+#: machine's timing (a loaded CI box once took a Horovod-script dana run to 21.6 %)
+BAR = 0.40
 
 
 @pytest.fixture(scope="module")
