@@ -27,10 +27,10 @@ import time
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .config import OPTIMIZER_ALGORITHMS, TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
-from . import inject, registry
+from . import inject
 from .runtime import algorithms, join, runtime_module, startup
 from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
@@ -114,7 +114,7 @@ def train(cfg: TrainConfig) -> dict:
     loss_fn = plugins.make_loss(cfg.loss)
     opt_kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
     # (the optimizer only where the algorithm trains with it: TrainConfig.validate checked the rest)
-    uses_optimizer = cfg.algorithm in registry.user_optimizer_names()
+    uses_optimizer = cfg.algorithm in OPTIMIZER_ALGORITHMS
     plugins.check_run(cfg.model, train_set, loss=cfg.loss, loss_fn=loss_fn,
                       optimizer=cfg.optimizer if uses_optimizer else None, **opt_kwargs)
     shape = {"input_shape": list(train_set.input_shape), "num_classes": train_set.num_classes}

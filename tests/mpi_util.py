@@ -40,6 +40,19 @@ def idle_wait(request, timeout: float | None = None, poll: float = 0.002) -> boo
     return True
 
 
+def digest(model) -> bytes:
+    """The bytes of a model's floating parameters and buffers (replicas compare equal bitwise)."""
+    import torch
+
+    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()]
+                      if t.is_floating_point()]).numpy().tobytes()
+
+
+def identical_everywhere(model) -> bool:
+    """Collective on COMM_WORLD: every rank holds this model bitwise."""
+    return len(set(COMM.allgather(digest(model)))) == 1
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without the launcher's job variables (a nested mpiexec must not join the
     parent's job; ``hpcasync.launch.child_env``), the repo on PYTHONPATH, then ``extra``."""

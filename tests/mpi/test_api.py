@@ -18,7 +18,7 @@ from torch import nn
 import hpcasync
 from hpcasync.errors import ConfigError
 from tests.models import SmallBN
-from tests.mpi_util import COMM, RANK, SIZE, run_mpi
+from tests.mpi_util import COMM, RANK, SIZE, digest, identical_everywhere, run_mpi
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
 
@@ -39,15 +39,6 @@ def make_model(seed: int = 0) -> nn.Module:
 def batch(data, step: int, rank: int = RANK, bs: int = 16):
     lo = (step * SIZE + rank) * bs
     return data.images[lo: lo + bs], data.labels[lo: lo + bs]
-
-
-def digest(model: nn.Module) -> bytes:
-    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()]
-                      if t.is_floating_point()]).numpy().tobytes()
-
-
-def identical_everywhere(model: nn.Module) -> bool:
-    return len(set(COMM.allgather(digest(model)))) == 1
 
 
 # -- it is a torch Optimizer: schedulers, state dicts ---------------------------------------------

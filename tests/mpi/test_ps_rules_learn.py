@@ -23,7 +23,7 @@ import hpcasync
 from hpcasync.config import default_lr
 from hpcasync.rules import RULES
 from tests.models import SmallBN
-from tests.mpi_util import COMM, RANK, SIZE
+from tests.mpi_util import RANK, SIZE, identical_everywhere
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
 
@@ -40,11 +40,6 @@ def data():
     from hpcasync.data import load_dataset
 
     return load_dataset("fashion-mnist-mini")
-
-
-def _digest(model) -> bytes:
-    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *model.buffers()]
-                      if t.is_floating_point()]).numpy().tobytes()
 
 
 @needs4
@@ -72,7 +67,7 @@ def test_every_rule_learns_in_a_users_loop(algorithm, data):
             else:
                 opt.step()
         opt.finish()
-    assert len(set(COMM.allgather(_digest(model)))) == 1     # every rank: the server's model
+    assert identical_everywhere(model)          # every rank: the server's model
     model.eval()
     with torch.no_grad():
         correct = (model(test.images[:TEST]).argmax(1) == test.labels[:TEST]).sum().item()
