@@ -203,6 +203,7 @@ class P2PTransport(_Base):
         return self._parse_reply()
 
     def close(self, collective: bool = True) -> None:
+        self.withdraw_headers()
         for reqs in self._pending:
             try:
                 self.wait_time += wait_all(reqs)

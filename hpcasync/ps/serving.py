@@ -86,11 +86,11 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
 
     def stop_requested() -> bool:
         sigterm.poll()
-        if grow_wanted[0] and not transport.receiving():
-            # a replacement for a dead worker, spawned while no receive from any worker is
-            # pending (Open MPI 5.0.11: a spawn while the receive that reported the death is
-            # still posted makes that receive fail again at every wait, acknowledged or not)
+        if grow_wanted[0]:
+            # a replacement for a dead worker, spawned with no header receive posted (they are
+            # withdrawn first; one that had matched a header keeps it)
             grow_wanted[0] = False
+            transport.withdraw_headers()
             if growth.replace(ctx, dead=len(server.failed),
                               alive=ctx.topo.size - len(server.failed)):
                 server.begin_grow()     # (the replacement started while the others trained)

@@ -145,6 +145,7 @@ class RMATransport(_Base):
         """Collective: end the epochs and free the windows (``collective=False``, after a rank
         died: end the epochs and leave the windows to ``MPI_Finalize``)."""
         if self.is_ps:
+            self.withdraw_headers()
             self.win_in.Unlock_all()
         elif self.reply_mode == "put":
             self.win_out.Unlock_all()

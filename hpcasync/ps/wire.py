@@ -133,7 +133,12 @@ class _Base:
         self.wait_time = 0.0       # seconds spent waiting (PS: idle; worker: for replies)
         self._end = np.zeros(1, np.float64)
         self.end_code = 0                   # the last end message (END_GROW: a grow-back)
-        self._head_req = None      # PS: the header receive (kept when a failure interrupts it)
+        W = self.num_workers if self.is_ps else 0   # PS: a header receive per worker
+        self._heads_in = [np.zeros_like(self._head_in) for _ in range(W)]
+        self._head_reqs = [None] * W       # its posted receive (None: not posted)
+        self._head_ready = [False] * W     # a withdrawn receive had a header: it is due
+        self._head_dead = [False] * W      # no receive is posted for a dead worker
+        self._head_next = 0                # the worker polled first (round robin)
         self.idle_hook = None      # PS: called while waiting for a header
         self.push_phase = True     # worker: its pushes pass hpcasync.inject's "push" phase
         self.requests = 0          # worker: checkpoint requests sent so far (in every header)
@@ -162,12 +167,13 @@ class _Base:
     def _note_bytes(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.state_bytes())
 
-    def _failed(self, exc: BaseException, *, keep_head: bool = False):
+    def _failed(self, exc: BaseException):
         """PS: the :class:`WorkerFailed` for an MPI error that reports dead ranks (their worker
         indices), a ProcessFailedError for a revoked communicator (a sharded server's takeover),
-        or ``exc`` itself for any other error. The caller raises it."""
+        or ``exc`` itself for any other error. The caller raises it. The header receives of the
+        dead workers are dropped: none is posted for them again."""
         from ..errors import ProcessFailedError
-        from ..runtime.ft import WorkerFailed, failed_ranks, is_pending
+        from ..runtime.ft import WorkerFailed, failed_ranks
 
         if isinstance(exc, self.MPI.Exception) and \
                 exc.Get_error_class() == getattr(self.MPI, "ERR_REVOKED", None):
@@ -176,44 +182,80 @@ class _Base:
         ranks = failed_ranks(self.comm, exc)
         if ranks is None:
             return exc
-        if not (keep_head and is_pending(exc)):
-            self._head_req = None
-        return WorkerFailed([self.workers.index(r) for r in ranks if r in self.workers])
+        dead = [self.workers.index(r) for r in ranks if r in self.workers]
+        for w in dead:
+            self._head_dead[w] = True
+            self._head_reqs[w] = None
+        return WorkerFailed(dead)
 
     # -- PS side -------------------------------------------------------------------------------
+    # One header receive per live worker, each from that worker alone, taken in turn (round
+    # robin from the worker after the last one served). Not one receive from MPI_ANY_SOURCE:
+    # under ULFM (Open MPI 5.0.11) such a receive can go on failing with
+    # MPI_ERR_PROC_FAILED_PENDING at every test after the death it reports was acknowledged,
+    # and a server spinning on it never serves again (docs/design/ps.md#header-receives).
     def receiving(self) -> bool:
-        """PS: a header receive is posted (from any worker) and not yet completed."""
-        return self._head_req is not None
+        """PS: a header receive is posted and not yet completed."""
+        return any(r is not None for r in self._head_reqs)
+
+    def _post_header(self, w: int):
+        req = self._head_reqs[w]
+        if req is None and not self._head_dead[w]:
+            req = self._head_reqs[w] = self.comm.Irecv(
+                [self._heads_in[w], self.MPI.DOUBLE], source=self.workers[w], tag=_TAG_PUSH)
+        return req
+
+    def poll_header(self) -> tuple[int, np.ndarray] | None:
+        """PS: ``(worker, header)`` if a push header has arrived, else None (never waits). The
+        header array is reused by that worker's next receive: copy it to keep it."""
+        W = self.num_workers
+        for k in range(W):
+            w = (self._head_next + k) % W
+            if self._head_ready[w]:
+                self._head_ready[w] = False
+            else:
+                req = self._post_header(w)
+                if req is None:
+                    continue
+                try:
+                    if not req.Test():
+                        continue
+                except self.MPI.Exception as exc:
+                    self._head_reqs[w] = None
+                    raise self._failed(exc) from None
+                self._head_reqs[w] = None
+            self._head_next = (w + 1) % W
+            return w, self._heads_in[w]
+        return None
 
     def recv_header(self) -> tuple[int, np.ndarray]:
         """PS: wait for the next push's header; ``(worker, header)``. ``complete_push`` takes
         the rest (the ordered view of a sharded server calls the two apart, :mod:`.ordering`)."""
-        status = self.MPI.Status()
-        if self._head_req is None:
-            self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],
-                                             source=self.MPI.ANY_SOURCE, tag=_TAG_PUSH)
-        try:
-            self.wait_time += wait(self._head_req, status, poll=self.idle_hook)
-        except self.MPI.Exception as exc:
-            raise self._failed(exc, keep_head=True) from None
-        self._head_req = None
-        src = status.Get_source()
-        return self.workers.index(src), self._head_in
+        t0 = time.perf_counter()
+        pause = 2e-5
+        while (got := self.poll_header()) is None:
+            if self.idle_hook is not None:
+                self.idle_hook()
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+        self.wait_time += time.perf_counter() - t0
+        return got
 
-    def poll_header(self) -> tuple[int, np.ndarray] | None:
-        """PS: ``(worker, header)`` if a push header has arrived, else None (never waits). The
-        header array is reused by the next receive: copy it to keep it."""
-        if self._head_req is None:
-            self._head_req = self.comm.Irecv([self._head_in, self.MPI.DOUBLE],
-                                             source=self.MPI.ANY_SOURCE, tag=_TAG_PUSH)
-        status = self.MPI.Status()
-        try:
-            if not self._head_req.Test(status):
-                return None
-        except self.MPI.Exception as exc:
-            raise self._failed(exc, keep_head=True) from None
-        self._head_req = None
-        return self.workers.index(status.Get_source()), self._head_in
+    def withdraw_headers(self) -> None:
+        """PS: cancel the posted header receives (before a spawn, and at close). A receive that
+        had already matched a header keeps it: :meth:`poll_header` returns it first."""
+        for w, req in enumerate(self._head_reqs):
+            if req is None:
+                continue
+            self._head_reqs[w] = None
+            status = self.MPI.Status()
+            try:
+                req.Cancel()
+                req.Wait(status)
+            except self.MPI.Exception:          # its worker died: nothing to keep
+                continue
+            if not status.Is_cancelled():
+                self._head_ready[w] = True
 
     def _make_push(self, w: int, h: np.ndarray, grad: torch.Tensor, extra: torch.Tensor) -> Push:
         numel = int(h[4])            # what the worker claims; the PS rejects numel != self.numel

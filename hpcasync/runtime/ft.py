@@ -122,16 +122,6 @@ def failed_ranks(comm, exc: BaseException) -> list[int] | None:
     return dead_ranks(comm)
 
 
-
-
-def is_pending(exc: BaseException) -> bool:
-    """The failed request is still active (a receive from ``MPI_ANY_SOURCE``)."""
-    from mpi4py import MPI
-
-    return (isinstance(exc, MPI.Exception)
-            and exc.Get_error_class() == getattr(MPI, "ERR_PROC_FAILED_PENDING", -1))
-
-
 def survivors(comm, ulfm: bool):
     """Collective over the surviving ranks of ``comm``: ``(comm', lost)`` with ``comm'`` the
     shrunk communicator (``comm`` itself without ULFM) and ``lost`` the ranks of ``comm`` that are

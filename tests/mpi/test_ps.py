@@ -98,6 +98,43 @@ def test_every_push_applied_exactly_once(kind):
 
 
 @needs4
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_headers_are_taken_in_turn_and_a_withdrawal_loses_none(kind):
+    """The server's header receives (one per worker, docs/design/ps.md#header-receives): with
+    two headers from each of the 3 workers waiting, polls take them in turn (0, 1, 2, 0, 1, 2),
+    each worker's in its order, after ``withdraw_headers`` cancelled receives that had already
+    matched the first ones (those are kept, not lost); ``close`` withdraws the receives posted
+    last, which would otherwise take the next test's headers. Planted: the kept header dropped
+    at withdrawal, or polls always from worker 0 -- each fails this."""
+    import time
+
+    from hpcasync.ps.wire import KIND_PEEK, wait
+
+    t = make_transport(kind, COMM, 0, 16)
+    if t.is_ps:
+        assert t.poll_header() is None          # one receive posted per worker
+        COMM.Barrier()
+        COMM.Barrier()                          # every header sent (and most matched)
+        t.withdraw_headers()
+        got, t0 = [], time.monotonic()
+        while len(got) < 6 and time.monotonic() - t0 < 20:
+            h = t.poll_header()
+            if h is not None:
+                got.append((h[0], int(h[1][1])))
+        order = [w for w, _ in got]
+        assert order == [0, 1, 2, 0, 1, 2], got
+        assert got == [(w, 10 * w + i) for i in (0, 1) for w in range(3)]
+        assert t.poll_header() is None and t.receiving()    # posted again
+    else:
+        COMM.Barrier()
+        for i in (0, 1):
+            wait(t._push_header(KIND_PEEK, 0, version=10 * t.worker + i))
+        COMM.Barrier()
+    t.close()
+    assert not t.receiving()
+
+
+@needs4
 def test_bad_pushes_rejected_counted_and_training_continues():
     bad = {(1, 2): "nan", (2, 1): "future", (0, 0): "short"}
     out = _run_exchange("rma", bad)
