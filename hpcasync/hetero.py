@@ -4,7 +4,8 @@ One :class:`DelayModel` answers "how long does worker w's step s take, relative 
 time, and how long does its push travel?"::
 
     factor(w, s) = k_w · m(w, s)          k_w: straggler factor (1 unless set)
-                                           m(w, s) ~ Gamma(shape, scale 1/shape)  (mean 1), or 1
+                                           m(w, s) ~ Gamma, log-normal or Pareto, mean 1
+                                                     (``COMPUTE_TIMES``), or 1
     step time    = natural · factor(w, s)
     push delay   = d  (a fixed extra latency per push, in ms)
 
@@ -56,19 +57,29 @@ def parse_straggler(spec: str | None) -> dict[int, float]:
     return out
 
 
-def parse_compute_time(spec: str | None) -> float | None:
-    """``"fixed"`` -> None; ``"gamma:SHAPE"`` -> SHAPE (> 0); ConfigError otherwise."""
+#: ``--compute-time`` distributions of the per-step multiplier m (each with mean 1) and the
+#: range of their parameter: Gamma(shape k, scale 1/k); log-normal exp(N(−σ²/2, σ²)) (heavy
+#: tail); Pareto with tail index α > 1 and scale (α − 1)/α (heavy tail: infinite variance for
+#: α ≤ 2)
+COMPUTE_TIMES = {"gamma": "SHAPE > 0", "lognormal": "SIGMA > 0", "pareto": "ALPHA > 1"}
+
+
+def parse_compute_time(spec: str | None) -> tuple[str, float] | None:
+    """``"fixed"`` -> None; ``"gamma:SHAPE"``, ``"lognormal:SIGMA"``, ``"pareto:ALPHA"`` ->
+    ``(kind, parameter)``; ConfigError otherwise."""
     if spec is None or spec == "fixed":
         return None
-    kind, _, shape_s = spec.partition(":")
+    kind, _, value_s = spec.partition(":")
     try:
-        shape = float(shape_s)
+        value = float(value_s)
     except ValueError:
-        shape = math.nan
-    if kind != "gamma" or not math.isfinite(shape) or shape <= 0:
-        raise ConfigError(f"--compute-time must be 'fixed' or 'gamma:SHAPE' with SHAPE > 0, "
+        value = math.nan
+    low = 1.0 if kind == "pareto" else 0.0
+    if kind not in COMPUTE_TIMES or not math.isfinite(value) or value <= low:
+        raise ConfigError(f"--compute-time must be 'fixed', 'gamma:SHAPE' (SHAPE > 0), "
+                          f"'lognormal:SIGMA' (SIGMA > 0) or 'pareto:ALPHA' (ALPHA > 1), "
                           f"got {spec!r}")
-    return shape
+    return kind, value
 
 
 @dataclass
@@ -77,28 +88,35 @@ class DelayModel:
 
     Args:
         factors: straggler factor k_w per worker index (missing: 1).
-        gamma_shape: shape of the Gamma(shape, mean 1) per-step multiplier, or None (always 1).
+        compute: the per-step multiplier's distribution, ``(kind, parameter)`` of
+            :data:`COMPUTE_TIMES` (mean 1), or None (always 1).
         push_delay_s: extra latency per push, seconds.
         seed: seeds the per-(worker, step) multipliers.
     """
 
     factors: dict[int, float] = field(default_factory=dict)
-    gamma_shape: float | None = None
+    compute: tuple[str, float] | None = None
     push_delay_s: float = 0.0
     seed: int = 0
 
     @property
     def trivial(self) -> bool:
         """No delay at all (every factor 1, no Gamma, no push delay)."""
-        return (all(f == 1.0 for f in self.factors.values()) and self.gamma_shape is None
+        return (all(f == 1.0 for f in self.factors.values()) and self.compute is None
                 and self.push_delay_s == 0.0)
 
     def multiplier(self, worker: int, step: int) -> float:
-        """m(w, s): 1, or a Gamma(shape, 1/shape) draw that depends only on (seed, w, s)."""
-        if self.gamma_shape is None:
+        """m(w, s): 1, or a draw of mean 1 (:data:`COMPUTE_TIMES`) that depends only on
+        (seed, w, s)."""
+        if self.compute is None:
             return 1.0
+        kind, p = self.compute
         rng = np.random.default_rng([self.seed, worker, step])
-        return float(rng.gamma(self.gamma_shape, 1.0 / self.gamma_shape))
+        if kind == "gamma":
+            return float(rng.gamma(p, 1.0 / p))
+        if kind == "lognormal":
+            return float(rng.lognormal(-0.5 * p * p, p))
+        return float((rng.pareto(p) + 1.0) * (p - 1.0) / p)
 
     def factor(self, worker: int, step: int) -> float:
         """k_w · m(w, s): how many natural step times worker ``worker``'s step ``step`` takes."""
@@ -126,15 +144,16 @@ class DelayModel:
 
     def describe(self) -> str:
         parts = [f"worker {w} x{f:g}" for w, f in sorted(self.factors.items()) if f != 1.0]
-        if self.gamma_shape is not None:
-            parts.append(f"gamma(shape {self.gamma_shape:g}) step times")
+        if self.compute is not None:
+            parts.append(f"{self.compute[0]}({self.compute[1]:g}) step times")
         if self.push_delay_s:
             parts.append(f"push delay {1000 * self.push_delay_s:g} ms")
         return ", ".join(parts) or "homogeneous"
 
     def to_record(self) -> dict[str, Any]:
         return {"factors": {str(w): f for w, f in sorted(self.factors.items())},
-                "gamma_shape": self.gamma_shape, "push_delay_s": self.push_delay_s}
+                "compute_time": None if self.compute is None else
+                "%s:%g" % self.compute, "push_delay_s": self.push_delay_s}
 
     @classmethod
     def from_options(cls, options: dict[str, Any], *, worker_ranks: Sequence[int],
@@ -156,7 +175,7 @@ class DelayModel:
             w = ranks.index(rank)
             factors[w] = factors.get(w, 1.0) * f
         push_ms = float(options.get("push_delay") or 0.0)
-        return cls(factors=factors, gamma_shape=parse_compute_time(options.get("compute_time")),
+        return cls(factors=factors, compute=parse_compute_time(options.get("compute_time")),
                    push_delay_s=push_ms / 1000.0, seed=seed)
 
 
@@ -181,8 +200,10 @@ def add_arguments(parser) -> None:
                    help="SHAT's settings: homogeneous, or the last worker 2x/10x/100x slower")
     g.add_argument("--straggler", default=None, metavar="RANK:FACTOR[,...]",
                    help="these ranks' steps take FACTOR x their natural time")
-    g.add_argument("--compute-time", default="fixed", metavar="fixed|gamma:SHAPE",
-                   help="per-step time multiplier ~ Gamma(SHAPE, mean 1), seeded per worker/step")
+    g.add_argument("--compute-time", default="fixed",
+                   metavar="fixed|gamma:SHAPE|lognormal:SIGMA|pareto:ALPHA",
+                   help="per-step time multiplier of mean 1, seeded per worker/step: Gamma(SHAPE), "
+                        "or heavy-tailed: log-normal (SIGMA) or Pareto (tail index ALPHA > 1)")
     g.add_argument("--push-delay", type=float, default=0.0, metavar="MS",
                    help="extra latency per push (ms)")
 

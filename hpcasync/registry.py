@@ -284,6 +284,12 @@ for _alg in (
     # (why DANA and SMEGA2 exist).
     ps_algorithm("nag", _RULES + "nag:NAG", "NAG-ASGD, shared Nesterov buffer",
                  momentum_rule=True, default_lr=0.02),
+    ps_algorithm("rennala", _RULES + "rennala:Rennala",
+                 "Rennala SGD: one step per B gradients fresh at θ, stale ones dropped",
+                 options=(("rennala_batch", "batch"),)),
+    ps_algorithm("ringmaster", _RULES + "ringmaster:Ringmaster",
+                 "Ringmaster ASGD: gradients with delay >= R dropped",
+                 options=(("ringmaster_r", "threshold"),)),
 ):
     register(_alg)
 del _alg

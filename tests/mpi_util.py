@@ -175,7 +175,8 @@ def need_horovod() -> None:
 #: tests/unit). A per-algorithm end-to-end test marks these ``one_mpi`` (:func:`per_algorithm`):
 #: CI's MPICH pass runs it for the twin, not again for each of them.
 MPI_TWINS = {"dcasgd": "asgd", "dcasgd-a": "asgd", "dana": "smega2", "nag": "smega2",
-             "shat-root": "shat", "ensemble": "shat", "asp": "shat"}
+             "shat-root": "shat", "ensemble": "shat", "asp": "shat", "rennala": "asgd",
+             "ringmaster": "asgd"}
 
 
 def per_algorithm(algorithms):

@@ -1,5 +1,5 @@
 """``hvd.DistributedOptimizer``: the user's optimizer, its gradients averaged by hpcasync's SSGD —
-or, with ``algorithm=``, any of the toolkit's 14 algorithms.
+or, with ``algorithm=``, any of the toolkit's algorithms.
 
 The SSGD path (default): the returned object's class is a subclass of the user's optimizer class
 (``isinstance(opt, torch.optim.SGD)`` holds; its ``param_groups`` and ``state`` are the user

@@ -16,7 +16,8 @@ def add_arguments(parser) -> None:
                    help="K server ranks (--ps-rank and the K-1 after it), each serving a "
                         "contiguous shard of the parameters; the other ranks train (default 1)")
     g.add_argument("--ps-momentum", type=float, default=0.0,
-                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat (default 0)")
+                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat/rennala/ringmaster "
+                        "(default 0)")
     g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
     g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
     g.add_argument("--dc-ms-momentum", type=float, default=None,
@@ -29,6 +30,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--lc-max-factor", type=float, default=None,
                    help="lcasgd: upper bound of the compensation factor (1.0; inf = unbounded)")
     g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
+    g.add_argument("--rennala-batch", type=int, default=None,
+                   help="rennala: fresh gradients per step B (default: the number of workers)")
+    g.add_argument("--ringmaster-r", type=int, default=None,
+                   help="ringmaster: the delay R from which a gradient is dropped (default: the "
+                        "number of workers)")
     g.add_argument("--ps-warmup-epochs", type=float, default=None,
                    help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
                         "dana, nag as in the SMEGA2 paper, with its x0.1 steps at epochs 80 and "

@@ -25,6 +25,8 @@ from .dana import DANAZero
 from .dcasgd import DCASGD
 from .lcasgd import LCASGD
 from .nag import NAG
+from .rennala import Rennala
+from .ringmaster import Ringmaster
 from .shat import SHAT, shat_alpha
 from .smega2 import SMEGA2, smega2_estimate
 
@@ -105,5 +107,6 @@ def _factory(name: str) -> functools.partial:
 
 
 __all__ = ["RULES", "MOMENTUM_RULES", "make_rule", "ps_lr_factor", "rule_hyperparameters", "PushMeta", "Reply", "Rule", "ASGD",
-           "DCASGD", "LCASGD", "SHAT", "SMEGA2", "DANAZero", "NAG", "asgd_update", "shat_alpha",
+           "DCASGD", "LCASGD", "SHAT", "SMEGA2", "DANAZero", "NAG", "Rennala", "Ringmaster",
+           "asgd_update", "shat_alpha",
            "smega2_estimate", "smega2_lr", "step_decay_lr", "warmup_lr"]

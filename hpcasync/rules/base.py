@@ -191,7 +191,8 @@ class Rule:
 
     @property
     def version(self) -> int:
-        """Number of accepted pushes."""
+        """Number of updates of θ (one per accepted push, except in the rules that drop or
+        batch gradients: Ringmaster, Rennala)."""
         return self._version
 
     @property
@@ -320,8 +321,8 @@ class Rule:
         Elements of no param group (:meth:`set_groups`) take a zero gradient."""
         if self._frozen is not None:
             grad = grad.index_fill(0, self._frozen, 0.0)
-        self._update(worker, grad, meta)
-        self._version += 1
+        if self._update(worker, grad, meta) is not False:
+            self._version += 1
         return self._make_reply(worker, pushed=True)
 
     def on_reply(self, local: Tensor, reply: Reply, grad: Tensor | None) -> None:
@@ -398,7 +399,9 @@ class Rule:
         return tree_bytes(self._state())
 
     # -- hooks for subclasses --------------------------------------------------------------------
-    def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> None:
+    def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> bool | None:
+        """The math, in place. Returns False when θ did not change (a gradient dropped or held
+        for a later step: Ringmaster, Rennala): the version then stays."""
         raise NotImplementedError
 
     def _make_reply(self, worker: int, *, pushed: bool) -> Reply:

@@ -160,7 +160,8 @@ def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) 
 
 def rule_worker_state(rule) -> dict:
     """The rule's per-worker state as plain data, for the summary: which workers are alive and,
-    where the rule keeps them, DC-ASGD's backups, SHAT's counts, SMEGA2's cycle length N."""
+    where the rule keeps them, DC-ASGD's backups, SHAT's counts, SMEGA2's cycle length N, the
+    gradients Ringmaster and Rennala dropped."""
     d = rule.state_dict()
     out = {"active": rule.num_active, "alive": [bool(a) for a in d["alive"]]}
     if "backup" in d:
@@ -169,6 +170,8 @@ def rule_worker_state(rule) -> dict:
         out["shat_counts"] = [int(c) for c in d["counts"]]
     if "n" in d and "c" in d:
         out["smega2_n"] = int(d["n"])
+    if "discarded" in d:
+        out["discarded"] = int(d["discarded"])      # Ringmaster, Rennala: gradients dropped
     return out
 
 

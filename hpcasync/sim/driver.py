@@ -182,7 +182,10 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()
-    return {**stats.summary(), "sim_time": sim.sim_time, **memory()}
+    from ..runtime.ft import rule_worker_state
+
+    return {**stats.summary(), "sim_time": sim.sim_time, **memory(),
+            "rule_workers": rule_worker_state(rule)}
 
 
 def _run_sync(ctx, model, delay, W: int) -> dict:

@@ -17,7 +17,7 @@ from tests.mpi_util import REPO, run_cli
 pytestmark = pytest.mark.rank0
 
 STUDIES = ("shat", "smega2", "delay_compensation", "delay_compensation_64", "odsgd", "daso",
-           "heterogeneity", "ps_shards")
+           "heterogeneity", "ps_shards", "async_optimal")
 
 
 def _studies():

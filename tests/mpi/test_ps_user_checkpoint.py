@@ -30,6 +30,8 @@ W = SIZE - 1
 SPE = 4                     # steps per epoch per worker: an epoch is W * SPE pushes
 WARMUP = 2                  # epochs of lr warm-up, for every rule (a factor that moves)
 LR = 0.05
+#: rules whose version moves only when θ does (a gradient dropped or held for a batch keeps it)
+DROPPING = ("rennala", "ringmaster")
 
 
 def make_model():
@@ -102,7 +104,9 @@ def test_user_loop_checkpoint_round_trip_and_resume(algorithm, tmp_path):
     assert found is not None and found["epoch"] == 1 and found["step"] == 0
     if opt2.is_server:
         same(opt2.rule.state_dict(), saved["rule"], "rule")
-        assert opt2.rule.version == saved["version"] == W * first_steps
+        assert opt2.rule.version == saved["version"]
+        if algorithm not in DROPPING:                   # one version per push
+            assert saved["version"] == W * first_steps
         assert torch.equal(opt2.flat.params.detach().cpu(), saved["theta"])
         accepted = saved["clock"]["stats"]["accepted"]
         assert accepted == W * first_steps
@@ -110,7 +114,8 @@ def test_user_loop_checkpoint_round_trip_and_resume(algorithm, tmp_path):
         total = accepted + W * more
         server = opt2.server
         assert server.stats.accepted == total                     # the clock continued
-        assert opt2.rule.version == saved["version"] + W * more
+        if algorithm not in DROPPING:
+            assert opt2.rule.version == saved["version"] + W * more
         assert server.next_epoch == total // (W * SPE) + 1
         factor = ps_lr_factor(algorithm, W, WARMUP)
         assert opt2.rule.lr == pytest.approx(LR * factor((total - 1) / (W * SPE)), rel=1e-12)

@@ -42,6 +42,21 @@ def test_gamma_multiplier_is_seeded_per_worker_and_step_with_mean_one():
     assert DelayModel().multiplier(1, 0) == 1.0
 
 
+@pytest.mark.parametrize("spec", ["lognormal:1.5", "pareto:1.8"])
+def test_heavy_tailed_multipliers_have_mean_one_and_a_heavy_tail(spec):
+    """Log-normal σ 1.5 and Pareto α 1.8 (infinite variance): mean 1 (the median of 20
+    batch means of 1000 draws, robust to the tail), seeded per (worker, step), and a tail far
+    beyond Gamma's: the 99.9th percentile above 10x the mean (Gamma(1): ~6.9x)."""
+    d = DelayModel.from_options({"compute_time": spec}, worker_ranks=WORKERS, seed=3)
+    a = np.array([d.multiplier(0, s) for s in range(20_000)])
+    assert a.min() > 0 and [d.multiplier(0, s) for s in range(5)] == list(a[:5])
+    assert abs(np.median(a.reshape(20, -1).mean(axis=1)) - 1.0) < 0.15
+    assert np.quantile(a, 0.999) > 10
+    gamma = DelayModel.from_options({"compute_time": "gamma:1"}, worker_ranks=WORKERS, seed=3)
+    assert np.quantile([gamma.multiplier(0, s) for s in range(20_000)], 0.999) < 8
+    assert spec.split(":")[0] in d.describe() and d.to_record()["compute_time"] == spec
+
+
 def test_real_runtime_sleeps_for_the_extra_time():
     d = DelayModel.from_options({"hetero": "HE1", "push_delay": 5.0}, worker_ranks=WORKERS)
     t0 = time.perf_counter()
@@ -57,8 +72,10 @@ def test_real_runtime_sleeps_for_the_extra_time():
     ({"straggler": "1"}, "each entry must be RANK:FACTOR"),
     ({"straggler": "1:0"}, "FACTOR > 0"),
     ({"straggler": "1:2,1:3"}, "rank 1 is given twice"),
-    ({"compute_time": "gamma:-1"}, "'gamma:SHAPE' with SHAPE > 0"),
-    ({"compute_time": "normal:3"}, "must be 'fixed' or 'gamma:SHAPE'"),
+    ({"compute_time": "gamma:-1"}, "got 'gamma:-1'"),
+    ({"compute_time": "normal:3"}, "must be 'fixed', 'gamma:SHAPE'"),
+    ({"compute_time": "pareto:1"}, "or 'pareto:ALPHA' .ALPHA > 1., got 'pareto:1'"),
+    ({"compute_time": "lognormal:0"}, "got 'lognormal:0'"),
     ({"push_delay": -1.0}, "--push-delay must be"),
 ])
 def test_bad_options_one_line_errors(options, needle):

@@ -106,8 +106,9 @@ def test_validate_rejects_bad_pushes(name, kw):
     assert "shape" in rule.validate(0, torch.ones(D + 1), ok)
     assert "shape" in rule.validate(0, torch.ones(1, D), ok)
     assert "dtype" in rule.validate(0, torch.ones(D, dtype=torch.float64), ok)
-    assert "future" in rule.validate(0, g, PushMeta(version=4, loss=1.0, oracle_loss=1.0))
-    assert rule.validate(0, g, PushMeta(version=3, loss=1.0, oracle_loss=1.0)) is None
+    v = rule.version            # 3 (one per push), or 1 for Rennala (one step per 3 pushes)
+    assert "future" in rule.validate(0, g, PushMeta(version=v + 1, loss=1.0, oracle_loss=1.0))
+    assert rule.validate(0, g, PushMeta(version=v, loss=1.0, oracle_loss=1.0)) is None
     assert "negative" in rule.validate(0, g, PushMeta(version=-1, loss=1.0, oracle_loss=1.0))
     assert "unknown worker" in rule.validate(N, g, ok)
     assert "unknown worker" in rule.validate(-1, g, ok)
@@ -164,7 +165,7 @@ def test_retire_drops_per_worker_state(name):
 def test_registry_and_make_rule_errors():
     t = torch.zeros(4)
     assert set(RULES) == {"asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble",
-                          "asp", "smega2", "dana", "nag"}
+                          "asp", "smega2", "dana", "nag", "rennala", "ringmaster"}
     assert make_rule("dcasgd-a", t, 2, lr=0.1).lam == 2.0
     assert make_rule("dcasgd", t, 2, lr=0.1).lam == 0.04
     assert make_rule("shat-root", t, 2, lr=0.1).alpha_mode == "root"
