@@ -78,6 +78,14 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     return value
 
 
+def noise_over_target(sigma2: Any, epsilon: Any) -> int:
+    """``max(1, ⌈σ²/ε⌉)`` for gradient noise σ² >= 0 and target ε > 0: the batch of Rennala SGD
+    and the delay threshold of Ringmaster ASGD in their papers' theorems."""
+    sigma2 = check_real("sigma2", sigma2, low=0.0)
+    epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
+    return max(1, math.ceil(sigma2 / epsilon))
+
+
 # ----------------------------------------------------------------------------------------------
 # state-dict helpers
 

@@ -22,20 +22,16 @@ Design: docs/design/rules.md#rennala-sgd. Differences from the paper: :class:`Re
 """
 from __future__ import annotations
 
-import math
-
 from torch import Tensor
 
 from .asgd import ASGD, asgd_update
-from .base import PushMeta, check_int, check_real, load_tensor, need
+from .base import PushMeta, check_int, noise_over_target, load_tensor, need
 
 
 def theorem_batch(sigma2: float, epsilon: float) -> int:
     """The paper's choice of B: ``max(1, ⌈σ²/ε⌉)`` for gradient noise σ² and target ε (the
     squared gradient norm to reach); its step size is then ``min(1/L, εB/(2Lσ²))``."""
-    sigma2 = check_real("sigma2", sigma2, low=0.0)
-    epsilon = check_real("epsilon", epsilon, low=0.0, low_open=True)
-    return max(1, math.ceil(sigma2 / epsilon))
+    return noise_over_target(sigma2, epsilon)
 
 
 class Rennala(ASGD):
