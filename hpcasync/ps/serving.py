@@ -54,7 +54,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
         ctx.progress.update(1, loss=loss, tau=staleness)
         n = server.stats.accepted
         if cfg.log_every and n % cfg.log_every == 0:
-            ctx.metrics.write("push", push=n, worker=w, version=rule.version - 1,
+            ctx.metrics.write("push", push=n, worker=w, version=rule.version - rule.moved,
                               staleness=staleness, loss=loss, lr=rule.lr)
 
     def state_now(kind: str) -> dict:

@@ -190,6 +190,7 @@ class Rule:
         self.lr = check_real("lr", lr, low=0.0, low_open=True)
         self.weight_decay = check_real("weight_decay", weight_decay, low=0.0)
         self._alive = [True] * self.num_workers
+        self.moved = False          # the last push changed θ (and the version)
 
     # -- basic properties ---------------------------------------------------------------------
     @property
@@ -329,8 +330,8 @@ class Rule:
         Elements of no param group (:meth:`set_groups`) take a zero gradient."""
         if self._frozen is not None:
             grad = grad.index_fill(0, self._frozen, 0.0)
-        if self._update(worker, grad, meta) is not False:
-            self._version += 1
+        self.moved = self._update(worker, grad, meta) is not False
+        self._version += self.moved
         return self._make_reply(worker, pushed=True)
 
     def on_reply(self, local: Tensor, reply: Reply, grad: Tensor | None) -> None:

@@ -34,8 +34,9 @@ def test_ringmaster_drops_a_gradient_at_delay_r_and_keeps_one_at_r_minus_1():
     assert torch.equal(rule.theta, g(3, -3, 7, -1)) and rule.version == 1
     push(rule, 1, g(4, 0, -2, 2), 0)                    # δ 1 = R − 1: kept
     assert torch.equal(rule.theta, g(1, -3, 8, -2)) and rule.version == 2
+    assert rule.moved
     reply = push(rule, 2, g(100, 100, 100, 100), 0)     # δ 2 = R: dropped
-    assert torch.equal(rule.theta, g(1, -3, 8, -2)) and rule.version == 2
+    assert torch.equal(rule.theta, g(1, -3, 8, -2)) and rule.version == 2 and not rule.moved
     assert reply.version == 2 and rule.discarded == 1   # the worker goes on from θ now
     push(rule, 0, g(2, 0, 0, 0), 1)                     # δ 1: kept
     assert torch.equal(rule.theta, g(0, -3, 8, -2)) and rule.version == 3
