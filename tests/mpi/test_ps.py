@@ -212,7 +212,7 @@ def test_runtime_counts_and_final_model_everywhere(algorithm, options):
         # busy-polling ranks share 2 cores) makes staleness, and so the accuracy, vary too much for
         # a per-rule bar; there the bar is 3x chance (30 %: a broken rule stays near 10 % or NaN),
         # and each rule's learning is measured by tests/mpi/test_learning_bars.py under Open MPI.
-        # dcasgd-a (2026-11-29, the server's per-worker header receives): 20 runs beside two busy
+        # dcasgd-a (2026-11-29, the server's per-worker header receives): 16 runs beside two busy
         # loops 67.5-79 (10 runs of the earlier any-source receive beside them: 70.5-76), and
         # one clean-clone CI run 54 -> 0.50.
         bar = {"asgd": 0.47, "shat": 0.33, "smega2": 0.65, "dcasgd-a": 0.50, "lcasgd": 0.65,
