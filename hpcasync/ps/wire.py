@@ -48,17 +48,22 @@ def mask_flags(words, n: int) -> list[bool]:
     return [bool((int(words[k // BITS_PER_WORD]) >> (k % BITS_PER_WORD)) & 1) for k in range(n)]
 
 
-def wait(req, status=None, *, first: float = 2e-5, cap: float = 1e-3, poll=None) -> float:
-    """Complete ``req`` without spinning: ``Test``, then sleep 20 µs doubling up to ``cap``
-    (``poll()`` is called before each sleep). Returns the seconds spent waiting."""
+def wait_until(ready, *, first: float = 2e-5, cap: float = 1e-3, poll=None) -> float:
+    """Call ``ready()`` until it is true without spinning: sleep 20 µs between calls, doubling up
+    to ``cap`` (``poll()`` is called before each sleep). Returns the seconds spent waiting."""
     t0 = time.perf_counter()
     pause = first
-    while not req.Test(status):
+    while not ready():
         if poll is not None:
             poll()
         time.sleep(pause)
         pause = min(cap, pause * 2)
     return time.perf_counter() - t0
+
+
+def wait(req, status=None, **kw) -> float:
+    """Complete ``req`` without spinning (:func:`wait_until` on ``req.Test``)."""
+    return wait_until(lambda: req.Test(status), **kw)
 
 
 def wait_all(reqs, **kw) -> float:
@@ -231,14 +236,14 @@ class _Base:
     def recv_header(self) -> tuple[int, np.ndarray]:
         """PS: wait for the next push's header; ``(worker, header)``. ``complete_push`` takes
         the rest (the ordered view of a sharded server calls the two apart, :mod:`.ordering`)."""
-        t0 = time.perf_counter()
-        pause = 2e-5
-        while (got := self.poll_header()) is None:
-            if self.idle_hook is not None:
-                self.idle_hook()
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
-        self.wait_time += time.perf_counter() - t0
+        got = None
+
+        def arrived() -> bool:
+            nonlocal got
+            got = self.poll_header()
+            return got is not None
+
+        self.wait_time += wait_until(arrived, poll=self.idle_hook)
         return got
 
     def withdraw_headers(self) -> None:

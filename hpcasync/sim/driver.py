@@ -170,8 +170,8 @@ def _run_async(ctx, model, delay, W: int) -> dict:
         n = sim.stats.accepted
         ctx.divergence.check(loss, step=n)
         if log_every and n % log_every == 0:
-            ctx.metrics.write("push", push=n, worker=w, version=rule.version - rule.moved, staleness=tau,
-                              loss=loss, lr=rule.lr, sim_time=t)
+            ctx.metrics.write("push", push=n, worker=w, version=rule.version - rule.moved,
+                              staleness=tau, loss=loss, lr=rule.lr, sim_time=t)
 
     sim = AsyncSim(rule, worker_rule, model, ctx.train, delay, num_workers=W, epochs=cfg.epochs,
                    batch_size=cfg.batch_size, seed=cfg.seed,
