@@ -1,5 +1,5 @@
 """A Horovod training script — written against the ``horovod.torch`` API — run by hpcasync, with
-any of its 14 algorithms: Fashion-MNIST, a small CNN, ``hvd.DistributedOptimizer``.
+any of its algorithms: Fashion-MNIST, a small CNN, ``hvd.DistributedOptimizer``.
 
     mpiexec -n 4 python examples/horovod_mnist.py                       # SSGD, as under Horovod
     mpiexec -n 4 python examples/horovod_mnist.py --algorithm daso --ranks-per-node 2
@@ -29,7 +29,8 @@ from hpcasync.data import load_dataset
 
 # hyperparameters beyond lr/momentum (taken from the SGD below) for short runs
 EXTRA = {"daso": {"warmup_epochs": 0, "cooldown_epochs": 0},     # every epoch cycling
-         "odsgd": {"warmup_iters": 10}}                              # then the one-step delay
+         "odsgd": {"warmup_iters": 10},                              # then the one-step delay
+         "localsgd": {"warmup_steps": 10, "period": 4}}              # post-local SGD
 
 parser = argparse.ArgumentParser(description="a Horovod-API script on hpcasync")
 parser.add_argument("--algorithm", default="ssgd", choices=algorithms())
@@ -87,6 +88,8 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 
 
 def test(epoch):
+    if args.algorithm == "localsgd":        # the replicas drift apart between two averages
+        optimizer.average_parameters()
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)
     with torch.no_grad():

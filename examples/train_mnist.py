@@ -18,6 +18,7 @@ from hpcasync.data import load_dataset
 # Each algorithm's own hyperparameters (lr and momentum come from the torch SGD below).
 HYPER = {
     "ssgd": {},                                                   # Horovod's DistributedOptimizer
+    "localsgd": {"period": 4, "warmup_steps": 10},                # post-local SGD
     "daso": {"warmup_epochs": 0, "cooldown_epochs": 0, "global_skip": 4},   # all epochs cycling
     "odsgd": {"warmup_iters": 50, "local_opt": "dc-adaptive", "lr_local": 0.5},   # on g/N
     # parameter-server algorithms: one rank serves, the others push gradients
@@ -26,7 +27,7 @@ HYPER = {
     "smega2": {"warmup_epochs": 5}, "dana": {"warmup_epochs": 5}, "nag": {"warmup_epochs": 5},
     "rennala": {}, "ringmaster": {},                               # B, R: the number of workers
 }                                       # (smega2, dana, nag: lr warm-up from lr/N, the paper's)
-SCHEDULED = set(HYPER) - {"ssgd", "odsgd"}      # DASO and the PS: told epochs, steps per epoch
+SCHEDULED = set(HYPER) - {"ssgd", "localsgd", "odsgd"}   # DASO and the PS: told epochs, steps
 
 parser = argparse.ArgumentParser(description="hpcasync Fashion-MNIST example")
 parser.add_argument("--algorithm", default="ssgd", choices=sorted(HYPER))
@@ -117,12 +118,14 @@ else:
         epoch_loss = train(epoch)
         if args.algorithm == "daso":
             opt.epoch_end(epoch_loss)    # DASO adapts its schedule to the epoch's loss
+        if args.algorithm == "localsgd":
+            opt.average_parameters()     # the replicas drift apart between two averages
         if args.algorithm != "odsgd" and epoch < args.epochs:
             # evaluation inside the loop, on the ranks that train: a PS's server is inside serve(),
             # so the workers average through their own communicator (the world for ssgd/daso);
             # a PS worker's model is its latest reply (SHAT/ENSEMBLE: its own model)
             test(ctx.workers_comm, ctx.shard_index, ctx.num_shards, f"epoch {epoch}")
     if args.algorithm not in ("ssgd", "daso"):
-        opt.finish()                     # OD-SGD: complete the last round; PS: the last push
+        opt.finish()    # OD-SGD: complete the last round; PS: the last push; localsgd: average
 # every rank now holds the same final model: each scores a slice, the counts are summed
 test(ctx.topology.world, ctx.rank, ctx.size, args.algorithm)

@@ -44,11 +44,13 @@ import hpcasync
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", choices=("ssgd", "odsgd", "daso"), default="ssgd")
+parser.add_argument("--algorithm", choices=("ssgd", "localsgd", "odsgd", "daso"), default="ssgd")
 parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (DASO)")
 parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batches between global "
                     "sends while cycling")
 parser.add_argument("--odsgd-warmup", type=int, default=4, help="OD-SGD's SSGD warm-up steps")
+parser.add_argument("--powersgd-rank", type=int, default=0, help="SSGD: PowerSGD of this rank "
+                    "after 2 plain steps (0: no compression)")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=0.01)
@@ -75,7 +77,10 @@ sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size,
 hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
          "daso": {"epochs": args.epochs, "sampler": sampler, "warmup_epochs": 0,
                   "cooldown_epochs": 1,
-                  "global_skip": args.daso_global_skip}}.get(args.algorithm, {})
+                  "global_skip": args.daso_global_skip},
+         "ssgd": {"compress": hpcasync.PowerSGD(rank=args.powersgd_rank, start_iter=2)}
+         if args.powersgd_rank else {},
+         "localsgd": {"period": 2, "warmup_steps": 2}}.get(args.algorithm, {})
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0)
@@ -142,6 +147,8 @@ def train(state):
         before = commit(before)            # the epoch's tail (if any) is not trained
         if args.algorithm == "daso":       # close the epoch: its rank-averaged loss drives the
             opt.epoch_end(sum(losses) / max(1, len(losses)))   # schedule (plateau)
+        if args.algorithm == "localsgd":   # one model on every rank at the epoch's end
+            opt.average_parameters()
         state.epoch += 1                   # (not left at the last epoch: a call after the end,
         state.batch = 0                    # when a rank dies after the last step, trains nothing)
         state.sampler.set_epoch(state.epoch)

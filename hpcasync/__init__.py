@@ -25,6 +25,7 @@ _EXPORTS = {
     "serve": "hpcasync.ps.optimizer",
     "AlgorithmOptimizer": "hpcasync.optim", "DivergenceGuard": "hpcasync.runtime.divergence",
     "FlatModel": "hpcasync.comm.flat", "default_lr": "hpcasync.config",
+    "PowerSGD": "hpcasync.ssgd.powersgd", "LocalSGD": "hpcasync.ssgd.localsgd",
 }
 
 __all__ = sorted([*_EXPORTS, "elastic"])

@@ -339,9 +339,11 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
 def _sync_optimizer(algorithm, family, model, opt, hyper):
     broadcast = hyper.pop("broadcast", True)
     if family == "ssgd":
-        from .ssgd.optimizer import DistributedOptimizer
+        from .ssgd import optimizer_class
 
-        result = DistributedOptimizer(opt, model, **hyper)
+        cls = optimizer_class(algorithm)
+        _check_keywords(algorithm, cls, hyper)
+        result = cls(opt, model, **hyper)
     else:
         from .daso.optimizer import DASO
 
@@ -366,6 +368,20 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
             if not defer_startup_failure(exc, [result.comm]):
                 raise
     return result
+
+
+def _check_keywords(algorithm: str, cls, hyper: dict) -> None:
+    """A keyword ``cls`` does not take is a one-line error naming the ones it does."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    bad = sorted(set(hyper) - set(params))
+    if bad:
+        raise ConfigError(f"{algorithm} takes no {', '.join(bad)} (its keywords: "
+                          f"{', '.join(known)})")
 
 
 #: the keys of a torch SGD's param groups that an algorithm owning its update reads at each step
@@ -463,10 +479,12 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
                                           extra=extra, header=header)
         return None
     if not getattr(optimizer, "replicas_equal", True):     # every rank raises alike
-        raise ConfigError(f"hpcasync.save_checkpoint of {algorithm} inside a cycling epoch: the "
-                          "replicas differ there and a checkpoint holds rank 0's state; save "
-                          "after opt.epoch_end(...) (a commit of hpcasync.elastic.State keeps "
-                          "each rank's own state at any step)")
+        when = {"localsgd": ("between two averages", "opt.average_parameters()")}.get(
+            algorithm, ("inside a cycling epoch", "opt.epoch_end(...)"))
+        raise ConfigError(f"hpcasync.save_checkpoint of {algorithm} {when[0]}: the replicas "
+                          f"differ there and a checkpoint holds rank 0's state; save after "
+                          f"{when[1]} (a commit of hpcasync.elastic.State keeps each rank's "
+                          "own state at any step)")
     writer = comm is None or comm.Get_rank() == 0
     path = None
     if writer:

@@ -31,7 +31,8 @@ OPTIMIZER_ALGORITHMS = registry.LiveNames(registry.user_optimizer_names)
 DEFAULT_LR = registry.DEFAULT_LR
 #: the algorithms that grow back after a death (--grow-back; hpcasync.runtime.join, and
 #: hpcasync.ps.growth for the parameter server's); a live view
-GROW_ALGORITHMS = registry.LiveNames(lambda: ("ssgd", "odsgd", "daso", *registry.ps_names()))
+GROW_ALGORITHMS = registry.LiveNames(lambda: (*registry.by_family("ssgd"), "odsgd", "daso",
+                                              *registry.ps_names()))
 #: per-algorithm exceptions to DEFAULT_LR for ``--lr`` left unset (``default_lr`` of the registry's
 #: entries: nag 0.02, why there); a live view
 ALGORITHM_LR = registry.LiveMapping(registry.algorithm_lrs)
@@ -84,7 +85,7 @@ class TrainConfig:
         _name_or_spec("--loss", self.loss, LOSSES)
         _name_or_spec("--optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer != "sgd" and self.algorithm not in OPTIMIZER_ALGORITHMS:
-            raise ConfigError(f"--optimizer applies to {' and '.join(OPTIMIZER_ALGORITHMS)} only; "
+            raise ConfigError(f"--optimizer applies to {', '.join(OPTIMIZER_ALGORITHMS)} only; "
                               f"{self.algorithm} has its own update rule (leave --optimizer sgd)")
         grow = [f"--{k.replace('_', '-')}" for k in ("grow_back", "max_ranks", "min_ranks")
                 if self.options.get(k)]

@@ -45,6 +45,7 @@ class BackwardPasses:
         self.flat, self.passes, self.algorithm = flat, int(passes), algorithm
         self._counted = list(counted)
         self.counts = [0] * len(flat.parameters)
+        self.ready: list[int] = []      # parameters in the order their gradients came this step
         self.last = True
         self._view_ptrs = [v.data_ptr() for _, v in flat.views("grads")]
         self._grad_version: int | None = None    # flat.grads' version after the last hook
@@ -66,6 +67,8 @@ class BackwardPasses:
             if p.data_ptr() != ptr and p.numel():
                 raise ConfigError(unbound_message(self.algorithm, name))
             n = self.counts[k] = self.counts[k] + 1
+            if n == 1:
+                self.ready.append(k)
             if n > self.passes and self._counted[k]:
                 self.counts[k] -= 1
                 raise ConfigError(
@@ -109,6 +112,7 @@ class BackwardPasses:
     def reset(self) -> None:
         """A new step: no pass seen."""
         self.counts = [0] * len(self.counts)
+        self.ready = []
         self.last = True
         self._grad_version = None
         self._hook_trainable()

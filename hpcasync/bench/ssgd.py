@@ -35,6 +35,17 @@ table gives the median over the timed steps. Ratios: ``X/compute`` = time(X) / t
 ours and ours-no-overlap must end bitwise equal (they run the same reductions on the same data),
 and ours must stay close to DDP (same algorithm).
 
+With ``--powersgd-rank R``, a pass of its own after the others (same turns, same batches):
+``compute``, ``ours-powersgd`` (:class:`~hpcasync.ssgd.DistributedOptimizer` with
+``compress=PowerSGD(rank=R, start_iter=2)``) and ``ddp-powersgd`` (DDP with torch's
+``powerSGD_hook``, the same options, one bucket: with several, the hook's allreduces, issued from
+callbacks of buckets in flight, can meet in different orders on different ranks and Gloo hangs,
+seen with resnet20's two default buckets); ``DDP-hook/ours`` = time(DDP's) / time(ours), and the
+largest parameter difference between the two after the timed steps (0 where the sums agree;
+with ``--threads 1`` on a machine of more cores the hook's products, computed in Gloo's callback
+thread at torch's default thread count, round differently from the main thread's: lenet at 2
+ranks ends 2e-4 apart, bitwise at 2 threads).
+
 Differences from the references: DDP's own benchmarks (``torch/distributed/benchmarks``) time
 ResNet-50 on GPUs with NCCL; Horovod's ``pytorch_synthetic_benchmark.py`` reports images/s of one
 method per run. Here all methods run in one job, step by step, on CPU.
@@ -75,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--no-horovod", action="store_true", help="skip Horovod even if installed")
+    parser.add_argument("--powersgd-rank", type=int, default=None,
+                        help="also time PowerSGD of this rank: ours vs DDP's powerSGD_hook")
     parser.add_argument("--out", default=None, help="also write the markdown report to FILE")
 
 
@@ -148,6 +161,21 @@ def build(name: str, model_name: str, args, comm, hvd=None) -> Method:
     if name == "horovod":
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         return Method(name, model, opt)
+    if name == "ours-powersgd":
+        from ..ssgd.powersgd import PowerSGD
+
+        opt = DistributedOptimizer(sgd, FlatModel(model), comm.Dup(), overlap=False,
+                                   compress=PowerSGD(rank=args.powersgd_rank, start_iter=2,
+                                                     bucket_cap_mb=1024))
+        return Method(name, model, opt)
+    if name == "ddp-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1024)     # one bucket: module doc
+        ddp.register_comm_hook(hook.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank,
+                                                  start_powerSGD_iter=2), hook.powerSGD_hook)
+        return Method(name, model, sgd, ddp)
     raise ConfigError(f"unknown method {name!r}")
 
 
@@ -186,8 +214,9 @@ def measure_model(comm, model_name: str, args, names: list[str], batches, hvd=No
     if "ours" in by and "ours-no-overlap" in by:
         row["bitwise"] = comm.allreduce(
             torch.equal(by["ours"].params(), by["ours-no-overlap"].params()), op=_land())
-    if "ours" in by and "ddp" in by:
-        row["ddp_diff"] = float((by["ours"].params() - by["ddp"].params()).abs().max())
+    for ours, ddp in (("ours", "ddp"), ("ours-powersgd", "ddp-powersgd")):
+        if ours in by and ddp in by:
+            row[f"{ddp}_diff"] = float((by[ours].params() - by[ddp].params()).abs().max())
     for m in methods:
         if hasattr(m.opt, "close"):
             m.opt.close()
@@ -221,6 +250,13 @@ def measure(comm, args) -> list[dict]:
     for model_name in args.models:
         row = measure_model(comm, model_name, args, names, batches)
         rows.append({"model": model_name, **row})
+    if args.powersgd_rank and "ddp" in names:        # its own pass, as Horovod's
+        for row in rows:
+            h = measure_model(comm, row["model"], args,
+                              ["compute", "ours-powersgd", "ddp-powersgd"], batches)
+            row.update({"compute-psgd": h["compute"], "ours-powersgd": h["ours-powersgd"],
+                        "ddp-powersgd": h["ddp-powersgd"],
+                        "ddp-powersgd_diff": h["ddp-powersgd_diff"]})
     hvd = load_horovod(comm, args.no_horovod)
     if hvd is not None:              # its own pass: Horovod's background thread polls the CPU
         hvd.init(comm=comm)
@@ -279,7 +315,9 @@ def report(comm, rows, args, threads: int, load: float, load_after: float) -> st
     for r in rows:
         if "bitwise" in r:
             checks.append(f"{r['model']}: ours == no-overlap bitwise: {r['bitwise']}"
-                          + (f", max |ours - DDP| {r['ddp_diff']:.2g}" if "ddp_diff" in r else ""))
+                          + (f", max |ours - DDP| {r['ddp_diff']:.2g}" if "ddp_diff" in r else "")
+                          + (f", max |ours - DDP| with PowerSGD {r['ddp-powersgd_diff']:.2g}"
+                             if "ddp-powersgd_diff" in r else ""))
     return "\n".join([
         "# SSGD step benchmark", "",
         f"Command: `{command_line(comm, args)}`", "",
@@ -289,8 +327,22 @@ def report(comm, rows, args, threads: int, load: float, load_after: float) -> st
         f"warm-up; batch {args.batch_size} per rank; methods take turns in every step). "
         "X/compute = time ratio (≥ 1); DDP/ours, Horovod/ours = time(peer)/time(ours) "
         "(> 1: ours faster).", "",
-        format_table(rows), "",
+        format_table(rows), "", *powersgd_table(rows, args),
         "Checks: " + "; ".join(checks), ""])
+
+
+def powersgd_table(rows: list[dict], args) -> list[str]:
+    """The PowerSGD pass's table (its own pass: compare within it)."""
+    if "ours-powersgd" not in rows[0]:
+        return []
+    lines = [f"PowerSGD, rank {args.powersgd_rank} (a pass of its own):", "",
+             "| model | compute ms | ours ms | DDP-hook ms | ours/compute | DDP-hook/ours |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['compute-psgd']:.2f} | {r['ours-powersgd']:.2f} | "
+                     f"{r['ddp-powersgd']:.2f} | {r['ours-powersgd'] / r['compute-psgd']:.3f} | "
+                     f"{r['ddp-powersgd'] / r['ours-powersgd']:.3f} |")
+    return lines + [""]
 
 
 def command_line(comm, args) -> str:
@@ -301,6 +353,7 @@ def command_line(comm, args) -> str:
     argv += ["--threads", str(args.threads)] if args.threads else []
     argv += ["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb is not None else []
     argv += ["--no-ddp"] * bool(args.no_ddp) + ["--no-horovod"] * bool(args.no_horovod)
+    argv += ["--powersgd-rank", str(args.powersgd_rank)] if args.powersgd_rank else []
     return f"{shown_mpiexec(comm.Get_size())} hpcasync bench ssgd {' '.join(argv)}"
 
 
@@ -315,6 +368,8 @@ def run(args: argparse.Namespace, comm=None) -> int:
         raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.powersgd_rank is not None and args.powersgd_rank < 1:
+        raise ConfigError(f"--powersgd-rank must be >= 1, got {args.powersgd_rank}")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     MPI = init_mpi()

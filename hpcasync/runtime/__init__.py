@@ -31,9 +31,13 @@ def runtime_modules():
 
 
 def argument_checks(cfg) -> None:
-    """The torch-free checks of ``cfg.algorithm``'s options: ``validate_options(cfg)`` of its
+    """The torch-free checks of ``cfg.algorithm``'s options: ``--compress`` and ``--powersgd-*``
+    (:func:`hpcasync.ssgd.options.check_compress`), then ``validate_options(cfg)`` of its
     arguments module when it has one (the runtime's ``validate`` makes them again, with the
     rest)."""
+    from ..ssgd.options import check_compress
+
+    check_compress(cfg)
     module = importlib.import_module(registry.argument_modules()[cfg.algorithm])
     if hasattr(module, "validate_options"):
         module.validate_options(cfg)

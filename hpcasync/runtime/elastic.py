@@ -66,6 +66,9 @@ GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
 _GROWN: dict[str, Any] = {}
 #: front ends' functions freeing their communicators at exit in a process of a grown job
 _RELEASE = join.AT_EXIT
+#: the key under which a ``state_dict`` keeps what is this rank's own and never the same on
+#: every rank (PowerSGD's error memory): :func:`state_digest` leaves it out
+LOCAL_KEY = "rank_local"
 is_joiner = join.is_joiner
 
 
@@ -502,7 +505,7 @@ def check_synced(membership: Membership, state: "State") -> None:
 
 def state_digest(state: "State") -> str:
     """SHA-256 of what ``state`` holds: its handlers' state dicts (tensors as bytes, other leaves
-    by ``repr``) and its plain values."""
+    by ``repr``; a rank's own part, under :data:`LOCAL_KEY`, left out) and its plain values."""
     h = hashlib.sha256()
 
     def walk(x):
@@ -510,6 +513,8 @@ def state_digest(state: "State") -> str:
             h.update(x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(x, dict):
             for k in sorted(x, key=repr):
+                if k == LOCAL_KEY:
+                    continue
                 h.update(repr(k).encode())
                 walk(x[k])
         elif isinstance(x, (list, tuple)):

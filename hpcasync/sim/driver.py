@@ -68,6 +68,9 @@ def check(cfg) -> None:
         if value != default:
             raise ConfigError(f"{flag} {value}: the simulator trains with SGD and cross entropy; "
                               f"{flag} applies to hpcasync train")
+    if cfg.options.get("compress", "none") != "none":
+        raise ConfigError("--compress applies to hpcasync train: the simulator averages "
+                          "uncompressed gradients")
     if cfg.algorithm not in registry.simulated_names():
         raise ConfigError(f"the simulator runs {', '.join(registry.simulated_names())}; "
                           f"not {cfg.algorithm}")

@@ -95,6 +95,9 @@ class BucketReducer:
             :meth:`finish`, ``flat.presence[k] > 0`` iff parameter k got a gradient on some rank
             (DDP's "globally unused" map, at no extra message). When the last bucket starts every
             other bucket has started, so every parameter's presence is known by then.
+        whole: optional callable ``whole(presence)`` that averages all of ``flat.grads`` at once
+            in place of the buckets (``overlap=False`` only; PowerSGD, :mod:`.powersgd`), given
+            ``flat.presence`` (or None) to sum along.
 
     Attributes: ``buckets`` (``(lo, hi, param_indices)``), ``events`` (when recording: a list of
     ``("ready", param_index)`` / ``("start", bucket)`` / ``("done", bucket)`` tuples of the current
@@ -104,12 +107,13 @@ class BucketReducer:
     def __init__(self, flat, comm, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, compress: str | None = None,
                  progress: str = DEFAULT_PROGRESS, last_pass=lambda: True, average: bool = True,
-                 presence=None):
+                 presence=None, whole=None):
         if progress not in PROGRESS:
             raise ConfigError(f"progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
         self.flat, self.comm, self.compress, self.progress = flat, comm, compress, progress
         self.average = average
         self._presence = presence
+        self._whole = whole
         self._inflight = []             # progress="test": handles of started buckets
         numels = [int(torch.Size(s).numel()) for s in flat.shapes]
         self.overlap = bool(overlap) and (progress == "test" or self._threads_ok())
@@ -262,6 +266,9 @@ class BucketReducer:
                     err, self._error = self._error, None
                     raise RuntimeError(f"ssgd: bucket allreduce failed in the communication "
                                        f"thread: {err!r}") from err
+            elif self._whole is not None:
+                self.flat.collect_grads()
+                self._whole(None if self._presence is None else self.flat.presence)
             else:
                 self.flat.collect_grads()
                 for b in range(len(self.buckets)):

@@ -27,6 +27,7 @@ from ..optim import AlgorithmOptimizer, as_flat
 from ..passes import BackwardPasses
 from ..topology import init_mpi
 from .buckets import DEFAULT_PROGRESS, BucketReducer, default_bucket_bytes
+from .powersgd import PowerSGD
 
 log = logging.getLogger("hpcasync")
 
@@ -44,7 +45,10 @@ class DistributedOptimizer(AlgorithmOptimizer):
             often before ``step()`` is a one-line error (as in Horovod); ``step()`` after fewer
             passes reduces what there is (as Horovod). With ``overlap`` a bucket starts on its
             parameters' last pass only.
-        compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce.
+        compress: ``None``, ``"bf16"`` or ``"fp16"``: the wire format of the allreduce;
+            ``"powersgd"`` or a :class:`~hpcasync.ssgd.powersgd.PowerSGD` (its options): the
+            gradient averaged as a low-rank approximation with error feedback, as DDP's
+            ``powerSGD_hook`` (:mod:`.powersgd`; reduced after backward, not overlapped).
         average_buffers: average floating buffers (BatchNorm running statistics) in one more
             allreduce after the gradients' buckets, every step (default True: replicas stay
             bitwise identical, buffers included; the cost is the buffers' few bytes). False: only
@@ -88,8 +92,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
                 or backward_passes_per_step < 1):
             raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got "
                               f"{backward_passes_per_step!r}")
-        if compress not in (None, "bf16", "fp16"):
-            raise ConfigError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
+        powersgd = compress if isinstance(compress, PowerSGD) else \
+            PowerSGD() if compress == "powersgd" else None
+        if powersgd is None and compress not in (None, "bf16", "fp16"):
+            raise ConfigError(f"compress must be None, 'bf16', 'fp16', 'powersgd' or a "
+                              f"hpcasync.PowerSGD, got {compress!r}")
+        if powersgd is not None and overlap:
+            raise ConfigError("compress=powersgd compresses the whole gradient after backward: "
+                              "overlap=True is not supported with it")
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int)
                                          or isinstance(bucket_bytes, bool) or bucket_bytes < 4):
             raise ConfigError(f"bucket_bytes must be an integer >= 4 (one float32), got "
@@ -98,7 +108,8 @@ class DistributedOptimizer(AlgorithmOptimizer):
         if comm is None:
             comm = init_mpi().COMM_WORLD
         self.comm = comm
-        self.compress = compress
+        self.powersgd = powersgd
+        self.compress = None if powersgd is not None else compress
         self.sync_buffers = bool(average_buffers) and self.flat.buffer_numel > 0
         # backward passes counted per parameter (Horovod's meaning); their hooks are registered
         # before the reducer's, which read ``last`` (hooks of one tensor run in that order)
@@ -115,14 +126,14 @@ class DistributedOptimizer(AlgorithmOptimizer):
         # a subclass with its own synchronize() (e.g. a hierarchical allreduce) must not have
         # the buckets started behind its back: no hooks for it
         if overlap is None:                     # auto: see the docstring
-            overlap = self.flat.params.device.type == "cuda"
+            overlap = self.flat.params.device.type == "cuda" and powersgd is None
         overlap = overlap and type(self).synchronize is DistributedOptimizer.synchronize
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(overlap)
         self.reducer = BucketReducer(
-            self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=compress,
+            self.flat, comm, bucket_bytes=bucket_bytes, overlap=overlap, compress=self.compress,
             progress=progress, last_pass=lambda: self._passes.last,
-            presence=self._passes.presence)
+            presence=self._passes.presence, whole=self._whole_reduction())
         self.overlap = self.reducer.overlap
 
     @property
@@ -172,6 +183,8 @@ class DistributedOptimizer(AlgorithmOptimizer):
             self.flat.buffers.copy_(self.flat.buffer_wire)
             wire += self.flat.buffer_numel
         self.comm_time += time.perf_counter() - t0
+        if self.powersgd is not None:           # (presence travels with its uncompressed part)
+            wire += self.powersgd.sent_numel - self.flat.numel - self.flat.presence.numel()
         self.bytes_sent += wire * (2 if self.compress else 4)
         self._passes.reset()
         self._synchronized = True
@@ -255,13 +268,32 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self._passes.reset()
         self._synchronized = False
 
+    def _whole_reduction(self):
+        """The reduction of the whole gradient that replaces the buckets', or None (PowerSGD's;
+        a subclass's own)."""
+        return self._powersgd_reduce if self.powersgd is not None else None
+
+    def _powersgd_reduce(self, presence) -> None:
+        """The reducer's whole-buffer reduction with PowerSGD (trainable parameters only are
+        compressed)."""
+        views = [v for _, v in self.flat.views("grads")]
+        self.powersgd.reduce(self.comm, self.flat.grads, views,
+                             [p.requires_grad for p in self.flat.parameters], presence=presence)
+
     def average_buffers(self) -> None:
         """Average floating-point module buffers (BatchNorm running statistics) across ranks."""
         if self.flat.buffers.numel():
             allreduce(self.comm, self.flat.buffers, average=True)
 
     def _extra_state(self) -> dict:
-        return {"steps": self.steps}
+        extra = {"steps": self.steps}
+        if self.powersgd is not None:
+            extra["powersgd"] = self.powersgd.state_dict()
+        return extra
 
     def _load_extra(self, extra: dict) -> None:
         self.steps = int(extra.get("steps", 0))
+        # (a state of another compression: PowerSGD's own state is kept, or left out, as DDP's
+        # hook state is apart from the optimizer's)
+        if self.powersgd is not None and "powersgd" in extra:
+            self.powersgd.load_state_dict(extra["powersgd"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigError
 from ..runtime import join
 
 #: how overlapped buckets progress (:class:`hpcasync.ssgd.buckets.BucketReducer`): a
@@ -16,8 +17,23 @@ DEFAULT_PROGRESS = "thread"
 
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("ssgd")
-    group.add_argument("--compress", choices=("none", "bf16", "fp16"), default="none",
-                       help="wire format of gradient allreduces (ssgd, daso)")
+    group.add_argument("--compress", choices=("none", "bf16", "fp16", "powersgd"), default="none",
+                       help="ssgd: the gradient allreduce's wire format (bf16, fp16), or PowerSGD's "
+                            "rank-r compression with error feedback (as DDP's powerSGD_hook)")
+    group.add_argument("--powersgd-rank", type=int, default=1,
+                       help="with --compress powersgd: the rank r of each approximation "
+                            "(default %(default)s)")
+    group.add_argument("--powersgd-start-iter", type=int, default=1000,
+                       help="with --compress powersgd: plain averaging for this many steps first "
+                            "(default %(default)s, torch's)")
+    group.add_argument("--powersgd-min-compression-rate", type=float, default=2.0,
+                       help="with --compress powersgd: compress a matrix only when it shrinks at "
+                            "least this many times (default %(default)s)")
+    group.add_argument("--powersgd-error-feedback", action=argparse.BooleanOptionalAction,
+                       default=True, help="with --compress powersgd: error feedback (default on)")
+    group.add_argument("--powersgd-warm-start", action=argparse.BooleanOptionalAction,
+                       default=True, help="with --compress powersgd: start each power iteration "
+                            "from the last Q (default on)")
     group.add_argument("--link-delay-us-per-mb", type=float, default=0.0,
                        help="ssgd: emulated slow inter-node link, µs per 10^6 bytes of each "
                             "step's gradient message (only with more than one node; default 0)")
@@ -33,4 +49,38 @@ def add_arguments(parser) -> None:
                        help="ssgd: how overlapped buckets progress: a communication thread of "
                             "blocking allreduces, or nonblocking ones tested from the gradient "
                             "hooks (default %(default)s)")
+    group.add_argument("--localsgd-period", type=int, default=None,
+                       help="localsgd: steps between two averages of the parameters (default 4, "
+                            "torch's example)")
+    group.add_argument("--localsgd-warmup-steps", type=int, default=None,
+                       help="localsgd: SSGD steps before the local ones (post-local SGD; default "
+                            "100, torch's example)")
     join.add_arguments(group)
+
+
+#: the ``--powersgd-*`` options and their defaults
+POWERSGD_OPTIONS = {"powersgd_rank": 1, "powersgd_start_iter": 1000,
+                    "powersgd_min_compression_rate": 2.0, "powersgd_error_feedback": True,
+                    "powersgd_warm_start": True}
+
+
+def validate_options(cfg) -> None:
+    """The family's torch-free checks: the ``--localsgd-*`` options are localsgd's."""
+    if cfg.algorithm != "localsgd":
+        for name in ("localsgd_period", "localsgd_warmup_steps"):
+            if cfg.options.get(name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} applies to localsgd, not "
+                                  f"{cfg.algorithm}")
+
+
+def check_compress(cfg) -> None:
+    """``--compress`` is SSGD's (another family would ignore it), ``--powersgd-*`` need
+    ``--compress powersgd``: one-line errors, whatever the algorithm (torch-free)."""
+    o = cfg.options
+    compress = o.get("compress", "none")
+    if compress != "none" and cfg.algorithm != "ssgd":
+        raise ConfigError(f"--compress applies to ssgd, not {cfg.algorithm}")
+    if compress != "powersgd":
+        given = [k for k, v in POWERSGD_OPTIONS.items() if o.get(k, v) != v]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} applies with --compress powersgd")

@@ -55,7 +55,37 @@ def validate(cfg) -> None:
     if progress not in PROGRESS:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
+    if cfg.algorithm == "localsgd":
+        from .localsgd import LocalSGD
+
+        if cfg.backend == "horovod":
+            raise ConfigError("localsgd needs --backend mpi")
+        for name in ("ssgd_overlap", "ssgd_bucket_mb"):
+            if cfg.options.get(name) is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} applies to ssgd, not localsgd "
+                                  "(its warm-up sends the gradient as one message)")
+        o = cfg.options
+        LocalSGD.check(o.get("localsgd_period"), o.get("localsgd_warmup_steps"))
+    if cfg.options.get("compress") == "powersgd":
+        if cfg.backend == "horovod":
+            raise ConfigError("--compress powersgd needs --backend mpi (Horovod has no PowerSGD)")
+        if cfg.options.get("ssgd_overlap"):
+            raise ConfigError("--compress powersgd compresses the whole gradient after backward: "
+                              "drop --ssgd-overlap")
+        powersgd(cfg)                           # its own checks, as one line
     join.validate(cfg)
+
+
+def powersgd(cfg):
+    """The :class:`~hpcasync.ssgd.powersgd.PowerSGD` of the ``--powersgd-*`` options (Q's first
+    draw seeded by ``--seed``)."""
+    from .powersgd import PowerSGD
+
+    o = cfg.options
+    return PowerSGD(rank=o.get("powersgd_rank", 1), start_iter=o.get("powersgd_start_iter", 1000),
+                    min_compression_rate=o.get("powersgd_min_compression_rate", 2.0),
+                    error_feedback=o.get("powersgd_error_feedback", True),
+                    warm_start=o.get("powersgd_warm_start", True), seed=cfg.seed)
 
 
 def run(ctx: RunContext) -> RunResult:
@@ -68,13 +98,26 @@ def run(ctx: RunContext) -> RunResult:
         flat = None
     else:
         flat = FlatModel(model)
-        compress = None if cfg.options.get("compress", "none") == "none" else cfg.options["compress"]
+        compress = {"none": None, "powersgd": None}.get(cfg.options.get("compress", "none"),
+                                                          cfg.options.get("compress"))
+        if cfg.options.get("compress") == "powersgd":
+            compress = powersgd(cfg)
         mb = cfg.options.get("ssgd_bucket_mb")
         bucket = None if mb is None else max(4, int(mb * 2**20))
-        opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world, compress=compress,
-                                   overlap=cfg.options.get("ssgd_overlap"),
-                                   bucket_bytes=bucket,
-                                   progress=cfg.options.get("ssgd_progress", DEFAULT_PROGRESS))
+        if cfg.algorithm == "localsgd":
+            from .localsgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS, LocalSGD
+
+            o = cfg.options
+            opt = LocalSGD(ctx.optimizer_for(model), flat, topo.world,
+                           period=o.get("localsgd_period") or DEFAULT_PERIOD,
+                           warmup_steps=(DEFAULT_WARMUP_STEPS if o.get("localsgd_warmup_steps")
+                                         is None else o["localsgd_warmup_steps"]))
+        else:
+            opt = DistributedOptimizer(ctx.optimizer_for(model), flat, topo.world,
+                                       compress=compress, overlap=cfg.options.get("ssgd_overlap"),
+                                       bucket_bytes=bucket,
+                                       progress=cfg.options.get("ssgd_progress",
+                                                                DEFAULT_PROGRESS))
     rec = SyncRecovery(ctx, enabled=flat is not None and ulfm_enabled())
     growth = join.Growth(ctx, rec)           # --grow-back: replacements join after a death
     delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
@@ -93,6 +136,11 @@ def run(ctx: RunContext) -> RunResult:
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
+        if (cfg.algorithm == "localsgd" and opt.steps > opt.warmup_steps
+                and opt.optimizer.state and ctx.is_root):
+            log.warning("localsgd: the checkpoint holds rank 0's optimizer state (its momentum, "
+                        "moments), which each rank's own was in the local phase: every rank "
+                        "resumes with rank 0's (not a bitwise replay of an uninterrupted run)")
 
     def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
         """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
@@ -131,16 +179,22 @@ def run(ctx: RunContext) -> RunResult:
             epoch = cur.epoch
             if cur.in_epoch:
                 loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
+                sent = getattr(opt, "bytes_sent", 0)
                 opt.step()
-                link.block(wire_bytes)
+                link.block(wire_bytes if cfg.algorithm == "ssgd" and getattr(
+                    opt, "powersgd", None) is None else opt.bytes_sent - sent)
                 cur.step_done(loss.item())
                 rec.step_completed()
-                if cur.in_epoch:
+                # (localsgd: only where the replicas are equal, so that rank 0's state is the
+                # job's: periodic checkpoints and the preemption check between two averages wait)
+                if cur.in_epoch and getattr(opt, "replicas_equal", True):
                     ctx.consistent_point(topo.world,
                                          lambda: snapshot(epoch, cur.done, cur.loss_sum),
                                          epoch=epoch, step=opt.steps, writer=topo.rank == 0)
                 continue
-            if not getattr(opt, "sync_buffers", False):      # (averaged with every step otherwise)
+            if not getattr(opt, "replicas_equal", True):      # localsgd: one model to evaluate
+                opt.average_parameters()
+            elif not getattr(opt, "sync_buffers", False):    # (averaged with every step otherwise)
                 opt.average_buffers()
             ctx.epoch_end(epoch, model, train_loss=cur.train_loss(topo.world),
                           bytes_communicated=topo.world.allreduce(opt.bytes_sent),

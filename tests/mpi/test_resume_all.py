@@ -51,6 +51,12 @@ PLAN: dict[str, tuple[list[str], str]] = {
     "daso": (["--momentum", "0.9", "--epochs", "3", "--ranks-per-node", "1",
               "--daso-warmup-epochs", "1", "--daso-cooldown-epochs", "1",
               "--daso-global-skip", "2"], "delete"),
+    # SSGD for 4 steps, then averages after steps 5, 7, 9, ... (the replicas are equal there,
+    # where the CLI checkpoints): every 3 -> 3, 8 (epoch end), 9, 15, 16; keep <= 12: 9 (epoch
+    # 2, batch 1). No momentum: the optimizer's state is each rank's own in the local phase and a
+    # checkpoint holds rank 0's (docs/design/ssgd.md, "Local SGD")
+    "localsgd": (["--momentum", "0", "--localsgd-warmup-steps", "4", "--localsgd-period", "2",
+                  "--checkpoint-every", "3"], "delete"),
     # signalled after step 5: the ranks agree at step 10 (every 10), after warm-up (4 steps)
     "odsgd": (["--odsgd-warmup-iters", "4"], "1:5"),
 }
@@ -103,12 +109,13 @@ def _main(out: Path, algorithms: list[str]) -> None:
 
 
 def _delete_late(name: str, ck: Path) -> None:
-    """Leave the checkpoint to resume from: ssgd's at step SSGD_KEEP, daso's of epoch 1."""
+    """Leave the checkpoint to resume from: ssgd's and localsgd's at step SSGD_KEEP at most,
+    daso's of epoch 1."""
     from hpcasync.checkpoint import read_checkpoint
 
     for p in sorted(ck.glob("ckpt-*.pt")):
         header, _ = read_checkpoint(p)
-        if header["step"] > SSGD_KEEP if name == "ssgd" else header["epoch"] > 1:
+        if header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd") else header["epoch"] > 1:
             p.unlink()
 
 
@@ -143,7 +150,7 @@ def _run_job(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("algorithm", algorithms())
 @pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
-    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 16
+    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 17
     out = _run_job(tmp_path_factory)
     d = out / algorithm
     codes = json.loads((out / "codes.json").read_text())[algorithm]
@@ -162,10 +169,13 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
         assert stopped[-1]["event"] == "preempted"
         saved = [r for r in stopped if r["event"] == "checkpoint"][-1]
         assert saved["path"] == resume[0]["path"]           # resumed from the stop checkpoint
-    if algorithm in ("ssgd", "daso", "odsgd"):
+    if algorithm in ("ssgd", "localsgd", "daso", "odsgd"):
         per = PER_EPOCH["sync"]
         if algorithm == "ssgd":
             assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
+            assert epochs == [2]
+        elif algorithm == "localsgd":
+            assert header["step"] == 9 and (state["epoch"], state["batch"]) == (2, 1)
             assert epochs == [2]
         elif algorithm == "daso":
             assert header["epoch"] == 1 and state["epoch"] == 2

@@ -67,20 +67,29 @@ def _check(tmp_path, out, killed: int, order, kill_at: int = 3, late: int = 0) -
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd", "ssgd-powersgd", "localsgd"])
 def test_own_loop_grows_back_after_rank0_dies(tmp_path, algorithm):
     """``examples/train_mnist_elastic.py``: rank 0 dies, so the replacement becomes rank 0 and
     the state comes from rank 1, the lowest survivor. OD-SGD (2 warm-up steps: rounds in
     flight at the death): the replacement's optimizer is built on its own launch's world and
     moved onto the grown one with the survivors' ``set_comm``; the replacement holds the
     survivors' global and local state after the sync (without it: the digest check's one-line
-    error), and the global weights end bitwise equal on the 4 ranks."""
+    error), and the global weights end bitwise equal on the 4 ranks. SSGD with PowerSGD
+    (rank 1 after 2 plain steps): its state (step count, P, Q, the draw order) synced, each
+    rank's error memory its own, left out of the digest check (a replacement's is zero).
+    localsgd (2 SSGD steps, then an average after every second step: after steps 3, 5, ...;
+    rank 0 dies before step 5, the survivors' commit after step 4 holds replicas that differ,
+    and they see the death at step 5's average): the sync gives every rank the root's replica,
+    equal again at the end."""
     need_ulfm()
+    powersgd = ["--powersgd-rank", "1"] if algorithm == "ssgd-powersgd" else []
+    kill_at = 4 if algorithm == "localsgd" else 3
     out = _run(tmp_path, "train_mnist_elastic.py", 0,
-               ["--algorithm", algorithm, "--odsgd-warmup", "2"])
+               ["--algorithm", algorithm.split("-")[0], "--odsgd-warmup", "2", *powersgd],
+               kill_at=kill_at)
     _check(tmp_path, out, 0,
            lambda e: epoch_permutation(LENGTH, seed=SEED, epoch=e).tolist(),
-           late=1 if algorithm == "odsgd" else 0)
+           kill_at=kill_at, late=1 if algorithm == "odsgd" else 0)
     assert "grow-back: joined as rank 0 of 4" in out.stderr, out.stderr[-3000:]
 
 

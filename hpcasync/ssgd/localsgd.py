@@ -1,0 +1,159 @@
+"""Local SGD and post-local SGD (Lin, Stich, Patel, Jaggi, ICLR 2020): SSGD for a warm-up, then
+each rank steps its own optimizer on its own replica and the replicas' parameters are averaged
+every ``period`` steps.
+
+With N ranks, step k (0-based) of each rank:
+
+- k < ``warmup_steps``: SSGD — the gradients are averaged (divided by N, then summed) before the
+  optimizer's step, so replicas stay equal;
+- k ≥ ``warmup_steps``: the rank's own gradient, its own optimizer step; then, when
+  (k − ``warmup_steps``) is a multiple of ``period``, θ_i ← (1/N)·Σ_j θ_j over the parameters of
+  the optimizer's groups that have a gradient (divided by N, then summed). The optimizer's state
+  (momentum, Adam's moments) stays local.
+
+This is torch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager(period, warmup_steps)``
+over DDP with ``post_localSGD_hook`` (``start_localSGD_iter = warmup_steps``, no gradient
+allreduce after it): the same floats on the same inputs (``tests/mpi/test_localsgd.py``).
+Where it differs:
+
+- floating buffers (BatchNorm statistics) are averaged with the parameters, and with the
+  gradients during the warm-up (DDP instead broadcasts rank 0's buffers before every forward);
+- :meth:`LocalSGD.average_parameters` averages the replicas at any step (the CLI calls it at
+  each epoch's end, so that every rank evaluates, checkpoints and ends with the same model);
+- :attr:`LocalSGD.replicas_equal` says whether the replicas are equal now: a checkpoint of rank
+  0's state (``hpcasync.save_checkpoint``) between two averages is a one-line error, as DASO's.
+
+Example (a user's own loop)::
+
+    opt = hpcasync.optimizer("localsgd", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             period=8, warmup_steps=100)
+    for x, y in loader:
+        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+    opt.average_parameters()         # one model on every rank before evaluating
+
+Design: docs/design/ssgd.md, "Local SGD".
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import allreduce
+from ..errors import ConfigError
+from .optimizer import DistributedOptimizer
+
+__all__ = ["LocalSGD"]
+
+#: the defaults: torch's documented example (``PeriodicModelAverager(period=4, warmup_steps=100)``)
+DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS = 4, 100
+
+
+class LocalSGD(DistributedOptimizer):
+    """Post-local SGD around the user's optimizer (module doc).
+
+    Args:
+        optimizer, model, comm: as :class:`~hpcasync.ssgd.DistributedOptimizer`.
+        period: H, steps between two averages of the parameters (≥ 1).
+        warmup_steps: SSGD steps first (post-local SGD; 0: local SGD from the first step).
+        average_buffers: average the floating buffers with the parameters (default True).
+
+    ``compress``, ``overlap``, ``bucket_bytes`` and ``backward_passes_per_step`` are not taken:
+    the warm-up's gradients travel as one pre-divided sum, as the reference's.
+    """
+
+    algorithm = "localsgd"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
+                 period: int = DEFAULT_PERIOD, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                 average_buffers: bool = True):
+        self.check(period, warmup_steps)
+        self.period, self.warmup_steps = period, warmup_steps
+        self.averages = 0          # parameter averages taken
+        self._equal_since = -1     # the step count after the last average
+        super().__init__(optimizer, model, comm, average_buffers=average_buffers, overlap=False)
+
+    def _whole_reduction(self):
+        return self._reduce_gradients
+
+    @staticmethod
+    def check(period, warmup_steps) -> None:
+        """One-line errors for a bad ``period`` / ``warmup_steps`` (None: the default)."""
+        for name, value, low in (("period", period, 1), ("warmup_steps", warmup_steps, 0)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < low):
+                raise ConfigError(f"localsgd {name} must be an integer >= {low}, got {value!r}")
+
+    # -- the step --------------------------------------------------------------------------------
+    def _reduce_gradients(self, presence) -> None:
+        """During the warm-up, the gradients (with the "used by some rank" flags in front)
+        divided by N, then summed; after it, nothing: each rank keeps its own."""
+        if self.steps >= self.warmup_steps:
+            return
+        span = self.flat.presence_and_grads[:self.flat.presence.numel() + self.flat.numel]
+        span.div_(self.comm.Get_size())
+        allreduce(self.comm, span)
+
+    def synchronize(self) -> None:
+        """The warm-up's: SSGD's. After it: local, nothing crosses the wire (each rank's own
+        gradients; one no rank of its own got stays None)."""
+        if self.steps < self.warmup_steps:
+            return super().synchronize()
+        self._check_bound()
+        self.reducer.finish()
+        self.flat.collect_grads()
+        self._release_unused()
+        self._passes.reset()
+        self._synchronized = True
+
+    def _note_local_clip(self) -> None:
+        if self.steps < self.warmup_steps:      # (after it a clip acts on the gradient stepped)
+            super()._note_local_clip()
+
+    def step(self, closure=None):
+        k = self.steps
+        result = super().step(closure)
+        if k >= self.warmup_steps and (k - self.warmup_steps) % self.period == 0:
+            self._average(only_with_grad=True)
+        return result
+
+    def average_parameters(self) -> None:
+        """Average every parameter of the optimizer's groups (and the floating buffers) over the
+        ranks now; collective."""
+        self._average(only_with_grad=False)
+
+    def _average(self, *, only_with_grad: bool) -> None:
+        params = [p for g in self.param_groups for p in g["params"]
+                  if p.grad is not None or not only_with_grad]
+        if params:
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            flat.div_(self.comm.Get_size())
+            allreduce(self.comm, flat)
+            self.bytes_sent += flat.numel() * flat.element_size()
+            with torch.no_grad():
+                k = 0
+                for p in params:
+                    p.copy_(flat[k:k + p.numel()].view_as(p))
+                    k += p.numel()
+        if self.sync_buffers:
+            self.average_buffers()
+            self.bytes_sent += self.flat.buffer_numel * 4
+        self.averages += 1
+        self._equal_since = self.steps
+
+    def finish(self) -> None:
+        """The end of training: one model on every rank (:meth:`average_parameters`), as the
+        other algorithms' ``finish()`` leaves every rank with the final model."""
+        self.average_parameters()
+
+    @property
+    def replicas_equal(self) -> bool:
+        """True while the replicas are equal: during the warm-up and right after an average."""
+        return self.steps <= self.warmup_steps or self._equal_since == self.steps
+
+    def _extra_state(self) -> dict:
+        return {**super()._extra_state(), "averages": self.averages,
+                "equal_since": self._equal_since}
+
+    def _load_extra(self, extra: dict) -> None:
+        super()._load_extra(extra)
+        self.averages = int(extra.get("averages", 0))
+        self._equal_since = int(extra.get("equal_since", -1))

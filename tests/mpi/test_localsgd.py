@@ -1,0 +1,130 @@
+"""``localsgd`` equals torch's post-local SGD (issue 32): ``PostLocalSGDOptimizer`` with a
+``PeriodicModelAverager(period, warmup_steps)`` over DDP with ``post_localSGD_hook``
+(``start_localSGD_iter = warmup_steps``, no gradient allreduce after it), on a Gloo group over the
+same ranks, the same model, data and optimizer. Two ranks: the parameters bitwise equal after every
+step; four: to 1e-6 relative (the sums' order is MPI's and Gloo's own).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpcasync
+from hpcasync.errors import ConfigError
+from hpcasync.ssgd import LocalSGD
+from tests.mpi_util import COMM, RANK, SIZE, identical_everywhere
+
+needs2 = pytest.mark.skipif(SIZE < 2, reason="needs 2 MPI ranks")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _side_by_side(comm, steps: int, period: int, warmup: int, make_opt):
+    """Yield (step, ours, torch's) parameters after each step of both, trained alike."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    base = _model()
+    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
+    ddp = DDP(ref)
+    ddp.register_comm_hook(hook.PostLocalSGDState(None, None, warmup,
+                                                  post_local_gradient_allreduce=False),
+                           hook.post_localSGD_hook)
+    ref_opt = PostLocalSGDOptimizer(make_opt(ref.parameters()),
+                                    PeriodicModelAverager(period=period, warmup_steps=warmup))
+    opt = LocalSGD(make_opt(ours.parameters()), ours, comm, period=period, warmup_steps=warmup)
+    for step in range(steps):
+        x, y = _batch(step, comm.Get_rank())
+        ref_opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        yield step, opt, list(ours.parameters()), list(ref.parameters())
+
+
+OPTS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
+
+
+@needs2
+@pytest.mark.parametrize("gloo", [2], indirect=True)
+@pytest.mark.parametrize("period,warmup,kind", [(3, 4, "sgd"), (4, 0, "adam"), (1, 2, "sgd")])
+def test_two_ranks_equal_torchs_post_local_sgd_bitwise_at_every_step(gloo, period, warmup, kind):
+    if gloo is None:
+        return
+    with pytest.warns(UserWarning) if period == 1 else _nothing():
+        seen = list(_side_by_side(gloo, 12, period, warmup, OPTS[kind]))
+    for step, opt, ours, ref in seen:
+        bad = [i for i, (a, b) in enumerate(zip(ours, ref)) if not torch.equal(a, b)]
+        assert not bad, f"step {step}: parameters {bad} differ from torch's post-local SGD"
+    opt = seen[-1][1]
+    assert opt.averages == len([k for k in range(warmup, 12) if (k - warmup) % period == 0])
+
+
+@pytest.mark.skipif(SIZE < 4, reason="needs 4 MPI ranks")
+@pytest.mark.parametrize("gloo", [4], indirect=True)
+def test_four_ranks_equal_torchs_post_local_sgd_to_1e_6(gloo):
+    worst, differed = 0.0, False
+    for step, opt, ours, ref in _side_by_side(gloo, 12, 3, 2, OPTS["sgd"]):
+        for a, b in zip(ours, ref):
+            worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+        if not opt.replicas_equal:
+            differed |= not identical_everywhere(nn.ParameterList(ours))
+    assert worst < 1e-6, f"largest relative difference from torch's {worst:.3g}"
+    assert differed                   # between averages the replicas did drift apart
+
+
+def test_replicas_are_equal_after_each_average_and_a_checkpoint_between_is_refused(tmp_path):
+    model = _model()
+    opt = hpcasync.optimizer("localsgd", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             period=3, warmup_steps=2)
+    assert isinstance(opt, LocalSGD)
+    path = str(COMM.bcast(str(tmp_path)))
+    for step in range(8):
+        x, y = _batch(step, RANK)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.replicas_equal == (step < 2 or (step - 2) % 3 == 0)
+        if opt.replicas_equal:
+            assert identical_everywhere(model)
+    assert not opt.replicas_equal                       # step 7: one local step after step 6's
+    with pytest.raises(ConfigError, match="localsgd between two averages"):
+        hpcasync.save_checkpoint(path + "/ck", model, opt, epoch=1)
+    opt.average_parameters()
+    assert opt.replicas_equal and identical_everywhere(model)
+    assert opt.bytes_sent > 0
+    state = opt.state_dict()["hpcasync"]
+    assert (state["steps"], state["averages"], state["equal_since"]) == (8, 3, 8)
+
+
+def test_bad_options_are_one_line_errors():
+    model = _model()
+    for kw, said in ((dict(period=0), "period must be an integer >= 1"),
+                     (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0")):
+        with pytest.raises(ConfigError, match=said):
+            LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, COMM, **kw)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
