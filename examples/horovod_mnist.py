@@ -15,6 +15,7 @@ What differs from the same script under Horovod (``import horovod.torch as hvd``
 * lcasgd predicts each worker's loss: ``optimizer.step(loss=loss)``.
 """
 import argparse
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,9 @@ from hpcasync.data import load_dataset
 # hyperparameters beyond lr/momentum (taken from the SGD below) for short runs
 EXTRA = {"daso": {"warmup_epochs": 0, "cooldown_epochs": 0},     # every epoch cycling
          "odsgd": {"warmup_iters": 10},                              # then the one-step delay
-         "localsgd": {"warmup_steps": 10, "period": 4}}              # post-local SGD
+         "localsgd": {"warmup_steps": 10, "period": 4},              # post-local SGD
+         "diloco": {"sync_every": 8, "outer_optimizer": lambda ps: torch.optim.SGD(
+             ps, lr=0.4, momentum=0.9, nesterov=True)}}                 # outer: Streaming's lr
 
 parser = argparse.ArgumentParser(description="a Horovod-API script on hpcasync")
 parser.add_argument("--algorithm", default="ssgd", choices=algorithms())
@@ -92,7 +95,8 @@ def test(epoch):
         optimizer.average_parameters()
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)
-    with torch.no_grad():
+    scored = optimizer.global_weights() if args.algorithm == "diloco" else contextlib.nullcontext()
+    with torch.no_grad(), scored:           # diloco: the global model, the outer steps' result
         for x, y in test_loader:
             correct += (model(x).argmax(1) == y).sum()
     total = hvd.allreduce(correct, op=hvd.Sum, name="correct")   # DistributedSampler pads

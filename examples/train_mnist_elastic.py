@@ -44,7 +44,8 @@ import hpcasync
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", choices=("ssgd", "localsgd", "odsgd", "daso"), default="ssgd")
+parser.add_argument("--algorithm", choices=("ssgd", "localsgd", "diloco", "odsgd", "daso"),
+                    default="ssgd")
 parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (DASO)")
 parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batches between global "
                     "sends while cycling")
@@ -80,7 +81,8 @@ hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
                   "global_skip": args.daso_global_skip},
          "ssgd": {"compress": hpcasync.PowerSGD(rank=args.powersgd_rank, start_iter=2)}
          if args.powersgd_rank else {},
-         "localsgd": {"period": 2, "warmup_steps": 2}}.get(args.algorithm, {})
+         "localsgd": {"period": 2, "warmup_steps": 2},
+         "diloco": {"sync_every": 2}}.get(args.algorithm, {})
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0)
@@ -158,7 +160,7 @@ def train(state):
 
 
 train(state)
-if args.algorithm == "odsgd":
+if args.algorithm in ("odsgd", "diloco"):
     opt.finish()                           # the model holds the global weights, equal everywhere
 if state.rank == 0:
     print(f"done: {state.steps} steps on {state.size} ranks (resets: {resets})", flush=True)

@@ -259,6 +259,10 @@ for _alg in (
     Algorithm("localsgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
               summary="post-local SGD: SSGD warm-up, then local steps averaged every H",
               arguments="hpcasync.ssgd.options"),
+    Algorithm("diloco", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
+              summary="DiLoCo / Streaming DiLoCo: inner steps, outer Nesterov step on the mean "
+                      "pseudo-gradient",
+              arguments="hpcasync.ssgd.options"),
     ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
     ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
                  rule_kwargs=(("mode", "constant"),), options=(("dc_lambda", "lam"),)),

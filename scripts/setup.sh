@@ -52,6 +52,13 @@ if ! "$venv/bin/python" -c "import torch, mpi4py, hpcasync" 2>/dev/null || ! has
     touch "$venv/.hpcasync-installed"
 fi
 
+# torchft: the reference DiLoCo is tested against (tests/mpi/test_diloco.py; not needed to train)
+if ! has torchft; then
+    say "installing torchft 0.2.0 (the reference of the DiLoCo tests)"
+    "${pip[@]}" "torchft==0.2.0" 2>&1 | grep -v "^WARNING: Location" || true
+    has torchft || say "torchft could not be installed: tests/mpi/test_diloco.py skips (fails under CI)"
+fi
+
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         say "installing Debian's dataset-fashion-mnist"

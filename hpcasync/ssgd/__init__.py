@@ -3,13 +3,16 @@
 * :mod:`.optimizer` ``DistributedOptimizer``: average the flat gradient buffer, then the user's step
 * :mod:`.powersgd`  ``PowerSGD``: the gradient averaged as a low-rank approximation (``compress=``)
 * :mod:`.localsgd`  ``LocalSGD`` (``localsgd``): SSGD warm-up, then local steps averaged every H
+* :mod:`.diloco`    ``DiLoCo`` (``diloco``): inner steps, then an outer step on the averaged
+  pseudo-gradient; Streaming DiLoCo's fragments, delay and mixing
 * :mod:`.horovod`   the same loop through Horovod's ``DistributedOptimizer`` (``--backend horovod``)
 * :mod:`.runtime`   ``hpcasync train --algorithm ssgd`` (its options: :mod:`.options`)
 """
 from .. import lazy_exports
 
-_LAZY = {"DistributedOptimizer": ".optimizer", "LocalSGD": ".localsgd", "PowerSGD": ".powersgd"}
-__all__ = ["DistributedOptimizer", "LocalSGD", "PowerSGD", "optimizer_class"]
+_LAZY = {"DistributedOptimizer": ".optimizer", "LocalSGD": ".localsgd", "PowerSGD": ".powersgd",
+         "DiLoCo": ".diloco"}
+__all__ = ["DiLoCo", "DistributedOptimizer", "LocalSGD", "PowerSGD", "optimizer_class"]
 
 __getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module needs no torch
 
@@ -18,5 +21,5 @@ def optimizer_class(algorithm: str):
     """The optimizer class of an algorithm of this family."""
     import importlib
 
-    name = {"ssgd": "DistributedOptimizer", "localsgd": "LocalSGD"}[algorithm]
+    name = {"ssgd": "DistributedOptimizer", "localsgd": "LocalSGD", "diloco": "DiLoCo"}[algorithm]
     return getattr(importlib.import_module(_LAZY[name], __name__), name)

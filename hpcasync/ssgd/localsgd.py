@@ -35,6 +35,9 @@ Design: docs/design/ssgd.md, "Local SGD".
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 
 from ..comm import allreduce
@@ -109,11 +112,44 @@ class LocalSGD(DistributedOptimizer):
             super()._note_local_clip()
 
     def step(self, closure=None):
+        """The inner step, then (every ``period`` steps after the warm-up) the average. A step
+        whose communication fails (a dead rank) is undone: parameters, buffers, the optimizer's
+        state and the counters are those before it, so that redoing it (the CLI's recovery)
+        applies it once."""
         k = self.steps
-        result = super().step(closure)
-        if k >= self.warmup_steps and (k - self.warmup_steps) % self.period == 0:
-            self._average(only_with_grad=True)
+        averages = k >= self.warmup_steps and (k - self.warmup_steps) % self.period == 0
+        with self._undone_on_failure(averages):
+            result = super().step(closure)
+            if averages:
+                self._average(only_with_grad=True)
         return result
+
+    @contextlib.contextmanager
+    def _undone_on_failure(self, communicates: bool):
+        """Inside, a step that communicates after the optimizer's step: on an exception the
+        state before it comes back (a copy of it, taken only for such steps), then re-raise."""
+        if not communicates:
+            yield
+            return
+        saved = (self.flat.params.clone(), self.flat.buffers.clone(),
+                 copy.deepcopy(self.optimizer.state_dict()), copy.deepcopy(self._counters()))
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                self.flat.params.copy_(saved[0])
+                self.flat.buffers.copy_(saved[1])
+            self.optimizer.load_state_dict(saved[2])
+            self._set_counters(saved[3])
+            raise
+
+    def _counters(self) -> dict:
+        return {"steps": self.steps, "averages": self.averages, "equal_since": self._equal_since,
+                "bytes_sent": self.bytes_sent}
+
+    def _set_counters(self, c: dict) -> None:
+        self.steps, self.averages = c["steps"], c["averages"]
+        self._equal_since, self.bytes_sent = c["equal_since"], c["bytes_sent"]
 
     def average_parameters(self) -> None:
         """Average every parameter of the optimizer's groups (and the floating buffers) over the

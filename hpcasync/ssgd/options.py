@@ -55,6 +55,22 @@ def add_arguments(parser) -> None:
     group.add_argument("--localsgd-warmup-steps", type=int, default=None,
                        help="localsgd: SSGD steps before the local ones (post-local SGD; default "
                             "100, torch's example)")
+    group.add_argument("--diloco-sync-every", type=int, default=None,
+                       help="diloco: inner steps between two syncs of each fragment (H; default "
+                            "500, the paper's)")
+    group.add_argument("--diloco-outer-lr", type=float, default=None,
+                       help="diloco: the outer SGD's lr (default 0.7, the paper's)")
+    group.add_argument("--diloco-outer-momentum", type=float, default=None,
+                       help="diloco: the outer SGD's Nesterov momentum (default 0.9)")
+    group.add_argument("--diloco-fragments", type=int, default=None,
+                       help="diloco: Streaming DiLoCo's fragments, runs of the model's top-level "
+                            "modules (default 1)")
+    group.add_argument("--diloco-sync-delay", type=int, default=None,
+                       help="diloco: inner steps between a fragment's pseudo-gradient and its "
+                            "outer step (Streaming DiLoCo's tau; default 0)")
+    group.add_argument("--diloco-alpha", type=float, default=None,
+                       help="diloco: share of the rank's own parameters mixed into the outer "
+                            "result (Streaming DiLoCo's alpha; default 0)")
     join.add_arguments(group)
 
 
@@ -65,11 +81,17 @@ POWERSGD_OPTIONS = {"powersgd_rank": 1, "powersgd_start_iter": 1000,
 
 
 def validate_options(cfg) -> None:
-    """The family's torch-free checks: the ``--localsgd-*`` options are localsgd's."""
-    if cfg.algorithm != "localsgd":
-        for name in ("localsgd_period", "localsgd_warmup_steps"):
+    """The family's torch-free checks: the ``--localsgd-*`` options are localsgd's, the
+    ``--diloco-*`` ones diloco's."""
+    for owner, names in (("localsgd", ("localsgd_period", "localsgd_warmup_steps")),
+                         ("diloco", ("diloco_sync_every", "diloco_outer_lr",
+                                     "diloco_outer_momentum", "diloco_fragments",
+                                     "diloco_sync_delay", "diloco_alpha"))):
+        if cfg.algorithm == owner:
+            continue
+        for name in names:
             if cfg.options.get(name) is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to localsgd, not "
+                raise ConfigError(f"--{name.replace('_', '-')} applies to {owner}, not "
                                   f"{cfg.algorithm}")
 
 

@@ -22,6 +22,7 @@ Design: docs/design/ssgd.md#runtime (heterogeneity, the Horovod backend).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from .. import inject
@@ -55,17 +56,19 @@ def validate(cfg) -> None:
     if progress not in PROGRESS:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
-    if cfg.algorithm == "localsgd":
+    if cfg.algorithm in ("localsgd", "diloco"):
         from .localsgd import LocalSGD
 
         if cfg.backend == "horovod":
-            raise ConfigError("localsgd needs --backend mpi")
+            raise ConfigError(f"{cfg.algorithm} needs --backend mpi")
         for name in ("ssgd_overlap", "ssgd_bucket_mb"):
             if cfg.options.get(name) is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to ssgd, not localsgd "
-                                  "(its warm-up sends the gradient as one message)")
+                raise ConfigError(f"--{name.replace('_', '-')} applies to ssgd, not "
+                                  f"{cfg.algorithm} (its gradients stay local)")
         o = cfg.options
         LocalSGD.check(o.get("localsgd_period"), o.get("localsgd_warmup_steps"))
+    if cfg.algorithm == "diloco":
+        diloco(cfg, None, None, None, check_only=True)
     if cfg.options.get("compress") == "powersgd":
         if cfg.backend == "horovod":
             raise ConfigError("--compress powersgd needs --backend mpi (Horovod has no PowerSGD)")
@@ -74,6 +77,33 @@ def validate(cfg) -> None:
                               "drop --ssgd-overlap")
         powersgd(cfg)                           # its own checks, as one line
     join.validate(cfg)
+
+
+def diloco(cfg, inner, model, comm, *, check_only: bool = False):
+    """The :class:`~hpcasync.ssgd.diloco.DiLoCo` of the ``--diloco-*`` options (its checks
+    alone with ``check_only``: the options' one-line errors before the run)."""
+    from .diloco import DEFAULT_SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM, DiLoCo, check
+
+    o = cfg.options
+    lr = o.get("diloco_outer_lr")
+    momentum = o.get("diloco_outer_momentum")
+    kw = dict(sync_every=o.get("diloco_sync_every") or DEFAULT_SYNC_EVERY,
+              fragments=o.get("diloco_fragments") or 1,
+              fragment_sync_delay=o.get("diloco_sync_delay") or 0,
+              fragment_update_alpha=o.get("diloco_alpha") or 0.0)
+    outer = (OUTER_LR if lr is None else lr, OUTER_MOMENTUM if momentum is None else momentum)
+    if check_only:
+        check(kw["sync_every"], kw["fragments"], kw["fragment_sync_delay"],
+              kw["fragment_update_alpha"], outer)
+        return None
+    return DiLoCo(inner, model, comm, **kw, outer_optimizer=lambda ps: torch_sgd(ps, *outer))
+
+
+def torch_sgd(params, lr: float, momentum: float):
+    """The outer optimizer of the CLI's DiLoCo: SGD with Nesterov momentum (plain SGD at 0)."""
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def powersgd(cfg):
@@ -104,7 +134,9 @@ def run(ctx: RunContext) -> RunResult:
             compress = powersgd(cfg)
         mb = cfg.options.get("ssgd_bucket_mb")
         bucket = None if mb is None else max(4, int(mb * 2**20))
-        if cfg.algorithm == "localsgd":
+        if cfg.algorithm == "diloco":
+            opt = diloco(cfg, ctx.optimizer_for(model), flat, topo.world)
+        elif cfg.algorithm == "localsgd":
             from .localsgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS, LocalSGD
 
             o = cfg.options
@@ -136,11 +168,13 @@ def run(ctx: RunContext) -> RunResult:
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
-        if (cfg.algorithm == "localsgd" and opt.steps > opt.warmup_steps
-                and opt.optimizer.state and ctx.is_root):
-            log.warning("localsgd: the checkpoint holds rank 0's optimizer state (its momentum, "
-                        "moments), which each rank's own was in the local phase: every rank "
-                        "resumes with rank 0's (not a bitwise replay of an uninterrupted run)")
+        if (cfg.algorithm in ("localsgd", "diloco") and opt.steps > opt.warmup_steps
+                and (opt.optimizer.state or cfg.algorithm == "diloco") and ctx.is_root):
+            log.warning("%s: the checkpoint holds rank 0's own replica state (its optimizer's "
+                        "momentum or moments%s), which each rank's own was: every rank resumes "
+                        "with rank 0's (not a bitwise replay of an uninterrupted run)",
+                        cfg.algorithm, "; DiLoCo: its parameters since the last sync"
+                        if cfg.algorithm == "diloco" else "")
 
     def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
         """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
@@ -167,6 +201,8 @@ def run(ctx: RunContext) -> RunResult:
             cur.start(lambda: opt.broadcast_parameters(root=0))  # (resumed: the same anyway)
             if cur.finished:                         # the final gathers
                 inject.point("final")
+                if hasattr(opt, "finish"):         # localsgd, diloco: one model on every rank
+                    opt.finish()
                 summary = {"backend": cfg.backend, "steps": opt.steps,
                            "bytes_communicated": topo.world.allreduce(opt.bytes_sent),
                            **delay.record(),
@@ -192,15 +228,20 @@ def run(ctx: RunContext) -> RunResult:
                                          lambda: snapshot(epoch, cur.done, cur.loss_sum),
                                          epoch=epoch, step=opt.steps, writer=topo.rank == 0)
                 continue
-            if not getattr(opt, "replicas_equal", True):      # localsgd: one model to evaluate
+            evaluated = contextlib.nullcontext()
+            if hasattr(opt, "global_weights"):                # diloco: evaluate the global θ
+                evaluated = opt.global_weights()
+            elif not getattr(opt, "replicas_equal", True):    # localsgd: one model to evaluate
                 opt.average_parameters()
             elif not getattr(opt, "sync_buffers", False):    # (averaged with every step otherwise)
                 opt.average_buffers()
-            ctx.epoch_end(epoch, model, train_loss=cur.train_loss(topo.world),
-                          bytes_communicated=topo.world.allreduce(opt.bytes_sent),
-                          comm_time_s=round(opt.comm_time, 4),
-                          sleep_time_max_s=round(max_over(topo.world, delay.slept - slept), 4),
-                          world_size=topo.size)
+            with evaluated:
+                ctx.epoch_end(epoch, model, train_loss=cur.train_loss(topo.world),
+                              bytes_communicated=topo.world.allreduce(opt.bytes_sent),
+                              comm_time_s=round(opt.comm_time, 4),
+                              sleep_time_max_s=round(max_over(topo.world, delay.slept - slept),
+                                                     4),
+                              world_size=topo.size)
             ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
                                  step=opt.steps, writer=topo.rank == 0, force=True)
             cur.next_epoch()

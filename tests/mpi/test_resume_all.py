@@ -57,6 +57,11 @@ PLAN: dict[str, tuple[list[str], str]] = {
     # checkpoint holds rank 0's (docs/design/ssgd.md, "Local SGD")
     "localsgd": (["--momentum", "0", "--localsgd-warmup-steps", "4", "--localsgd-period", "2",
                   "--checkpoint-every", "3"], "delete"),
+    # an outer step every 3 (F = 1, α = 0: the replicas are equal right after it, where the CLI
+    # checkpoints): every 3 -> 3, 6, 8 (epoch end), 9, 12, 15, 16; keep <= 12: 12 (epoch 2,
+    # batch 4). No momentum: the inner optimizer's state is each rank's own
+    "diloco": (["--momentum", "0", "--diloco-sync-every", "3", "--checkpoint-every", "3"],
+               "delete"),
     # signalled after step 5: the ranks agree at step 10 (every 10), after warm-up (4 steps)
     "odsgd": (["--odsgd-warmup-iters", "4"], "1:5"),
 }
@@ -115,7 +120,8 @@ def _delete_late(name: str, ck: Path) -> None:
 
     for p in sorted(ck.glob("ckpt-*.pt")):
         header, _ = read_checkpoint(p)
-        if header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd") else header["epoch"] > 1:
+        if (header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd", "diloco")
+                else header["epoch"] > 1):
             p.unlink()
 
 
@@ -150,7 +156,7 @@ def _run_job(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("algorithm", algorithms())
 @pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
-    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 17
+    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 18
     out = _run_job(tmp_path_factory)
     d = out / algorithm
     codes = json.loads((out / "codes.json").read_text())[algorithm]
@@ -169,9 +175,9 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
         assert stopped[-1]["event"] == "preempted"
         saved = [r for r in stopped if r["event"] == "checkpoint"][-1]
         assert saved["path"] == resume[0]["path"]           # resumed from the stop checkpoint
-    if algorithm in ("ssgd", "localsgd", "daso", "odsgd"):
+    if algorithm in ("ssgd", "localsgd", "diloco", "daso", "odsgd"):
         per = PER_EPOCH["sync"]
-        if algorithm == "ssgd":
+        if algorithm in ("ssgd", "diloco"):
             assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
             assert epochs == [2]
         elif algorithm == "localsgd":

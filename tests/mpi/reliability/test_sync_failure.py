@@ -146,6 +146,22 @@ def test_localsgd_survives_a_rank_sigkilled_between_two_averages(tmp_path):
 
 
 @pytest.mark.rank0
+def test_diloco_survives_a_rank_sigkilled_between_two_outer_steps(tmp_path):
+    """diloco (an outer step every 8 inner steps, outer lr 0.4): rank 2 dies at step 30, before
+    the outer step after step 32; the survivors take the most advanced replica with its
+    global parameters and outer momentum, train on, end on the global model: their replicas are
+    bitwise equal, and it learns."""
+    need_ulfm()
+    out, metrics, _ = _run(tmp_path, "diloco", "2:step:30",
+                           extra=["--diloco-sync-every", "8", "--diloco-outer-lr", "0.4"])
+    s = _survived(out, metrics, [2])
+    # the inner steps need no peer: the survivors finish 31 before the outer step after the
+    # 32nd meets the death
+    assert s["rank_failures"][0]["position"] == [1, 31, 1]
+    assert s["test_accuracy"] >= 0.6
+
+
+@pytest.mark.rank0
 def test_ssgd_survives_rank_0_and_the_new_rank_0_finishes_the_metrics_stream(tmp_path):
     need_ulfm()
     out, metrics, _ = _run(tmp_path, "ssgd", "0:step:20")

@@ -1,0 +1,274 @@
+"""DiLoCo (Douillard et al., arXiv 2311.08105) and Streaming DiLoCo (Douillard et al., arXiv
+2501.18512): H inner steps of the user's optimizer on each rank's own replica, then an outer step
+on the averaged pseudo-gradient, as torchft's ``torchft.local_sgd.DiLoCo`` computes it.
+
+With N ranks, θ the global parameters of a fragment (the whole model when F = 1), θ_i rank i's:
+
+- every inner step: the user's optimizer on θ_i, its own gradient (nothing crosses the wire);
+- the model is cut into F fragments; every h = H/F inner steps one fragment syncs, in turn
+  (fragment s mod F at the s-th sync), so each fragment syncs every H steps;
+- τ (``fragment_sync_delay``) steps before its sync the fragment's pseudo-gradient
+  Δ_i = θ − θ_i is taken and averaged, Δ̄ = (Σ_i Δ_i)/N (summed, then divided);
+- at the sync: the fragment's parameters are set to θ, the outer optimizer (default SGD with
+  Nesterov momentum, lr 0.7, momentum 0.9: the paper's) steps with gradient Δ̄, the result is
+  the new θ, and each rank's parameters become θ + α·(θ_i − θ) (``fragment_update_alpha``;
+  α = 0: θ), θ_i being its parameters at the sync (τ steps after Δ_i was taken).
+
+The inner optimizer's state is never averaged. Differences from torchft's (same floats
+otherwise, ``tests/mpi/test_diloco.py``): no quorum or healing (the ranks are the MPI job's;
+deaths are the fault-tolerance layer's, as for every algorithm here); the pseudo-gradient travels
+as one flat float32 sum per sync (torchft: one allreduce per parameter; the sums are the same),
+never quantized (torchft quantizes only with Triton on a GPU); the floating buffers (BatchNorm
+statistics) are averaged at each sync (torchft leaves them).
+
+Example (a user's own loop)::
+
+    opt = hpcasync.optimizer("diloco", model, torch.optim.AdamW(model.parameters(), lr=4e-4),
+                             sync_every=500)
+    for x, y in loader:
+        opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+    opt.finish()                     # every rank holds the global model
+
+Design: docs/design/ssgd.md, "DiLoCo".
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from ..comm import allreduce
+from ..errors import ConfigError
+from .localsgd import LocalSGD
+
+__all__ = ["DiLoCo"]
+
+#: the paper's H and outer optimizer (SGD, Nesterov momentum)
+DEFAULT_SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 500, 0.7, 0.9
+
+
+class DiLoCo(LocalSGD):
+    """DiLoCo / Streaming DiLoCo around the user's (inner) optimizer (module doc).
+
+    Args:
+        optimizer, model, comm: as :class:`~hpcasync.ssgd.DistributedOptimizer`; ``optimizer``
+            is the inner one.
+        sync_every: H, inner steps between two syncs of each fragment (a multiple of F).
+        outer_optimizer: a function of a list of parameters returning the outer optimizer
+            (default: ``torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)``), one per
+            fragment.
+        fragments: F (the modules that own parameters, in the model's order, cut into F runs of
+            about equal parameter counts), or a list of modules (each fragment's parameters);
+            default 1.
+        fragment_sync_delay: τ < H/F, inner steps between taking a fragment's pseudo-gradient
+            and applying it (0: DiLoCo).
+        fragment_update_alpha: α in [0, 1], the share of the rank's own parameters mixed into
+            the outer step's result.
+    """
+
+    algorithm = "diloco"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
+                 sync_every: int = DEFAULT_SYNC_EVERY, outer_optimizer=None, fragments=1,
+                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0):
+        if isinstance(fragments, int) and not isinstance(fragments, bool):
+            check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
+        super().__init__(optimizer, model, comm, period=1, warmup_steps=0)
+        groups = _fragments(self.flat.module, fragments)
+        check(sync_every, len(groups), fragment_sync_delay, fragment_update_alpha)
+        make = outer_optimizer or (lambda ps: torch.optim.SGD(
+            ps, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True))
+        self.sync_every, self.delay = sync_every, fragment_sync_delay
+        self.alpha = float(fragment_update_alpha)
+        self.fragments = groups
+        self.outer = [make(ps) for ps in groups]
+        with torch.no_grad():
+            self.globals = [[p.detach().clone() for p in ps] for ps in groups]   # θ per fragment
+        self.local_step = 0        # inner steps since the last sync (torchft's _local_step)
+        self.syncs = 0             # syncs done (torchft's manager step)
+        self._pending: list[torch.Tensor] | None = None    # Δ̄ of the fragment taken early
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Rank ``root``'s parameters everywhere, and they are θ."""
+        super().broadcast_parameters(root)
+        with torch.no_grad():
+            for gs, ps in zip(self.globals, self.fragments):
+                for g, p in zip(gs, ps):
+                    g.copy_(p)
+
+    # -- the schedule ----------------------------------------------------------------------------
+    @property
+    def _per_fragment(self) -> int:
+        return self.sync_every // len(self.fragments)
+
+    def step(self, closure=None):
+        """The inner step; then, on schedule, the fragment's pseudo-gradient (collective) and
+        its outer step. A step whose communication fails is undone (as LocalSGD's)."""
+        h, nxt = self._per_fragment, self.local_step + 1
+        with self._undone_on_failure(nxt in (h - self.delay, h) and (
+                nxt == h - self.delay or self.sync_buffers)):
+            result = super(LocalSGD, self).step(closure)     # the inner step (local: LocalSGD's)
+            self.local_step += 1
+            if self.local_step == h - self.delay:
+                self._pending = self._pseudo_gradient(self.syncs % len(self.fragments))
+            if self.local_step == h:
+                self._sync(self.syncs % len(self.fragments))
+                self.local_step = 0
+        return result
+
+    def _counters(self) -> dict:
+        return {**super()._counters(), "local_step": self.local_step, "syncs": self.syncs,
+                "pending": self._pending,
+                "globals": [[g.clone() for g in gs] for gs in self.globals],
+                "outer": [copy.deepcopy(o.state_dict()) for o in self.outer]}
+
+    def _set_counters(self, c: dict) -> None:
+        super()._set_counters(c)
+        self.local_step, self.syncs, self._pending = c["local_step"], c["syncs"], c["pending"]
+        with torch.no_grad():
+            for gs, saved in zip(self.globals, c["globals"]):
+                for g, s in zip(gs, saved):
+                    g.copy_(s)
+        for o, s in zip(self.outer, c["outer"]):
+            o.load_state_dict(s)
+
+    def _pseudo_gradient(self, f: int) -> list[torch.Tensor]:
+        """Δ̄ of fragment f: (Σ_i (θ − θ_i)) / N, one flat sum."""
+        deltas = [g - p.detach() for g, p in zip(self.globals[f], self.fragments[f])]
+        flat = torch.cat([d.reshape(-1) for d in deltas])
+        allreduce(self.comm, flat)
+        flat /= self.comm.Get_size()
+        self.bytes_sent += flat.numel() * flat.element_size()
+        out, k = [], 0
+        for d in deltas:
+            out.append(flat[k:k + d.numel()].view_as(d))
+            k += d.numel()
+        return out
+
+    def _sync(self, f: int) -> None:
+        params, delta = self.fragments[f], self._pending
+        self._pending = None
+        with torch.no_grad():
+            local = [p.detach().clone() for p in params]
+            for p, g in zip(params, self.globals[f]):
+                p.copy_(g)
+        saved = [p.grad for p in params]
+        for p, d in zip(params, delta):
+            p.grad = d
+        self.outer[f].step()
+        self.outer[f].zero_grad()
+        for p, g in zip(params, saved):           # the inner gradients' views stay bound
+            p.grad = g
+        with torch.no_grad():
+            for p, g, loc in zip(params, self.globals[f], local):
+                g.copy_(p)
+                p.lerp_(loc, self.alpha)
+        if self.sync_buffers:
+            self.average_buffers()
+        self.syncs += 1
+        self._equal_since = self.steps if len(self.fragments) == 1 and self.alpha == 0 else -1
+
+    def finish(self) -> None:
+        """The end of training: every rank holds the global parameters θ (the last outer
+        steps' results; inner steps since each fragment's last sync are dropped)."""
+        with torch.no_grad():
+            for params, globals_ in zip(self.fragments, self.globals):
+                for p, g in zip(params, globals_):
+                    p.copy_(g)
+        if self.sync_buffers:
+            self.average_buffers()
+        self._equal_since = self.steps
+
+    def average_parameters(self) -> None:
+        """Every rank's parameters set to the global θ (:meth:`finish`)."""
+        self.finish()
+
+    @contextlib.contextmanager
+    def global_weights(self):
+        """Inside: the model holds the global θ (to evaluate it); after: each rank's own
+        parameters again. Local: no communication (the buffers stay each rank's)."""
+        with torch.no_grad():
+            own = self.flat.params.clone()
+            for params, globals_ in zip(self.fragments, self.globals):
+                for p, g in zip(params, globals_):
+                    p.copy_(g)
+        try:
+            yield self
+        finally:
+            with torch.no_grad():
+                self.flat.params.copy_(own)
+
+    @property
+    def replicas_equal(self) -> bool:
+        return self.steps == 0 or self._equal_since == self.steps
+
+    # -- state -----------------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {**super()._extra_state(), "local_step": self.local_step, "syncs": self.syncs,
+                "globals": [[g.clone() for g in gs] for gs in self.globals],
+                "outer": [o.state_dict() for o in self.outer],
+                "pending": None if self._pending is None else [d.clone() for d in self._pending]}
+
+    def _load_extra(self, extra: dict) -> None:
+        super()._load_extra(extra)
+        if "globals" not in extra:
+            return
+        self.local_step, self.syncs = int(extra["local_step"]), int(extra["syncs"])
+        with torch.no_grad():
+            for gs, saved in zip(self.globals, extra["globals"]):
+                for g, s in zip(gs, saved):
+                    g.copy_(s)
+        for o, s in zip(self.outer, extra["outer"]):
+            o.load_state_dict(s)
+        self._pending = None if extra["pending"] is None else [d.clone() for d in extra["pending"]]
+
+
+def check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha,
+          outer=(OUTER_LR, OUTER_MOMENTUM)) -> None:
+    """One-line errors for bad options (``fragments``: their number)."""
+    for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
+                             ("fragment_sync_delay", fragment_sync_delay, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"diloco {name} must be an integer >= {low}, got {value!r}")
+    if sync_every % fragments:
+        raise ConfigError(f"diloco sync_every={sync_every} is not a multiple of the {fragments} "
+                          "fragments")
+    if fragment_sync_delay >= sync_every // fragments:
+        raise ConfigError(f"diloco fragment_sync_delay={fragment_sync_delay} must be below "
+                          f"sync_every / fragments = {sync_every // fragments}")
+    if not isinstance(fragment_update_alpha, (int, float)) or not 0 <= fragment_update_alpha <= 1:
+        raise ConfigError(f"diloco fragment_update_alpha must be in [0, 1], got "
+                          f"{fragment_update_alpha!r}")
+    lr, momentum = outer
+    if not (isinstance(lr, (int, float)) and lr > 0 and isinstance(momentum, (int, float))
+            and 0 <= momentum < 1):
+        raise ConfigError(f"diloco outer lr must be > 0 and momentum in [0, 1), got {lr!r}, "
+                          f"{momentum!r}")
+
+
+def _fragments(module, fragments) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each fragment: a list of modules, or F runs of about equal parameter
+    counts of the modules that own parameters, in the model's module order."""
+    if isinstance(fragments, (list, tuple)):
+        groups = [[p for p in m.parameters() if p.requires_grad] for m in fragments]
+    else:
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+            raise ConfigError(f"diloco fragments must be an integer >= 1 or a list of modules, "
+                              f"got {fragments!r}")
+        units = [list(m.parameters(recurse=False)) for m in module.modules()]
+        units = [u for u in units if u]                 # the modules owning parameters, in order
+        if fragments > len(units):
+            raise ConfigError(f"diloco fragments={fragments}: the model has {len(units)} "
+                              "modules with parameters")
+        total = sum(p.numel() for u in units for p in u)
+        groups, acc = [[]], 0
+        for u in units:
+            if acc >= total * len(groups) / fragments and len(groups) < fragments:
+                groups.append([])
+            groups[-1].extend(u)
+            acc += sum(p.numel() for p in u)
+        groups = [[p for p in g if p.requires_grad] for g in groups]
+    if any(not g for g in groups):
+        raise ConfigError("diloco: a fragment has no trainable parameter")
+    return groups
