@@ -6,6 +6,7 @@ example: the same script for every algorithm, which differs only in its name and
     mpiexec -n 4 python examples/train_mnist.py --algorithm smega2    # rank 0 serves, 3 ranks train
 """
 import argparse
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,8 @@ from hpcasync.data import load_dataset
 HYPER = {
     "ssgd": {},                                                   # Horovod's DistributedOptimizer
     "localsgd": {"period": 4, "warmup_steps": 10},                # post-local SGD
+    "slowmo": {"period": 8},                                      # slow momentum 0.5, lr 1
+    "diloco": {"sync_every": 16},                                 # outer Nesterov SGD 0.7
     "daso": {"warmup_epochs": 0, "cooldown_epochs": 0, "global_skip": 4},   # all epochs cycling
     "odsgd": {"warmup_iters": 50, "local_opt": "dc-adaptive", "lr_local": 0.5},   # on g/N
     # parameter-server algorithms: one rank serves, the others push gradients
@@ -27,7 +30,7 @@ HYPER = {
     "smega2": {"warmup_epochs": 5}, "dana": {"warmup_epochs": 5}, "nag": {"warmup_epochs": 5},
     "rennala": {}, "ringmaster": {},                               # B, R: the number of workers
 }                                       # (smega2, dana, nag: lr warm-up from lr/N, the paper's)
-SCHEDULED = set(HYPER) - {"ssgd", "localsgd", "odsgd"}   # DASO and the PS: told epochs, steps
+SCHEDULED = set(HYPER) - {"ssgd", "localsgd", "slowmo", "diloco", "odsgd"}   # DASO, the PS
 
 parser = argparse.ArgumentParser(description="hpcasync Fashion-MNIST example")
 parser.add_argument("--algorithm", default="ssgd", choices=sorted(HYPER))
@@ -118,13 +121,15 @@ else:
         epoch_loss = train(epoch)
         if args.algorithm == "daso":
             opt.epoch_end(epoch_loss)    # DASO adapts its schedule to the epoch's loss
-        if args.algorithm == "localsgd":
+        if args.algorithm in ("localsgd", "slowmo"):
             opt.average_parameters()     # the replicas drift apart between two averages
         if args.algorithm != "odsgd" and epoch < args.epochs:
             # evaluation inside the loop, on the ranks that train: a PS's server is inside serve(),
             # so the workers average through their own communicator (the world for ssgd/daso);
             # a PS worker's model is its latest reply (SHAT/ENSEMBLE: its own model)
-            test(ctx.workers_comm, ctx.shard_index, ctx.num_shards, f"epoch {epoch}")
+            with (opt.global_weights() if args.algorithm == "diloco"     # the global model
+                  else contextlib.nullcontext()):
+                test(ctx.workers_comm, ctx.shard_index, ctx.num_shards, f"epoch {epoch}")
     if args.algorithm not in ("ssgd", "daso"):
         opt.finish()    # OD-SGD: complete the last round; PS: the last push; localsgd: average
 # every rank now holds the same final model: each scores a slice, the counts are summed

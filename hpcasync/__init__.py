@@ -26,7 +26,7 @@ _EXPORTS = {
     "AlgorithmOptimizer": "hpcasync.optim", "DivergenceGuard": "hpcasync.runtime.divergence",
     "FlatModel": "hpcasync.comm.flat", "default_lr": "hpcasync.config",
     "PowerSGD": "hpcasync.ssgd.powersgd", "LocalSGD": "hpcasync.ssgd.localsgd",
-    "DiLoCo": "hpcasync.ssgd.diloco",
+    "DiLoCo": "hpcasync.ssgd.diloco", "SlowMo": "hpcasync.ssgd.slowmo",
 }
 
 __all__ = sorted([*_EXPORTS, "elastic"])

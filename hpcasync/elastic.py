@@ -31,8 +31,8 @@ are rebuilt on the survivors (``state.rank``/``state.size``/``state.roles`` are 
 reset callbacks run, rank 0's state is broadcast and ``train(state)`` is called again; the
 sampler deals the rest of the epoch from the committed position over the survivors
 (:class:`~hpcasync.data.sharding.ElasticSampler`: no sample of the epoch trained twice or lost).
-SSGD (PowerSGD included: each rank keeps its own error memory), local SGD and DiLoCo (the
-survivors go on from the sync root's replica), OD-SGD and DASO (give DASO the sampler, ``hpcasync.optimizer("daso", ..., epochs=E,
+SSGD (PowerSGD included: each rank keeps its own error memory), local SGD, SlowMo and DiLoCo
+(the survivors go on from the sync root's replica), OD-SGD and DASO (give DASO the sampler, ``hpcasync.optimizer("daso", ..., epochs=E,
 sampler=sampler)``, so that an epoch dealt over fewer ranks is recounted; it keeps its node
 groups, and after a death inside a cycling epoch the survivors average their restored states
 before the sync); a parameter-server algorithm's optimizer is a one-line ConfigError at
@@ -70,7 +70,7 @@ is_joiner = _core.is_joiner
 #: algorithms whose optimizer survives a reset (set_comm / DASO's set_topology over the
 #: survivors; its state_dict complete at a commit: OD-SGD completes its round in flight there,
 #: DASO its global sends in flight)
-SUPPORTED = ("ssgd", "localsgd", "diloco", "odsgd", "daso")
+SUPPORTED = ("ssgd", "localsgd", "slowmo", "diloco", "odsgd", "daso")
 _RESERVED = ("rank", "size", "roles", "ft")
 
 

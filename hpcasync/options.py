@@ -41,7 +41,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="cross_entropy, nll (a model ending in log_softmax), or MODULE:FACTORY "
                         "(factory() returns loss(output, target) -> scalar tensor)")
     p.add_argument("--optimizer", default="sgd",
-                   help="ssgd, daso, localsgd and diloco only: sgd, adam, adamw, rmsprop, or MODULE:FACTORY "
+                   help="ssgd, daso, localsgd, slowmo and diloco only: sgd, adam, adamw, rmsprop, or MODULE:FACTORY "
                         "(factory(params, lr=, momentum=, weight_decay=) returns a "
                         "torch.optim.Optimizer); given --lr, --momentum, --weight-decay as they "
                         "apply. Other algorithms use their own update rules")

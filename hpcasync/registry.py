@@ -259,6 +259,9 @@ for _alg in (
     Algorithm("localsgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
               summary="post-local SGD: SSGD warm-up, then local steps averaged every H",
               arguments="hpcasync.ssgd.options"),
+    Algorithm("slowmo", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
+              summary="SlowMo: local SGD with a slow momentum on the averaged displacement",
+              arguments="hpcasync.ssgd.options"),
     Algorithm("diloco", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
               summary="DiLoCo / Streaming DiLoCo: inner steps, outer Nesterov step on the mean "
                       "pseudo-gradient",

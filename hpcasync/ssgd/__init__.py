@@ -3,6 +3,7 @@
 * :mod:`.optimizer` ``DistributedOptimizer``: average the flat gradient buffer, then the user's step
 * :mod:`.powersgd`  ``PowerSGD``: the gradient averaged as a low-rank approximation (``compress=``)
 * :mod:`.localsgd`  ``LocalSGD`` (``localsgd``): SSGD warm-up, then local steps averaged every H
+* :mod:`.slowmo`    ``SlowMo`` (``slowmo``): local SGD with a slow momentum at each sync
 * :mod:`.diloco`    ``DiLoCo`` (``diloco``): inner steps, then an outer step on the averaged
   pseudo-gradient; Streaming DiLoCo's fragments, delay and mixing
 * :mod:`.horovod`   the same loop through Horovod's ``DistributedOptimizer`` (``--backend horovod``)
@@ -11,8 +12,8 @@
 from .. import lazy_exports
 
 _LAZY = {"DistributedOptimizer": ".optimizer", "LocalSGD": ".localsgd", "PowerSGD": ".powersgd",
-         "DiLoCo": ".diloco"}
-__all__ = ["DiLoCo", "DistributedOptimizer", "LocalSGD", "PowerSGD", "optimizer_class"]
+         "DiLoCo": ".diloco", "SlowMo": ".slowmo"}
+__all__ = ["DiLoCo", "DistributedOptimizer", "LocalSGD", "PowerSGD", "SlowMo", "optimizer_class"]
 
 __getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module needs no torch
 
@@ -21,5 +22,6 @@ def optimizer_class(algorithm: str):
     """The optimizer class of an algorithm of this family."""
     import importlib
 
-    name = {"ssgd": "DistributedOptimizer", "localsgd": "LocalSGD", "diloco": "DiLoCo"}[algorithm]
+    name = {"ssgd": "DistributedOptimizer", "localsgd": "LocalSGD", "diloco": "DiLoCo",
+            "slowmo": "SlowMo"}[algorithm]
     return getattr(importlib.import_module(_LAZY[name], __name__), name)

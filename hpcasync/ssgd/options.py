@@ -55,6 +55,12 @@ def add_arguments(parser) -> None:
     group.add_argument("--localsgd-warmup-steps", type=int, default=None,
                        help="localsgd: SSGD steps before the local ones (post-local SGD; default "
                             "100, torch's example)")
+    group.add_argument("--slowmo-period", type=int, default=None,
+                       help="slowmo: local steps between two syncs (default 48, fairscale's)")
+    group.add_argument("--slowmo-momentum", type=float, default=None,
+                       help="slowmo: the slow momentum beta (default 0.5)")
+    group.add_argument("--slowmo-lr", type=float, default=None,
+                       help="slowmo: the slow lr alpha (default 1.0)")
     group.add_argument("--diloco-sync-every", type=int, default=None,
                        help="diloco: inner steps between two syncs of each fragment (H; default "
                             "500, the paper's)")
@@ -84,6 +90,7 @@ def validate_options(cfg) -> None:
     """The family's torch-free checks: the ``--localsgd-*`` options are localsgd's, the
     ``--diloco-*`` ones diloco's."""
     for owner, names in (("localsgd", ("localsgd_period", "localsgd_warmup_steps")),
+                         ("slowmo", ("slowmo_period", "slowmo_momentum", "slowmo_lr")),
                          ("diloco", ("diloco_sync_every", "diloco_outer_lr",
                                      "diloco_outer_momentum", "diloco_fragments",
                                      "diloco_sync_delay", "diloco_alpha"))):

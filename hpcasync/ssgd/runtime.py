@@ -56,7 +56,7 @@ def validate(cfg) -> None:
     if progress not in PROGRESS:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
-    if cfg.algorithm in ("localsgd", "diloco"):
+    if cfg.algorithm in ("localsgd", "diloco", "slowmo"):
         from .localsgd import LocalSGD
 
         if cfg.backend == "horovod":
@@ -69,6 +69,8 @@ def validate(cfg) -> None:
         LocalSGD.check(o.get("localsgd_period"), o.get("localsgd_warmup_steps"))
     if cfg.algorithm == "diloco":
         diloco(cfg, None, None, None, check_only=True)
+    if cfg.algorithm == "slowmo":
+        slowmo(cfg, None, None, None, check_only=True)
     if cfg.options.get("compress") == "powersgd":
         if cfg.backend == "horovod":
             raise ConfigError("--compress powersgd needs --backend mpi (Horovod has no PowerSGD)")
@@ -77,6 +79,22 @@ def validate(cfg) -> None:
                               "drop --ssgd-overlap")
         powersgd(cfg)                           # its own checks, as one line
     join.validate(cfg)
+
+
+def slowmo(cfg, inner, model, comm, *, check_only: bool = False):
+    """The :class:`~hpcasync.ssgd.slowmo.SlowMo` of the ``--slowmo-*`` options."""
+    from .localsgd import LocalSGD
+    from .slowmo import DEFAULT_MOMENTUM, DEFAULT_PERIOD, DEFAULT_SLOW_LR, SlowMo, check
+
+    o = cfg.options
+    period = o.get("slowmo_period") or DEFAULT_PERIOD
+    beta = DEFAULT_MOMENTUM if o.get("slowmo_momentum") is None else o["slowmo_momentum"]
+    alpha = DEFAULT_SLOW_LR if o.get("slowmo_lr") is None else o["slowmo_lr"]
+    if check_only:
+        LocalSGD.check(period, 0)
+        check(beta, alpha)
+        return None
+    return SlowMo(inner, model, comm, period=period, slow_momentum=beta, slow_lr=alpha)
 
 
 def diloco(cfg, inner, model, comm, *, check_only: bool = False):
@@ -136,6 +154,8 @@ def run(ctx: RunContext) -> RunResult:
         bucket = None if mb is None else max(4, int(mb * 2**20))
         if cfg.algorithm == "diloco":
             opt = diloco(cfg, ctx.optimizer_for(model), flat, topo.world)
+        elif cfg.algorithm == "slowmo":
+            opt = slowmo(cfg, ctx.optimizer_for(model), flat, topo.world)
         elif cfg.algorithm == "localsgd":
             from .localsgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS, LocalSGD
 
@@ -168,7 +188,7 @@ def run(ctx: RunContext) -> RunResult:
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
-        if (cfg.algorithm in ("localsgd", "diloco") and opt.steps > opt.warmup_steps
+        if (cfg.algorithm in ("localsgd", "diloco", "slowmo") and opt.steps > opt.warmup_steps
                 and (opt.optimizer.state or cfg.algorithm == "diloco") and ctx.is_root):
             log.warning("%s: the checkpoint holds rank 0's own replica state (its optimizer's "
                         "momentum or moments%s), which each rank's own was: every rank resumes "

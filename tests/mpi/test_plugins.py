@@ -200,7 +200,7 @@ def _cases(tmp):
         "optimizer-wrong-type": ([*model, *data, "--optimizer", f"{bad}:optimizer_wrong"],
                                  "returned a str, not a torch.optim.Optimizer"),
         "optimizer-not-for-asgd": ([*model, *data, "--algorithm", "asgd", "--optimizer", "adam"],
-                                   "--optimizer applies to ssgd, daso, localsgd, diloco only; asgd"),
+                                   "--optimizer applies to ssgd, daso, localsgd, slowmo, diloco only; asgd"),
     }
 
 

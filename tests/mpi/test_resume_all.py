@@ -62,6 +62,7 @@ PLAN: dict[str, tuple[list[str], str]] = {
     # batch 4). No momentum: the inner optimizer's state is each rank's own
     "diloco": (["--momentum", "0", "--diloco-sync-every", "3", "--checkpoint-every", "3"],
                "delete"),
+    "slowmo": (["--momentum", "0", "--slowmo-period", "3", "--checkpoint-every", "3"], "delete"),
     # signalled after step 5: the ranks agree at step 10 (every 10), after warm-up (4 steps)
     "odsgd": (["--odsgd-warmup-iters", "4"], "1:5"),
 }
@@ -120,7 +121,7 @@ def _delete_late(name: str, ck: Path) -> None:
 
     for p in sorted(ck.glob("ckpt-*.pt")):
         header, _ = read_checkpoint(p)
-        if (header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd", "diloco")
+        if (header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd", "slowmo", "diloco")
                 else header["epoch"] > 1):
             p.unlink()
 
@@ -156,7 +157,7 @@ def _run_job(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("algorithm", algorithms())
 @pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
-    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 18
+    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 19
     out = _run_job(tmp_path_factory)
     d = out / algorithm
     codes = json.loads((out / "codes.json").read_text())[algorithm]
@@ -175,9 +176,9 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
         assert stopped[-1]["event"] == "preempted"
         saved = [r for r in stopped if r["event"] == "checkpoint"][-1]
         assert saved["path"] == resume[0]["path"]           # resumed from the stop checkpoint
-    if algorithm in ("ssgd", "localsgd", "diloco", "daso", "odsgd"):
+    if algorithm in ("ssgd", "localsgd", "slowmo", "diloco", "daso", "odsgd"):
         per = PER_EPOCH["sync"]
-        if algorithm in ("ssgd", "diloco"):
+        if algorithm in ("ssgd", "diloco", "slowmo"):
             assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
             assert epochs == [2]
         elif algorithm == "localsgd":

@@ -67,13 +67,13 @@ def _expected() -> dict[str, tuple]:
 
 
 def test_the_sixteen_and_their_families():
-    assert registry.names() == ("ssgd", "daso", "odsgd", "localsgd", "diloco", *PS)
+    assert registry.names() == ("ssgd", "daso", "odsgd", "localsgd", "slowmo", "diloco", *PS)
     assert {n: registry.get(n).family for n in ("ssgd", "daso", "odsgd")} == {
         "ssgd": "ssgd", "daso": "daso", "odsgd": "odsgd"}
     assert registry.ps_names() == PS == registry.by_family("ps")
-    assert registry.sync_names() == ("ssgd", "daso", "odsgd", "localsgd", "diloco")
+    assert registry.sync_names() == ("ssgd", "daso", "odsgd", "localsgd", "slowmo", "diloco")
     assert registry.momentum_rules() == ("smega2", "dana", "nag")
-    assert registry.user_optimizer_names() == ("ssgd", "daso", "localsgd", "diloco")
+    assert registry.user_optimizer_names() == ("ssgd", "daso", "localsgd", "slowmo", "diloco")
     assert registry.horovod_names() == ("ssgd", "daso")
     assert registry.simulated_names() == ("ssgd", *PS)
     assert registry.algorithm_lrs() == {"nag": 0.02} and config.default_lr("asgd") == 0.05
@@ -96,11 +96,11 @@ def test_the_sixteen_and_their_families():
 
 def test_every_derived_list_is_the_registry():
     assert _derived() == _expected()
-    assert len(api.algorithms()) == 18
+    assert len(api.algorithms()) == 19
 
 
-def test_a_registered_seventeenth_shows_everywhere(copy_alg):
-    assert registry.names()[-1] == "asgd-copy" and len(api.algorithms()) == 19
+def test_a_registered_twentieth_shows_everywhere(copy_alg):
+    assert registry.names()[-1] == "asgd-copy" and len(api.algorithms()) == 20
     assert _derived() == _expected()
     for name, names in _derived().items():
         if name not in ("api.SYNC_ALGORITHMS", "rules.MOMENTUM_RULES",
@@ -187,7 +187,8 @@ def test_duplicates_and_unknown_names_are_one_line_errors():
         registry.register(registry.ps_algorithm("x", "hpcasync.rules.asgd.ASGD"))
     with pytest.raises(ConfigError, match="needs a non-empty name"):
         registry.register(registry.ps_algorithm("", "hpcasync.rules.asgd:ASGD"))
-    assert registry.names() == ("ssgd", "daso", "odsgd", "localsgd", "diloco", *PS)       # nothing half-registered
+    # nothing half-registered
+    assert registry.names() == ("ssgd", "daso", "odsgd", "localsgd", "slowmo", "diloco", *PS)
     with pytest.raises(ConfigError, match="--algorithm 'x' is not one of: ssgd, "):
         config.TrainConfig(algorithm="x").validate(runtime_algorithms())
 
@@ -204,7 +205,7 @@ def test_the_registry_is_a_low_layer():
             ours |= {a.name for a in node.names if a.name.startswith(("hpcasync", "torch"))}
     assert ours == {".errors"}
     r = subprocess.run([sys.executable, "-c", "import sys, hpcasync.registry as r, hpcasync.config;"
-                        "assert len(r.names()) == 18; print('torch' in sys.modules)"],
+                        "assert len(r.names()) == 19; print('torch' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 

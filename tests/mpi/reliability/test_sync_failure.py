@@ -146,6 +146,18 @@ def test_localsgd_survives_a_rank_sigkilled_between_two_averages(tmp_path):
 
 
 @pytest.mark.rank0
+def test_slowmo_survives_a_rank_sigkilled_between_two_syncs(tmp_path):
+    """slowmo (a sync with the slow momentum after every 8th step): rank 2 dies at step 30; the
+    survivors take the most advanced replica with its x0 and u, train on: replicas bitwise
+    equal at the end, and it learns."""
+    need_ulfm()
+    out, metrics, _ = _run(tmp_path, "slowmo", "2:step:30", extra=["--slowmo-period", "8"])
+    s = _survived(out, metrics, [2])
+    assert s["rank_failures"][0]["position"] == [1, 31, 1]     # (as diloco's: 32 syncs)
+    assert s["test_accuracy"] >= 0.6          # (undisturbed: 68.9 %; this run: 63.1)
+
+
+@pytest.mark.rank0
 def test_diloco_survives_a_rank_sigkilled_between_two_outer_steps(tmp_path):
     """diloco (an outer step every 8 inner steps, outer lr 0.4): rank 2 dies at step 30, before
     the outer step after step 32; the survivors take the most advanced replica with its
