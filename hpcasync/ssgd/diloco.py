@@ -118,20 +118,28 @@ class DiLoCo(LocalSGD):
         return result
 
     def _counters(self) -> dict:
-        return {**super()._counters(), "local_step": self.local_step, "syncs": self.syncs,
-                "pending": self._pending,
-                "globals": [[g.clone() for g in gs] for gs in self.globals],
-                "outer": [copy.deepcopy(o.state_dict()) for o in self.outer]}
+        return {**super()._counters(), **self._schedule_state()}
 
     def _set_counters(self, c: dict) -> None:
         super()._set_counters(c)
-        self.local_step, self.syncs, self._pending = c["local_step"], c["syncs"], c["pending"]
+        self._load_schedule(c)
+
+    def _schedule_state(self) -> dict:
+        """θ, the outer optimizers' state, the counters, a pseudo-gradient not yet applied."""
+        return {"local_step": self.local_step, "syncs": self.syncs,
+                "globals": [[g.clone() for g in gs] for gs in self.globals],
+                "outer": [copy.deepcopy(o.state_dict()) for o in self.outer],
+                "pending": None if self._pending is None else [d.clone() for d in self._pending]}
+
+    def _load_schedule(self, d: dict) -> None:
+        self.local_step, self.syncs = int(d["local_step"]), int(d["syncs"])
         with torch.no_grad():
-            for gs, saved in zip(self.globals, c["globals"]):
-                for g, s in zip(gs, saved):
-                    g.copy_(s)
-        for o, s in zip(self.outer, c["outer"]):
-            o.load_state_dict(s)
+            for gs, saved in zip(self.globals, d["globals"]):
+                for g, t in zip(gs, saved):
+                    g.copy_(t)
+        for o, t in zip(self.outer, d["outer"]):
+            o.load_state_dict(t)
+        self._pending = None if d["pending"] is None else [t.clone() for t in d["pending"]]
 
     def _pseudo_gradient(self, f: int) -> list[torch.Tensor]:
         """Δ̄ of fragment f: (Σ_i (θ − θ_i)) / N, one flat sum."""
@@ -205,23 +213,12 @@ class DiLoCo(LocalSGD):
 
     # -- state -----------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        return {**super()._extra_state(), "local_step": self.local_step, "syncs": self.syncs,
-                "globals": [[g.clone() for g in gs] for gs in self.globals],
-                "outer": [o.state_dict() for o in self.outer],
-                "pending": None if self._pending is None else [d.clone() for d in self._pending]}
+        return {**super()._extra_state(), **self._schedule_state()}
 
     def _load_extra(self, extra: dict) -> None:
         super()._load_extra(extra)
-        if "globals" not in extra:
-            return
-        self.local_step, self.syncs = int(extra["local_step"]), int(extra["syncs"])
-        with torch.no_grad():
-            for gs, saved in zip(self.globals, extra["globals"]):
-                for g, s in zip(gs, saved):
-                    g.copy_(s)
-        for o, s in zip(self.outer, extra["outer"]):
-            o.load_state_dict(s)
-        self._pending = None if extra["pending"] is None else [d.clone() for d in extra["pending"]]
+        if "globals" in extra:
+            self._load_schedule(extra)
 
 
 def check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha,

@@ -12,24 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
-from torch import nn
 
 import hpcasync
 from hpcasync.errors import ConfigError
 from hpcasync.ssgd.slowmo import SlowMo
+from tests.mpi.test_localsgd import _batch, _model
 from tests.mpi_util import COMM, RANK, SIZE
 
 needs2 = pytest.mark.skipif(SIZE < 2, reason="needs 2 MPI ranks")
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
-
-
-def _batch(step: int, rank: int):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
 def _replay(steps: int, period: int, beta: float, alpha: float, lr: float, warmup: int):
