@@ -33,6 +33,8 @@ def gloo(request):
 
     n = request.param
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")       # one host: over the loopback
+    if dist.is_initialized():         # left by another test (the bench's DDP column)
+        dist.destroy_process_group()
     sub = COMM.Split(0 if RANK < n else MPI.UNDEFINED, RANK)
     path = COMM.bcast(tempfile.mktemp(prefix="hpcasync-gloo-") if RANK == 0 else None)
     if sub != MPI.COMM_NULL:

@@ -21,6 +21,11 @@ from hpcasync.ssgd.powersgd import PowerSGD, orthonormalize_, worth_compressing
 from tests.mpi_util import COMM, RANK, SIZE, identical_everywhere
 
 needs2 = pytest.mark.skipif(SIZE < 2, reason="needs 2 MPI ranks")
+#: 2 ranks: bitwise when this thread and Gloo's callback thread, where the hook computes, reduce
+#: at the same OpenMP thread count (a fresh process: 0 difference in every case); after
+#: ``torch.set_num_threads`` in this process (any earlier test, hpcasync.init) rank 1's
+#: Gram-Schmidt norms round differently there (seen: 2e-7 relative on lenet's 120 x 256 matrix)
+THREADS_RTOL = 1e-6
 
 
 class Net(nn.Module):
@@ -82,13 +87,13 @@ CASES = [dict(rank=1, error_feedback=True, warm_start=True),
 @pytest.mark.parametrize("gloo", [2], indirect=True)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "r{rank}-ef{error_feedback:d}-ws{warm_start:d}"
                          .format(**c))
-def test_two_ranks_equal_the_ddp_hook_bitwise_at_every_step(gloo, case):
+def test_two_ranks_equal_the_ddp_hook_at_every_step(gloo, case):
     if gloo is None:
         return
     compressed = 0
     for step, opt, ours, ref in _side_by_side(gloo, 8, start_iter=2, seed=3, **case):
-        bad = [i for i, (a, b) in enumerate(zip(ours, ref)) if not torch.equal(a, b)]
-        assert not bad, f"step {step}: parameters {bad} differ from DDP's powerSGD_hook"
+        worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, ref))
+        assert worst <= THREADS_RTOL, f"step {step}: {worst:.3g} from DDP's powerSGD_hook"
         compressed += opt.powersgd.sent_numel < opt.powersgd.dense_numel
     assert compressed == 6          # steps 2..7 compressed (start_iter=2)
 
