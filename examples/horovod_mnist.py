@@ -32,6 +32,7 @@ from hpcasync.data import load_dataset
 EXTRA = {"daso": {"warmup_epochs": 0, "cooldown_epochs": 0},     # every epoch cycling
          "odsgd": {"warmup_iters": 10},                              # then the one-step delay
          "localsgd": {"warmup_steps": 10, "period": 4},              # post-local SGD
+         "slowmo": {"period": 8},                                    # slow momentum 0.5
          "diloco": {"sync_every": 8, "outer_optimizer": lambda ps: torch.optim.SGD(
              ps, lr=0.4, momentum=0.9, nesterov=True)}}                 # outer: Streaming's lr
 
@@ -91,7 +92,7 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 
 
 def test(epoch):
-    if args.algorithm == "localsgd":        # the replicas drift apart between two averages
+    if args.algorithm in ("localsgd", "slowmo"):   # replicas drift apart between two syncs
         optimizer.average_parameters()
     model.eval()
     correct = torch.zeros((), dtype=torch.int64)

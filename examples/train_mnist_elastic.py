@@ -44,8 +44,8 @@ import hpcasync
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", choices=("ssgd", "localsgd", "diloco", "odsgd", "daso"),
-                    default="ssgd")
+parser.add_argument("--algorithm", default="ssgd",
+                    choices=("ssgd", "localsgd", "slowmo", "diloco", "odsgd", "daso"))
 parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (DASO)")
 parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batches between global "
                     "sends while cycling")
@@ -82,6 +82,7 @@ hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
          "ssgd": {"compress": hpcasync.PowerSGD(rank=args.powersgd_rank, start_iter=2)}
          if args.powersgd_rank else {},
          "localsgd": {"period": 2, "warmup_steps": 2},
+         "slowmo": {"period": 2},
          "diloco": {"sync_every": 2}}.get(args.algorithm, {})
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
@@ -149,7 +150,7 @@ def train(state):
         before = commit(before)            # the epoch's tail (if any) is not trained
         if args.algorithm == "daso":       # close the epoch: its rank-averaged loss drives the
             opt.epoch_end(sum(losses) / max(1, len(losses)))   # schedule (plateau)
-        if args.algorithm == "localsgd":   # one model on every rank at the epoch's end
+        if args.algorithm in ("localsgd", "slowmo"):   # one model on every rank at its end
             opt.average_parameters()
         state.epoch += 1                   # (not left at the last epoch: a call after the end,
         state.batch = 0                    # when a rank dies after the last step, trains nothing)

@@ -178,7 +178,7 @@ def test_loop_matches_cli(algorithm, tmp_path):
 # shat-root, ensemble, asp) were 7 more jobs of ~18 s each on the 2-core CI box. Each of the 11
 # rules learns through the front door in test_ps_rules_learn.py, in-process.
 HVD = ["--train-limit", "3000", "--test-limit", "2000", "--epochs", "1"]
-HVD_ALGORITHMS = [a for a in ("ssgd", "localsgd", "diloco", "daso", "odsgd", *RULES)
+HVD_ALGORITHMS = [a for a in ("ssgd", "localsgd", "slowmo", "diloco", "daso", "odsgd", *RULES)
                   if a not in MPI_TWINS]
 
 

@@ -67,7 +67,8 @@ def _check(tmp_path, out, killed: int, order, kill_at: int = 3, late: int = 0) -
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd", "ssgd-powersgd", "localsgd", "diloco"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd", "ssgd-powersgd", "localsgd", "slowmo",
+                                       "diloco"])
 def test_own_loop_grows_back_after_rank0_dies(tmp_path, algorithm):
     """``examples/train_mnist_elastic.py``: rank 0 dies, so the replacement becomes rank 0 and
     the state comes from rank 1, the lowest survivor. OD-SGD (2 warm-up steps: rounds in
@@ -82,16 +83,17 @@ def test_own_loop_grows_back_after_rank0_dies(tmp_path, algorithm):
     and they see the death at step 5's average): the sync gives every rank the root's replica,
     equal again at the end. diloco (an outer step after every second step): rank 0 dies before
     step 5, the survivors run step 5 (local) and see the death at step 6's pseudo-gradient
-    (late 1); the replacement takes the sync root's replica and outer state."""
+    (late 1); the replacement takes the sync root's replica and outer state. slowmo (a sync
+    after every second step): the same counts as diloco's, x0 and u from the sync root."""
     need_ulfm()
     powersgd = ["--powersgd-rank", "1"] if algorithm == "ssgd-powersgd" else []
-    kill_at = 4 if algorithm in ("localsgd", "diloco") else 3
+    kill_at = 4 if algorithm in ("localsgd", "slowmo", "diloco") else 3
     out = _run(tmp_path, "train_mnist_elastic.py", 0,
                ["--algorithm", algorithm.split("-")[0], "--odsgd-warmup", "2", *powersgd],
                kill_at=kill_at)
     _check(tmp_path, out, 0,
            lambda e: epoch_permutation(LENGTH, seed=SEED, epoch=e).tolist(),
-           kill_at=kill_at, late=1 if algorithm in ("odsgd", "diloco") else 0)
+           kill_at=kill_at, late=1 if algorithm in ("odsgd", "slowmo", "diloco") else 0)
     assert "grow-back: joined as rank 0 of 4" in out.stderr, out.stderr[-3000:]
 
 
