@@ -81,13 +81,20 @@ def validate(cfg) -> None:
     join.validate(cfg)
 
 
+def _given(options: dict, name: str, default):
+    """The option's value, or ``default`` when it was not given (a given 0 stays 0, for the
+    checks to refuse it)."""
+    value = options.get(name)
+    return default if value is None else value
+
+
 def slowmo(cfg, inner, model, comm, *, check_only: bool = False):
     """The :class:`~hpcasync.ssgd.slowmo.SlowMo` of the ``--slowmo-*`` options."""
     from .localsgd import LocalSGD
     from .slowmo import DEFAULT_MOMENTUM, DEFAULT_PERIOD, DEFAULT_SLOW_LR, SlowMo, check
 
     o = cfg.options
-    period = o.get("slowmo_period") or DEFAULT_PERIOD
+    period = _given(o, "slowmo_period", DEFAULT_PERIOD)
     beta = DEFAULT_MOMENTUM if o.get("slowmo_momentum") is None else o["slowmo_momentum"]
     alpha = DEFAULT_SLOW_LR if o.get("slowmo_lr") is None else o["slowmo_lr"]
     if check_only:
@@ -105,8 +112,8 @@ def diloco(cfg, inner, model, comm, *, check_only: bool = False):
     o = cfg.options
     lr = o.get("diloco_outer_lr")
     momentum = o.get("diloco_outer_momentum")
-    kw = dict(sync_every=o.get("diloco_sync_every") or DEFAULT_SYNC_EVERY,
-              fragments=o.get("diloco_fragments") or 1,
+    kw = dict(sync_every=_given(o, "diloco_sync_every", DEFAULT_SYNC_EVERY),
+              fragments=_given(o, "diloco_fragments", 1),
               fragment_sync_delay=o.get("diloco_sync_delay") or 0,
               fragment_update_alpha=o.get("diloco_alpha") or 0.0)
     outer = (OUTER_LR if lr is None else lr, OUTER_MOMENTUM if momentum is None else momentum)
@@ -161,7 +168,7 @@ def run(ctx: RunContext) -> RunResult:
 
             o = cfg.options
             opt = LocalSGD(ctx.optimizer_for(model), flat, topo.world,
-                           period=o.get("localsgd_period") or DEFAULT_PERIOD,
+                           period=_given(o, "localsgd_period", DEFAULT_PERIOD),
                            warmup_steps=(DEFAULT_WARMUP_STEPS if o.get("localsgd_warmup_steps")
                                          is None else o["localsgd_warmup_steps"]))
         else:

@@ -56,6 +56,9 @@ class SlowMo(LocalSGD):
         super().__init__(optimizer, model, comm, period=period, warmup_steps=warmup_steps)
         self.slow_momentum, self.slow_lr = float(slow_momentum), float(slow_lr)
         self.x0 = self.flat.params.detach().clone()
+        #: each parameter's range of the flat buffer, by identity
+        self._slices = {id(p): slice(lo, lo + p.numel())
+                        for p, lo in zip(self.flat.parameters, self.flat.offsets)}
         self.u = torch.zeros_like(self.x0)
 
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -83,7 +86,7 @@ class SlowMo(LocalSGD):
             for g in self.param_groups:
                 gamma = g["lr"]
                 for p in g["params"]:
-                    sl = self._slice(p)
+                    sl = self._slices.get(id(p))
                     if sl is None:
                         continue
                     u, x0 = self.u[sl], self.x0[sl]
@@ -91,14 +94,6 @@ class SlowMo(LocalSGD):
                     u.add_(x0, alpha=1 / gamma)
                     x0.add_(u, alpha=-gamma * self.slow_lr)
                     p.copy_(x0.view_as(p))
-
-    def _slice(self, p) -> slice | None:
-        """The range of ``p`` in the flat parameter buffer."""
-        for k, q in enumerate(self.flat.parameters):
-            if q is p:
-                lo = self.flat.offsets[k]
-                return slice(lo, lo + p.numel())
-        return None
 
     def _counters(self) -> dict:
         return {**super()._counters(), "x0": self.x0.clone(), "u": self.u.clone()}
