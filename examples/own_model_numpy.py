@@ -35,6 +35,7 @@ HYPER = {
     "ssgd": {}, "daso": {"warmup_epochs": 0, "cooldown_epochs": 0}, "odsgd": {"warmup_iters": 50},
     "asgd": {}, "dcasgd": {}, "dcasgd-a": {}, "lcasgd": {}, "shat": {}, "shat-root": {},
     "ensemble": {}, "asp": {}, "smega2": {}, "dana": {}, "nag": {}, "rennala": {}, "ringmaster": {},
+    "asgd-da": {},
 }
 SYNC = ("ssgd", "daso", "odsgd")          # every rank trains; the others: rank 0 serves
 

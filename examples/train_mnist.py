@@ -28,7 +28,7 @@ HYPER = {
     "asgd": {}, "shat": {}, "shat-root": {}, "ensemble": {}, "asp": {},
     "dcasgd": {"lam": 0.04}, "dcasgd-a": {"lam": 2.0}, "lcasgd": {"predictor": "linear"},
     "smega2": {"warmup_epochs": 5}, "dana": {"warmup_epochs": 5}, "nag": {"warmup_epochs": 5},
-    "rennala": {}, "ringmaster": {},                               # B, R: the number of workers
+    "rennala": {}, "ringmaster": {}, "asgd-da": {},                # B, R, τ_C: the number of workers
 }                                       # (smega2, dana, nag: lr warm-up from lr/N, the paper's)
 SCHEDULED = set(HYPER) - {"ssgd", "localsgd", "slowmo", "diloco", "odsgd"}   # DASO, the PS
 

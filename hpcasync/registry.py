@@ -296,10 +296,13 @@ for _alg in (
                  momentum_rule=True, default_lr=0.02),
     ps_algorithm("rennala", _RULES + "rennala:Rennala",
                  "Rennala SGD: one step per B gradients fresh at θ, stale ones dropped",
-                 options=(("rennala_batch", "batch"),)),
+                 options=(("rennala_batch", "batch"), ("rennala_stop", "stop_stale"))),
     ps_algorithm("ringmaster", _RULES + "ringmaster:Ringmaster",
                  "Ringmaster ASGD: gradients with delay >= R dropped",
-                 options=(("ringmaster_r", "threshold"),)),
+                 options=(("ringmaster_r", "threshold"), ("ringmaster_stop", "stop_stale"))),
+    ps_algorithm("asgd-da", _RULES + "delay_adaptive:DelayAdaptiveASGD",
+                 "delay-adaptive ASGD: the step at delay δ scaled by min(1, τ_C/δ)",
+                 options=(("da_tau_c", "tau_c"),)),
 ):
     register(_alg)
 del _alg

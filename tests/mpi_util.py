@@ -176,7 +176,7 @@ def need_horovod() -> None:
 #: CI's MPICH pass runs it for the twin, not again for each of them.
 MPI_TWINS = {"dcasgd": "asgd", "dcasgd-a": "asgd", "dana": "smega2", "nag": "smega2",
              "shat-root": "shat", "ensemble": "shat", "asp": "shat", "rennala": "asgd",
-             "ringmaster": "asgd"}
+             "ringmaster": "asgd", "asgd-da": "asgd"}
 
 
 def per_algorithm(algorithms):

@@ -91,10 +91,15 @@ class Spec:
 
 
 def option_args(options: dict[str, Any]) -> list[str]:
-    """``{"train_limit": 512}`` -> ``["--train-limit", "512"]`` (sorted; ``ranks`` excluded)."""
+    """``{"train_limit": 512}`` -> ``["--train-limit", "512"]`` (sorted; ``ranks`` excluded); a
+    switch: ``{"ringmaster_stop": true}`` -> ``["--ringmaster-stop"]``, ``false`` -> nothing."""
     out: list[str] = []
     for key in sorted(options):
-        out += [f"--{key.replace('_', '-')}", str(options[key])]
+        flag, value = f"--{key.replace('_', '-')}", options[key]
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        else:
+            out += [flag, str(value)]
     return out
 
 

@@ -37,6 +37,7 @@ from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError, fail_fast
 from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..rules import MOMENTUM_RULES, RULES, Reply, make_rule, ps_lr_factor
+from ..rules.base import STOP_IN_SIM_ONLY
 from ..rules.base import check_real
 from ..topology import default_topology
 from .loop_checkpoint import LoopCheckpoints
@@ -111,6 +112,8 @@ class ParameterServer(AlgorithmOptimizer):
         self.algorithm = algorithm
         self.hyper = {"lr": lr, **hyper}
         probe = make_rule(algorithm, torch.zeros(1), 1, **self.hyper)  # check before any collective
+        if getattr(probe, "stop_stale", False):
+            raise ConfigError(STOP_IN_SIM_ONLY)
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")

@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
                    help="K server ranks (--ps-rank and the K-1 after it), each serving a "
                         "contiguous shard of the parameters; the other ranks train (default 1)")
     g.add_argument("--ps-momentum", type=float, default=0.0,
-                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat/rennala/ringmaster "
+                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat/rennala/ringmaster/asgd-da "
                         "(default 0)")
     g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
     g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
@@ -35,6 +35,15 @@ def add_arguments(parser) -> None:
     g.add_argument("--ringmaster-r", type=int, default=None,
                    help="ringmaster: the delay R from which a gradient is dropped (default: the "
                         "number of workers)")
+    g.add_argument("--rennala-stop", action="store_const", const=True, default=None,
+                   help="rennala: when θ steps, stop every computation at the old θ and start it "
+                        "again at the new one (the paper's broadcast; hpcasync sim only)")
+    g.add_argument("--ringmaster-stop", action="store_const", const=True, default=None,
+                   help="ringmaster: stop a computation as soon as its delay reaches R and start "
+                        "it again at θ (the paper's variant; hpcasync sim only)")
+    g.add_argument("--da-tau-c", type=int, default=None,
+                   help="asgd-da: the delay τ_C up to which the full lr is used; a gradient at "
+                        "delay δ > τ_C steps with lr·τ_C/δ (default: the number of workers)")
     g.add_argument("--ps-warmup-epochs", type=float, default=None,
                    help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
                         "dana, nag as in the SMEGA2 paper, with its x0.1 steps at epochs 80 and "

@@ -26,6 +26,7 @@ from ..hetero import DelayModel
 from ..hetero import check_options as check_hetero
 from .. import registry
 from ..rules import make_rule, ps_lr_factor, rule_hyperparameters
+from ..rules.base import STOP_IN_SIM_ONLY
 from ..runtime import ft, join
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
@@ -77,6 +78,9 @@ def validate(cfg) -> None:
     opt = cfg.options
     validate_options(cfg)
     build_rule(cfg, torch.zeros(1), 1)
+    simulated = "workers" in opt            # (hpcasync sim's config: its --workers)
+    if (opt.get("ringmaster_stop") or opt.get("rennala_stop")) and not simulated:
+        raise ConfigError(STOP_IN_SIM_ONLY)
     check_hetero(opt)
     join.validate(cfg)
     validate_growth(cfg)

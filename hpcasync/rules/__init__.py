@@ -23,6 +23,7 @@ from .asgd import ASGD, asgd_update
 from .base import PushMeta, Reply, Rule, smega2_lr, step_decay_lr, warmup_lr
 from .dana import DANAZero
 from .dcasgd import DCASGD
+from .delay_adaptive import DelayAdaptiveASGD
 from .lcasgd import LCASGD
 from .nag import NAG
 from .rennala import Rennala
@@ -107,6 +108,7 @@ def _factory(name: str) -> functools.partial:
 
 
 __all__ = ["RULES", "MOMENTUM_RULES", "make_rule", "ps_lr_factor", "rule_hyperparameters", "PushMeta", "Reply", "Rule", "ASGD",
-           "DCASGD", "LCASGD", "SHAT", "SMEGA2", "DANAZero", "NAG", "Rennala", "Ringmaster",
+           "DCASGD", "DelayAdaptiveASGD", "LCASGD", "SHAT", "SMEGA2", "DANAZero", "NAG", "Rennala",
+           "Ringmaster",
            "asgd_update", "shat_alpha",
            "smega2_estimate", "smega2_lr", "step_decay_lr", "warmup_lr"]

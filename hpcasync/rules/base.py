@@ -160,6 +160,13 @@ def sub_scaled_(y: Tensor, x: Tensor, a: float | Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------
 
+
+#: the one line of an MPI run asked to stop stale computations
+STOP_IN_SIM_ONLY = ("stopping stale computations (--ringmaster-stop, --rennala-stop, "
+                    "stop_stale=True) runs in the simulator only (hpcasync sim): an MPI worker is "
+                    "not interrupted inside its step, and its stale gradient is dropped when it "
+                    "arrives")
+
 class Rule:
     """Base class: θ, version, lr, weight decay, alive workers, validation and state handling.
 
@@ -488,3 +495,33 @@ def smega2_lr(epoch_float: float, *, base_lr: float = 0.1, num_workers: int,
     batch), step decay ×``gamma`` at ``milestones`` (whole epochs)."""
     lr = step_decay_lr(base_lr, math.floor(epoch_float), milestones, gamma)
     return warmup_lr(lr, epoch_float, warmup_epochs, base_lr / num_workers)
+
+
+class StopsStale:
+    """A rule that drops gradients computed at too old a θ and, with ``stop_stale``, has them
+    stopped before they arrive: after each step of θ a driver that can interrupt a worker (the
+    simulator's :class:`~hpcasync.sim.engine.AsyncSim`) asks :meth:`is_stale` of the version
+    each worker computes at and, where True, calls :meth:`stop` and restarts that worker from
+    its reply. The MPI server cannot interrupt a worker and refuses it (:data:`STOP_IN_SIM_ONLY`).
+    Mixed in before the rule's base class; the rule defines :meth:`is_stale`."""
+
+    stop_stale = False
+
+    def set_stop_stale(self, stop_stale: bool) -> None:
+        if not isinstance(stop_stale, bool):
+            raise ConfigError(f"stop_stale must be True or False, got {stop_stale!r}")
+        self.stop_stale, self.stopped = stop_stale, 0
+
+    def is_stale(self, version: int) -> bool:
+        raise NotImplementedError
+
+    def stop(self, worker: int) -> Reply:
+        """Worker ``worker``'s computation is stopped: what it starts again from (θ now)."""
+        self.stopped += 1
+        return self._make_reply(self._worker_index(worker), pushed=False)
+
+    def _stop_state(self) -> dict:
+        return {"stopped": self.stopped} if self.stop_stale else {}
+
+    def _load_stop(self, d: dict) -> None:
+        self.stopped = int(d.get("stopped", 0))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .asgd import ASGD, asgd_update
-from .base import PushMeta, check_int, noise_over_target, load_tensor, need
+from .base import PushMeta, StopsStale, check_int, noise_over_target, load_tensor, need
 
 
 def theorem_batch(sigma2: float, epsilon: float) -> int:
@@ -34,13 +34,16 @@ def theorem_batch(sigma2: float, epsilon: float) -> int:
     return noise_over_target(sigma2, epsilon)
 
 
-class Rennala(ASGD):
+class Rennala(StopsStale, ASGD):
     """Asynchronous collection of ``batch`` fresh gradients, then one SGD step with their mean.
 
     Args:
         theta0, num_workers, lr, weight_decay: see :class:`~hpcasync.rules.base.Rule`.
         batch: B >= 1, the fresh gradients per step (default: the number of workers, below).
         momentum: γ of one momentum buffer over the steps (default 0: none, as in the paper).
+        stop_stale: when θ steps, stop every computation at the old θ and start it again at the
+            new one (the paper's broadcast; :class:`~hpcasync.rules.base.StopsStale`): the
+            simulator only.
 
     Default B = N: one step per N fresh gradients, the batch of synchronous SGD over N workers,
     but taken from whichever workers deliver first, so a slow worker delays no step. The paper
@@ -53,7 +56,8 @@ class Rennala(ASGD):
     0.05, 3 workers, B 3, 2 epochs of the learning bars) reached 38-48 % instead of 59-69 %.
 
     Differences from the paper: in the paper the server hands a new θ to every worker when it
-    steps and ignores what they were computing at the old one; here a worker gets θ with the
+    steps and ignores what they were computing at the old one; the simulator does so with
+    ``stop_stale=True`` (``--rennala-stop``). On MPI a worker gets θ with the
     reply to its push, so its computation at the old θ is finished, sent and dropped on arrival
     (the server counts them: ``discarded``, in the run's summary under ``rule_workers``). A
     dropped push still uses the worker's batch (it counts toward the epoch). The sum is kept in
@@ -63,15 +67,20 @@ class Rennala(ASGD):
     name = "rennala"
 
     def __init__(self, theta0: Tensor, num_workers: int, *, lr: float, weight_decay: float = 0.0,
-                 batch: int | None = None, momentum: float = 0.0):
+                 batch: int | None = None, momentum: float = 0.0, stop_stale: bool = False):
         super().__init__(theta0, num_workers, lr=lr, weight_decay=weight_decay, momentum=momentum)
         self.batch = check_int("batch", self.num_workers if batch is None else batch, low=1)
         self._sum = self._theta.new_zeros(self._theta.shape)
         self.collected = 0          # b: fresh gradients in the sum
         self.discarded = 0
+        self.set_stop_stale(stop_stale)
+
+    def is_stale(self, version: int) -> bool:
+        """A gradient computed at ``version`` would be dropped if it arrived now (θ has moved)."""
+        return int(version) < self._version
 
     def _update(self, worker: int, grad: Tensor, meta: PushMeta) -> bool:
-        if self.staleness(meta) > 0:
+        if self.is_stale(meta.version):
             self.discarded += 1
             return False
         self._sum.add_(grad)
@@ -88,10 +97,11 @@ class Rennala(ASGD):
 
     def _state(self) -> dict:
         return {**super()._state(), "sum": self._sum, "collected": self.collected,
-                "discarded": self.discarded}
+                "discarded": self.discarded, **self._stop_state()}
 
     def _load(self, d: dict) -> None:
         super()._load(d)
         self._sum = load_tensor(d, "sum", self._theta)
         self.collected = int(need(d, "collected"))
         self.discarded = int(need(d, "discarded"))
+        self._load_stop(d)

@@ -172,6 +172,8 @@ def rule_worker_state(rule) -> dict:
         out["smega2_n"] = int(d["n"])
     if "discarded" in d:
         out["discarded"] = int(d["discarded"])      # Ringmaster, Rennala: gradients dropped
+    if "stopped" in d:
+        out["stopped"] = int(d["stopped"])          # Ringmaster's stopped computations (sim)
     return out
 
 

@@ -6,7 +6,10 @@ whose step completes first pushes next. Its gradient is computed (lazily, at the
 parameter copy, which has not changed since its last reply, so the order of real computation does
 not matter: only the simulated order does. The PS side is the very same rule object the MPI PS
 drives; the per-push bookkeeping is the same ``PushStats``. Ties are broken by worker index, so
-homogeneous workers push round robin and a run is bit-reproducible.
+homogeneous workers push round robin and a run is bit-reproducible. A rule that stops stale
+computations (``stop_stale``: Ringmaster's variant, Rennala's broadcast) has them stopped after
+each step of θ: the worker starts again from θ at that time, the stopped run's heap entry is
+skipped when it comes up.
 
 Synchronous algorithms (:class:`SyncSim`, ``ssgd``): rounds; every worker computes a gradient on the
 shared parameters, the mean is applied with the SSGD optimizer (momentum SGD), and the round takes
@@ -99,14 +102,17 @@ class AsyncSim:
             version.append(reply.version)
         data = [_worker_batches(self.train, w, W, self.epochs, self.batch_size, self.seed)
                 for w in range(W)]
-        steps = [0] * W
+        steps, draws, runs = [0] * W, [1] * W, [0] * W   # pushes; durations drawn; restarts
         total = self.per_worker * self.epochs
-        heap = [(self.duration(w, 0), w) for w in range(W)] if total else []
+        heap = [(self.duration(w, 0), w, 0) for w in range(W)] if total else []
         heapq.heapify(heap)
+        stops = getattr(rule, "stop_stale", False)
         next_epoch = 1
         self.model.train()
         while heap:
-            t, w = heapq.heappop(heap)
+            t, w, run = heapq.heappop(heap)
+            if run != runs[w]:                          # a computation stopped since
+                continue
             self.sim_time = t
             _, x, y = next(data[w])
             grad, loss, oracle_loss = self._gradient(local[w], bufs[w], x, y)
@@ -129,12 +135,28 @@ class AsyncSim:
             steps[w] += 1
             done = self.sim_time = self._serve(t)      # the push counts once its reply is back
             if steps[w] < total:
-                heapq.heappush(heap, (done + self.duration(w, steps[w]), w))
+                heapq.heappush(heap, (done + self.duration(w, draws[w]), w, runs[w]))
+                draws[w] += 1
+            if stops and pushed is not None and rule.moved:
+                self._stop_stale(done, w, steps, draws, runs, local, version, heap, total)
             while (next_epoch <= self.epochs and (not heap or self.stats.accepted
                                                    >= next_epoch * self.pushes_per_epoch)):
                 self._epoch(next_epoch, bufs)
                 next_epoch += 1
         return self.stats
+
+    def _stop_stale(self, now, pusher, steps, draws, runs, local, version, heap, total) -> None:
+        """Ringmaster's stopping variant: every computation whose delay has reached R at ``now``
+        is dropped and starts again at θ (a new duration; the batch is not used)."""
+        rule = self.rule
+        for u in range(self.W):
+            if u != pusher and steps[u] < total and rule.is_stale(version[u]):
+                reply = rule.stop(u)
+                self.worker_rule.on_reply(local[u], reply, None)
+                version[u] = reply.version
+                runs[u] += 1
+                heapq.heappush(heap, (now + self.duration(u, draws[u]), u, runs[u]))
+                draws[u] += 1
 
     def _serve(self, t: float) -> float:
         """FIFO service of a push arriving at ``t``; returns when its reply is back."""

@@ -365,7 +365,7 @@ def test_unknown_algorithm_and_missing_pieces_are_one_line_errors():
         hpcasync.optimizer("daso", model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="runs its own update"):
         hpcasync.optimizer("asgd", model, torch.optim.Adam(model.parameters()))
-    assert len(hpcasync.algorithms()) == 19
+    assert len(hpcasync.algorithms()) == 20
 
 
 @needs4

@@ -71,7 +71,8 @@ _PS_EXTRA = {"asgd": ["--ps-momentum", "0.5"], "dcasgd": [], "dcasgd-a": [],
              "asp": [], "smega2": ["--momentum", "0.9"], "dana": ["--momentum", "0.9"],
              "nag": ["--momentum", "0.9"],
              # stopped after push 21 with B = 4: one gradient of a step in the server's sum
-             "rennala": ["--rennala-batch", "4", "--ps-momentum", "0.5"], "ringmaster": []}
+             "rennala": ["--rennala-batch", "4", "--ps-momentum", "0.5"], "ringmaster": [],
+             "asgd-da": ["--ps-momentum", "0.5"]}
 for _name, _extra in _PS_EXTRA.items():
     PLAN[_name] = (_extra, f"1:{PS_SIGNAL}")
 
@@ -157,7 +158,7 @@ def _run_job(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("algorithm", algorithms())
 @pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
-    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 19
+    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 20
     out = _run_job(tmp_path_factory)
     d = out / algorithm
     codes = json.loads((out / "codes.json").read_text())[algorithm]

@@ -218,3 +218,10 @@ def test_report_figures_and_byte_identical_output(tmp_path):
             "diverged") in text
     assert "## Not run yet\n\n- `algorithm=asgd__seed=2__workers=4`\n" in text
 
+
+
+def test_a_boolean_option_is_a_switch():
+    from hpcasync.experiments.spec import option_args
+
+    assert option_args({"ringmaster_stop": True, "rennala_stop": False, "workers": 4}) == [
+        "--ringmaster-stop", "--workers", "4"]

@@ -24,7 +24,7 @@ from hpcasync.runtime import algorithms as runtime_algorithms
 from hpcasync.sim import driver as sim_driver
 
 PS = ("asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble", "asp", "smega2",
-      "dana", "nag", "rennala", "ringmaster")
+      "dana", "nag", "rennala", "ringmaster", "asgd-da")
 SMALL = ["--dataset", "fashion-mnist-mini", "--train-limit", "256", "--test-limit", "64",
          "--epochs", "1", "--progress", "off", "--batch-size", "16", "--model", "mlp"]
 
@@ -84,7 +84,8 @@ def test_the_sixteen_and_their_families():
         "dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
         "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
         "lc_window": ("lcasgd",), "lc_max_factor": ("lcasgd",), "smega2_estimate": ("smega2",),
-        "rennala_batch": ("rennala",), "ringmaster_r": ("ringmaster",)}
+        "rennala_batch": ("rennala",), "rennala_stop": ("rennala",), "ringmaster_r": ("ringmaster",),
+        "ringmaster_stop": ("ringmaster",), "da_tau_c": ("asgd-da",)}
     for name in PS:                                # each rule is the class its entry names
         module, cls = registry.get(name).rule.split(":")
         assert rules.RULES[name].func.__name__ == cls and module.startswith("hpcasync.rules.")
@@ -96,11 +97,11 @@ def test_the_sixteen_and_their_families():
 
 def test_every_derived_list_is_the_registry():
     assert _derived() == _expected()
-    assert len(api.algorithms()) == 19
+    assert len(api.algorithms()) == 20
 
 
-def test_a_registered_twentieth_shows_everywhere(copy_alg):
-    assert registry.names()[-1] == "asgd-copy" and len(api.algorithms()) == 20
+def test_a_registered_twenty_first_shows_everywhere(copy_alg):
+    assert registry.names()[-1] == "asgd-copy" and len(api.algorithms()) == 21
     assert _derived() == _expected()
     for name, names in _derived().items():
         if name not in ("api.SYNC_ALGORITHMS", "rules.MOMENTUM_RULES",
@@ -205,7 +206,7 @@ def test_the_registry_is_a_low_layer():
             ours |= {a.name for a in node.names if a.name.startswith(("hpcasync", "torch"))}
     assert ours == {".errors"}
     r = subprocess.run([sys.executable, "-c", "import sys, hpcasync.registry as r, hpcasync.config;"
-                        "assert len(r.names()) == 19; print('torch' in sys.modules)"],
+                        "assert len(r.names()) == 20; print('torch' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 

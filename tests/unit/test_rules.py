@@ -165,7 +165,8 @@ def test_retire_drops_per_worker_state(name):
 def test_registry_and_make_rule_errors():
     t = torch.zeros(4)
     assert set(RULES) == {"asgd", "dcasgd", "dcasgd-a", "lcasgd", "shat", "shat-root", "ensemble",
-                          "asp", "smega2", "dana", "nag", "rennala", "ringmaster"}
+                          "asp", "smega2", "dana", "nag", "rennala", "ringmaster",
+                          "asgd-da"}
     assert make_rule("dcasgd-a", t, 2, lr=0.1).lam == 2.0
     assert make_rule("dcasgd", t, 2, lr=0.1).lam == 0.04
     assert make_rule("shat-root", t, 2, lr=0.1).alpha_mode == "root"

@@ -1,19 +1,27 @@
-"""Ringmaster ASGD and Rennala SGD against hand-computed sequences (docs/design/rules.md).
+"""Ringmaster ASGD, Rennala SGD and delay-adaptive ASGD against hand-computed sequences
+(docs/design/rules.md), and Ringmaster's stopping variant in the simulator against a
+hand-computed timeline.
 
 Small integers and lr 0.5: every θ below is exact in float32, so each step is compared bitwise.
 Planted bugs each of these catches: Ringmaster keeping a gradient at delay R (``>`` for ``>=``)
 or dropping one at R − 1; Rennala keeping a stale gradient, stepping after B − 1 gradients, or
 stepping with the sum instead of the mean or at η instead of B·η; the version moving on a
-dropped gradient."""
+dropped gradient; delay-adaptive ASGD applying the full step (ASGD), the inverse factor, or
+τ_C = N − 1 by default; the simulator not stopping a stale computation, or running a stopped
+one to its end."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hpcasync.data import load_dataset
 from hpcasync.errors import ConfigError
+from hpcasync.hetero import DelayModel
+from hpcasync.models import build_model
 from hpcasync.rules import PushMeta, make_rule
 from hpcasync.rules.rennala import theorem_batch
 from hpcasync.rules.ringmaster import theorem_threshold
+from hpcasync.sim.engine import AsyncSim
 
 THETA0 = torch.tensor([4.0, -2.0, 8.0, 0.0])
 
@@ -107,3 +115,78 @@ def test_defaults_options_and_the_papers_choices():
         make_rule("rennala", THETA0, 2, lr=0.1, batch=2.5)
     with pytest.raises(ConfigError, match="epsilon must be > 0"):
         theorem_batch(1.0, 0.0)
+
+
+def test_delay_adaptive_scales_the_step_by_tau_c_over_the_delay_beyond_tau_c():
+    rule = make_rule("asgd-da", THETA0, 3, lr=0.5, tau_c=2)
+    push(rule, 0, g(2, 2, 2, 2), 0)                     # δ 0: η
+    assert torch.equal(rule.theta, g(3, -3, 7, -1))
+    push(rule, 1, g(4, 0, -2, 2), 0)                    # δ 1: η
+    assert torch.equal(rule.theta, g(1, -3, 8, -2))
+    push(rule, 2, g(4, 4, 4, 4), 0)                     # δ 2 = τ_C: η
+    assert torch.equal(rule.theta, g(-1, -5, 6, -4))
+    push(rule, 0, g(0, 2, 0, 0), 1)                     # δ 2: η
+    assert torch.equal(rule.theta, g(-1, -6, 6, -4))
+    push(rule, 1, g(4, 4, -4, 8), 0)                    # δ 4: η·2/4
+    assert torch.equal(rule.theta, g(-2, -7, 7, -6)) and rule.version == 5
+    dflt = make_rule("asgd-da", THETA0, 3, lr=0.5)      # τ_C = N = 3
+    assert dflt.tau_c == 3
+    for k in range(3):
+        push(dflt, 0, g(0, 0, 0, 0), k)
+    push(dflt, 1, g(8, 8, 8, 8), 0)                     # δ 3: η
+    assert torch.equal(dflt.theta, THETA0 - 4)
+    push(dflt, 2, g(8, 8, 8, 8), 0)                     # δ 4: η·3/4
+    assert torch.equal(dflt.theta, THETA0 - 7)
+    with pytest.raises(ConfigError, match="tau_c must be >= 1"):
+        make_rule("asgd-da", THETA0, 2, lr=0.1, tau_c=0)
+
+
+def _stop_sim(stop: bool, name: str = "ringmaster", **kw):
+    """3 workers of 2 steps each, worker 2 2.5x slower (hand-computed timelines below)."""
+    train, _ = load_dataset("fashion-mnist-mini", train_limit=96, test_limit=10)
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rules = [make_rule(name, theta0, 3, lr=0.01, stop_stale=stop, **kw) for _ in range(2)]
+    sim = AsyncSim(*rules, model, train, DelayModel(factors={2: 2.5}), num_workers=3, epochs=1,
+                   batch_size=16, seed=0, step_time=1.0)
+    return sim, sim.run()
+
+
+def test_the_simulator_stops_a_computation_once_its_delay_reaches_r():
+    """t=1: w0 (δ 0) and w1 (δ 1) step; worker 2, at version 0, is at delay 2: stopped, it starts
+    again at t=1 (due 3.5). t=2: w0 and w1 step again (δ 1 each); worker 2, now at version 2,
+    reaches delay 2 again: stopped, due 4.5. Then it pushes twice alone (δ 0), the last at
+    t=7. A stopped computation uses no batch, and no gradient is ever dropped on arrival."""
+    sim, stats = _stop_sim(True, threshold=2)
+    assert sim.rule.stopped == 2 and sim.rule.discarded == 0 and sim.rule.version == 6
+    assert stats.accepted == 6 and dict(stats.histogram) == {0: 3, 1: 3}
+    assert sim.sim_time == pytest.approx(7.0)
+    sim, stats = _stop_sim(False, threshold=2)  # without stopping: dropped on arrival at t=2.5
+    assert sim.rule.stopped == 0 and sim.rule.discarded == 1 and sim.rule.version == 5
+    assert sim.sim_time == pytest.approx(5.0)
+
+
+def test_the_simulator_stops_rennalas_computations_at_the_old_theta_when_it_steps():
+    """B = 2. t=1: w0's gradient is the first of the batch (θ stays: w0 goes on at version 0),
+    w1's completes it: θ steps; worker 2 and worker 0, both at version 0, are stopped and start
+    again (due 3.5 and 2). t=2: w0 and w1 (version 1) step θ again; worker 2 (version 1) is
+    stopped again (due 4.5). It then gives both gradients of the last step alone (t=4.5, 7)."""
+    sim, stats = _stop_sim(True, "rennala", batch=2)
+    assert sim.rule.stopped == 3 and sim.rule.discarded == 0 and sim.rule.version == 3
+    assert stats.accepted == 6 and sim.sim_time == pytest.approx(7.0)
+    sim, stats = _stop_sim(False, "rennala", batch=2)   # w0 at t=2 and w2 at t=2.5: dropped
+    assert sim.rule.stopped == 0 and sim.rule.discarded == 2 and sim.rule.version == 2
+    assert sim.sim_time == pytest.approx(5.0)
+
+
+def test_stopping_is_the_simulators_only():
+    from hpcasync.ps.optimizer import ParameterServer
+
+    model = build_model("mlp", (1, 28, 28), 10)
+    with pytest.raises(ConfigError, match="runs in the simulator only"):
+        ParameterServer(model, "ringmaster", lr=0.1, stop_stale=True, start=False)
+    with pytest.raises(ConfigError, match="runs in the simulator only"):
+        ParameterServer(model, "rennala", lr=0.1, stop_stale=True, start=False)
+    with pytest.raises(ConfigError, match="stop_stale must be True or False"):
+        make_rule("ringmaster", THETA0, 2, lr=0.1, stop_stale=1)

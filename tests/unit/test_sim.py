@@ -121,3 +121,22 @@ def test_cli_sim_bad_options():
     assert r.returncode == 2 and "--workers must be a positive integer" in r.stderr
     r = run_cli(["sim", "--workers", "4", "--straggler", "0:3", "--algorithm", "asgd", *SMALL])
     assert r.returncode == 2 and "rank 0 is not a worker" in r.stderr
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm, extra, drop_at", [
+    ("ringmaster", ["--ringmaster-stop", "--ringmaster-r", "2"], 2),
+    ("rennala", ["--rennala-stop", "--rennala-batch", "2"], 1)])
+def test_cli_sim_stops_stale_computations_and_train_refuses_to(tmp_path, algorithm, extra,
+                                                               drop_at):
+    """With one worker 10x slower, its computations are stopped (``stopped`` in the summary's
+    ``rule_workers``) and no gradient arrives at a delay that would be dropped."""
+    m = tmp_path / "stop.jsonl"
+    r = run_cli(["sim", "--algorithm", algorithm, *extra, "--workers", "4", "--hetero", "HE1",
+                 *SMALL, "--metrics", str(m)], timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = read_metrics(m)[-1]
+    assert summary["rule_workers"]["stopped"] > 0 and summary["rule_workers"]["discarded"] == 0
+    assert max(int(k) for k in summary["staleness_histogram"]) < drop_at
+    r = run_cli(["train", "--algorithm", algorithm, *extra, *SMALL])
+    assert r.returncode == 2 and "runs in the simulator only" in r.stderr
