@@ -122,6 +122,9 @@ class FlatModel:
         self.grads_and_buffers = self._wire[n:]
         self.grads = self.grads_and_buffers[:self.numel]
         self.buffer_wire = self.grads_and_buffers[self.numel:]
+        # each parameter's gradient view, made once (the storage is fixed): re-binding every
+        # step then costs an identity check per tensor, not a new view
+        self._grad_views = self._slices(self.grads)
         self._buffer_slots = []
         for (name, buf), off in zip(float_bufs, self._buffer_offsets):
             owner, attr = _owner(module, name)
@@ -148,7 +151,7 @@ class FlatModel:
         if which == "params":
             return list(zip(self.names, self._slices(self.params)))
         if which == "grads":
-            return list(zip(self.names, self._slices(self.grads)))
+            return list(zip(self.names, self._grad_views))
         if which == "buffers":
             return [(n, self.buffers[o: o + t.numel()].view(t.shape)) for n, o, t in
                     zip(self.buffer_names, self._buffer_offsets, self._buffer_tensors())]
@@ -189,9 +192,12 @@ class FlatModel:
 
     def rebind_grads(self) -> None:
         """Make every ``p.grad`` a view of ``grads`` again, keeping any gradient already there."""
-        for p, view in zip(self._params, self._slices(self.grads)):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+        for p, view in zip(self._params, self._grad_views):
+            g = p.grad
+            if g is view:
+                continue
+            if g is not None and g.data_ptr() != view.data_ptr():
+                view.copy_(g)
             p.grad = view
 
     def collect_grads(self) -> int:
@@ -204,9 +210,9 @@ class FlatModel:
         (0 when every ``p.grad`` is still a view: then this costs one pointer check per tensor).
         """
         repaired = 0
-        for p, view in zip(self._params, self._slices(self.grads)):
+        for p, view in zip(self._params, self._grad_views):
             g = p.grad
-            if g is not None and g.data_ptr() == view.data_ptr():
+            if g is view or (g is not None and g.data_ptr() == view.data_ptr()):
                 continue
             if g is None:
                 view.zero_()
@@ -234,7 +240,7 @@ class FlatModel:
         """Names of parameters, grads or buffers that are no longer views of the flat tensors."""
         bad = []
         for name, p, pv, gv in zip(self.names, self._params, self._slices(self.params),
-                                   self._slices(self.grads)):
+                                   self._grad_views):
             if p.data_ptr() != pv.data_ptr():
                 bad.append(name)
             elif p.grad is None or p.grad.data_ptr() != gv.data_ptr():

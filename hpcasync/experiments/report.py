@@ -13,6 +13,7 @@ shown) of:
 * PS memory: the rule's state bytes and, where the runs record them, the transport's bytes and
   the total (``ps_transport_bytes``, ``ps_total_bytes``: ``ps.memory``); mean staleness (from
   the staleness histogram) where the runs record it.
+* bytes sent (MPI runs that record ``bytes_communicated``: the sum over the ranks).
 
 The output is a function of the files only: sorted keys, fixed number formats, no clock, PNGs
 without the ``Software`` metadata — two reports of the same runs are byte-identical.
@@ -57,6 +58,7 @@ class RunStats:
     ps_total_bytes: float | None = None
     ps_busy: float | None = None                           # simulated server: busy share, mean
     ps_wait: float | None = None                           # ... and mean wait per push (s)
+    bytes_sent: float | None = None                        # the summary's bytes_communicated
 
 
 @dataclass
@@ -121,7 +123,12 @@ def run_stats(rid: str, axes: dict, records: list[dict], time_mode: str,
                     wall=summary.get("wall_time_s", last.get("wall_time_s")), epochs=len(epochs),
                     curve=curve, time_to_target=ttt, ps_state_bytes=ps, staleness=hist,
                     breakdown=breakdown, ps_transport_bytes=ps_transport, ps_total_bytes=ps_total,
-                    ps_busy=_mean_field(epochs, "ps_busy"), ps_wait=_mean_field(epochs, "ps_wait_s"))
+                    ps_busy=_mean_field(epochs, "ps_busy"), ps_wait=_mean_field(epochs, "ps_wait_s"),
+                    bytes_sent=_number(summary.get("bytes_communicated")))
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _mean_field(epochs: list[dict], key: str) -> float | None:
@@ -213,6 +220,7 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
     has_ps = any(r.ps_state_bytes is not None for r in runs)
     has_mem = any(r.ps_transport_bytes is not None for r in runs)
     has_tau = any(r.staleness for r in runs)
+    has_bytes = exp["mode"] == "mpi" and any(r.bytes_sent is not None for r in runs)
     sim = exp["mode"] == "sim"
     head = [*axes, "seeds", "final test acc (%)", f"{tname} (s)", f"{tname} / epoch (s)"]
     if target is not None:
@@ -223,6 +231,8 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
         head += ["PS transport (KiB)", "PS total (KiB)"]
     if has_tau:
         head.append("mean staleness")
+    if has_bytes:
+        head.append("bytes sent, all ranks (MB)")
     if sim:
         head.append("run wall (s)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -243,6 +253,8 @@ def results_table(exp: dict, groups: list[Group]) -> list[str]:
                     _pm([r.ps_total_bytes for r in rs], ".1f", 1 / 1024)]
         if has_tau:
             row.append(_pm([_mean_staleness(r.staleness) for r in rs if r.staleness], ".2f"))
+        if has_bytes:
+            row.append(_pm([r.bytes_sent for r in rs if r.bytes_sent is not None], ".1f", 1e-6))
         if sim:
             row.append(_pm([r.wall for r in rs], ".1f"))
         lines.append("| " + " | ".join(row) + " |")

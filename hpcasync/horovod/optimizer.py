@@ -36,6 +36,11 @@ Where it differs from Horovod (``horovod/torch/optimizer.py``):
 * ``op=hvd.Adasum`` returns Horovod's Adasum optimizer (:mod:`.adasum`), and sparse gradients are
   reduced as Horovod's are (:mod:`.sparse`).
 
+``compress=hpcasync.PowerSGD(...)`` (or ``"powersgd"``; Horovod has no PowerSGD): the object
+returned is hpcasync's SSGD with that compression (:func:`hpcasync.optimizer`, ``"ssgd"``, as
+for another algorithm below); Horovod's ``compression``, ``op``, ``groups``, ``process_set`` and
+more than one backward pass per step are one-line errors beside it.
+
 ``process_set=`` (:mod:`.process_sets`): the gradients are averaged over the set's ranks, on its
 communicator; on a rank outside the set the optimizer reduces nothing and ``step()`` uses that
 rank's own gradients, as Horovod's does (SSGD only: another ``algorithm`` raises
@@ -381,6 +386,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             return adasum
         op = Sum
     pset, outside = _process_set(process_set)
+    if algorithm in (None, "ssgd") and hyper.get("compress") is not None:
+        _check_front_door_ssgd(compression, backward_passes_per_step, op, groups or num_groups,
+                               pset, sparse_as_dense, gradient_predivide_factor)
+        return _algorithm_optimizer(st, optimizer, "ssgd", hyper)
     if algorithm not in (None, "ssgd"):
         if pset.process_set_id != 0:
             raise NotImplementedError(f"hpcasync.horovod: DistributedOptimizer(process_set=...) "
@@ -448,6 +457,24 @@ class _OutsideOptimizer:
 
 
 # -- the toolkit's other algorithms ----------------------------------------------------------------
+
+def _check_front_door_ssgd(compression, passes, op, groups, pset, sparse_as_dense,
+                           predivide) -> None:
+    """``compress=`` (PowerSGD, which Horovod has not) runs the front door's SSGD: Horovod's
+    own options that it does not take are one-line errors, not dropped."""
+    given = [name for name, odd in (
+        ("compression", compression is not Compression.none), ("op", op != Average),
+        ("groups", bool(groups)), ("process_set", pset.process_set_id != 0),
+        ("sparse_as_dense", bool(sparse_as_dense)),
+        ("gradient_predivide_factor", predivide != 1.0)) if odd]
+    if given:
+        raise ConfigError(f"DistributedOptimizer(compress=...) runs hpcasync's SSGD with that "
+                          f"compression; it does not take {', '.join(given)} (drop "
+                          f"{'it' if len(given) == 1 else 'them'})")
+    if passes != 1:
+        raise ConfigError("DistributedOptimizer(compress=...) steps once per backward pass: "
+                          "backward_passes_per_step must be 1")
+
 
 def _algorithm_optimizer(st, optimizer, algorithm: str, hyper: dict):
     from ..api import PS_ALGORITHMS, _share_torch_optimizer, optimizer as make

@@ -14,6 +14,14 @@ With N ranks, θ the global parameters of a fragment (the whole model when F = 1
   the new θ, and each rank's parameters become θ + α·(θ_i − θ) (``fragment_update_alpha``;
   α = 0: θ), θ_i being its parameters at the sync (τ steps after Δ_i was taken).
 
+**Hierarchical** (``node_comm``, the CLI's ``--diloco-hierarchical``): the ranks of a node train
+one replica with synchronous SGD (each inner step averages the gradients over ``node_comm``, the
+node's fast link), and DiLoCo runs across the nodes: Δ̄ is the mean over the nodes of their
+replicas' pseudo-gradients. As each node's ranks hold the same Δ, local rank l averages only
+the l-th of L chunks of it with local rank l of the other nodes, and the node gathers the chunks:
+one copy of the fragment crosses the slow link per node and sync, carried in L parallel pieces
+(the layout of DASO's global groups). Every node must have the same number of ranks.
+
 The inner optimizer's state is never averaged. Differences from torchft's (same floats
 otherwise, ``tests/mpi/test_diloco.py``): no quorum or healing (the ranks are the MPI job's;
 deaths are the fault-tolerance layer's, as for every algorithm here); the pseudo-gradient travels
@@ -41,6 +49,7 @@ import torch
 from ..comm import allreduce
 from ..errors import ConfigError
 from .localsgd import LocalSGD
+from .optimizer import DistributedOptimizer
 
 __all__ = ["DiLoCo"]
 
@@ -65,16 +74,25 @@ class DiLoCo(LocalSGD):
             and applying it (0: DiLoCo).
         fragment_update_alpha: α in [0, 1], the share of the rank's own parameters mixed into
             the outer step's result.
+        node_comm: the ranks training one replica with synchronous SGD (the hierarchical
+            layout, module doc; e.g. ``topology.local``); default None: one replica per rank.
+            Collective over ``comm`` when given. Not under ULFM: the node groups are not rebuilt
+            after a death (a one-line error).
     """
 
     algorithm = "diloco"
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  sync_every: int = DEFAULT_SYNC_EVERY, outer_optimizer=None, fragments=1,
-                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0):
+                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
+                 node_comm=None):
         if isinstance(fragments, int) and not isinstance(fragments, bool):
             check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
         super().__init__(optimizer, model, comm, period=1, warmup_steps=0)
+        self.node_comm, self._peers = node_comm, None
+        self.bytes_across = 0      # of bytes_sent, what crossed between nodes (the outer syncs)
+        if node_comm is not None:
+            self._peers = _node_peers(self.comm, node_comm)
         groups = _fragments(self.flat.module, fragments)
         check(sync_every, len(groups), fragment_sync_delay, fragment_update_alpha)
         make = outer_optimizer or (lambda ps: torch.optim.SGD(
@@ -118,10 +136,11 @@ class DiLoCo(LocalSGD):
         return result
 
     def _counters(self) -> dict:
-        return {**super()._counters(), **self._schedule_state()}
+        return {**super()._counters(), **self._schedule_state(), "bytes_across": self.bytes_across}
 
     def _set_counters(self, c: dict) -> None:
         super()._set_counters(c)
+        self.bytes_across = c["bytes_across"]
         self._load_schedule(c)
 
     def _schedule_state(self) -> dict:
@@ -141,18 +160,64 @@ class DiLoCo(LocalSGD):
             o.load_state_dict(t)
         self._pending = None if d["pending"] is None else [t.clone() for t in d["pending"]]
 
+    # -- hierarchical: SSGD inside the node --------------------------------------------------
+    def synchronize(self) -> None:
+        if self.node_comm is None:
+            return super().synchronize()
+        return DistributedOptimizer.synchronize(self)    # the node's average, every step
+
+    def _note_local_clip(self) -> None:
+        if self.node_comm is not None:
+            DistributedOptimizer._note_local_clip(self)
+
+    def _reduce_gradients(self, presence) -> None:
+        if self.node_comm is None:
+            return super()._reduce_gradients(presence)
+        span = self.flat.presence_and_grads[:self.flat.presence.numel() + self.flat.numel]
+        span.div_(self.node_comm.Get_size())
+        allreduce(self.node_comm, span)
+
+    def _step_comm(self):
+        return self.comm if self.node_comm is None else self.node_comm
+
+    def set_comm(self, comm) -> None:
+        if self.node_comm is not None:
+            raise ConfigError("hierarchical DiLoCo (node_comm, --diloco-hierarchical) does not "
+                              "survive a death: its node groups are not rebuilt")
+        super().set_comm(comm)
+
+    # -- the outer step ------------------------------------------------------------------------
     def _pseudo_gradient(self, f: int) -> list[torch.Tensor]:
-        """Δ̄ of fragment f: (Σ_i (θ − θ_i)) / N, one flat sum."""
+        """Δ̄ of fragment f: (Σ_i (θ − θ_i)) / N, one flat sum (hierarchical: over the nodes)."""
         deltas = [g - p.detach() for g, p in zip(self.globals[f], self.fragments[f])]
         flat = torch.cat([d.reshape(-1) for d in deltas])
-        allreduce(self.comm, flat)
-        flat /= self.comm.Get_size()
-        self.bytes_sent += flat.numel() * flat.element_size()
+        if self._peers is None:
+            allreduce(self.comm, flat)
+            flat /= self.comm.Get_size()
+            self.bytes_sent += flat.numel() * flat.element_size()
+            self.bytes_across += flat.numel() * flat.element_size()
+        else:
+            self._node_mean(flat)
         out, k = [], 0
         for d in deltas:
             out.append(flat[k:k + d.numel()].view_as(d))
             k += d.numel()
         return out
+
+    def _node_mean(self, flat: torch.Tensor) -> None:
+        """In place: the mean over the nodes of ``flat`` (equal on the ranks of a node). Local
+        rank l averages chunk l with its peers of the other nodes; the node gathers the chunks."""
+        from mpi4py import MPI
+
+        L, l = self.node_comm.Get_size(), self.node_comm.Get_rank()
+        bounds = [flat.numel() * k // L for k in range(L + 1)]
+        chunk = flat[bounds[l]:bounds[l + 1]]
+        allreduce(self._peers, chunk)
+        chunk /= self._peers.Get_size()
+        counts = [bounds[k + 1] - bounds[k] for k in range(L)]
+        self.node_comm.Allgatherv(MPI.IN_PLACE, [flat.numpy(), counts, bounds[:L], MPI.FLOAT])
+        self.bytes_sent += flat.numel() * flat.element_size()    # its chunk out, the rest in
+        self.bytes_across += chunk.numel() * chunk.element_size()
 
     def _sync(self, f: int) -> None:
         params, delta = self.fragments[f], self._pending
@@ -269,3 +334,23 @@ def _fragments(module, fragments) -> list[list[torch.nn.Parameter]]:
     if any(not g for g in groups):
         raise ConfigError("diloco: a fragment has no trainable parameter")
     return groups
+
+
+def _node_peers(comm, node_comm):
+    """The communicator of local rank l of every node (collective over ``comm``); a job whose
+    nodes differ in size, or a node_comm that is not a partition of ``comm``, is a one-line
+    error on every rank."""
+    from ..runtime.ft import ulfm_enabled
+
+    sizes = comm.allgather((node_comm.Get_size(), node_comm.Get_rank()))
+    if len({s for s, _ in sizes}) != 1:
+        raise ConfigError(f"hierarchical DiLoCo needs nodes of equal size; the node sizes are "
+                          f"{sorted({s for s, _ in sizes})}")
+    L = sizes[0][0]
+    if comm.Get_size() % L or sum(r == 0 for _, r in sizes) != comm.Get_size() // L:
+        raise ConfigError("hierarchical DiLoCo: node_comm must split comm into its nodes")
+    if ulfm_enabled():
+        raise ConfigError("hierarchical DiLoCo (node_comm, --diloco-hierarchical) does not "
+                          "survive a death (its node groups are not rebuilt): run it without "
+                          "--with-ft ulfm (a death then ends the job; restart from a checkpoint)")
+    return comm.Split(node_comm.Get_rank(), comm.Get_rank())

@@ -68,7 +68,7 @@ class LocalSGD(DistributedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  period: int = DEFAULT_PERIOD, warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  average_buffers: bool = True):
-        self.check(period, warmup_steps)
+        self.check(period, warmup_steps, algorithm=self.algorithm)
         self.period, self.warmup_steps = period, warmup_steps
         self.averages = 0          # parameter averages taken
         self._equal_since = -1     # the step count after the last average
@@ -78,12 +78,13 @@ class LocalSGD(DistributedOptimizer):
         return self._reduce_gradients
 
     @staticmethod
-    def check(period, warmup_steps) -> None:
-        """One-line errors for a bad ``period`` / ``warmup_steps`` (None: the default)."""
+    def check(period, warmup_steps, *, algorithm: str = "localsgd") -> None:
+        """One-line errors for a bad ``period`` / ``warmup_steps`` (None: the default), naming
+        ``algorithm`` (SlowMo's and DiLoCo's periods are checked here too)."""
         for name, value, low in (("period", period, 1), ("warmup_steps", warmup_steps, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < low):
-                raise ConfigError(f"localsgd {name} must be an integer >= {low}, got {value!r}")
+                raise ConfigError(f"{algorithm} {name} must be an integer >= {low}, got {value!r}")
 
     # -- the step --------------------------------------------------------------------------------
     def _reduce_gradients(self, presence) -> None:

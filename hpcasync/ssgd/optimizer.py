@@ -179,7 +179,8 @@ class DistributedOptimizer(AlgorithmOptimizer):
         wire = self.flat.numel
         if self.sync_buffers:     # the buffers' bucket, last: BatchNorm statistics of this step
             self.flat.buffer_wire.copy_(self.flat.buffers)
-            allreduce(self.comm, self.flat.buffer_wire, average=True, compress=self.compress)
+            allreduce(self._step_comm(), self.flat.buffer_wire, average=True,
+                      compress=self.compress)
             self.flat.buffers.copy_(self.flat.buffer_wire)
             wire += self.flat.buffer_numel
         self.comm_time += time.perf_counter() - t0
@@ -188,6 +189,11 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self.bytes_sent += wire * (2 if self.compress else 4)
         self._passes.reset()
         self._synchronized = True
+
+    def _step_comm(self):
+        """The ranks whose buffers each step averages: all of ``comm`` (hierarchical DiLoCo:
+        the node's)."""
+        return self.comm
 
     def _release_unused(self) -> None:
         """``p.grad = None`` where no rank got a gradient (``flat.presence`` after the last

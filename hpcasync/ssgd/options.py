@@ -77,6 +77,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--diloco-alpha", type=float, default=None,
                        help="diloco: share of the rank's own parameters mixed into the outer "
                             "result (Streaming DiLoCo's alpha; default 0)")
+    group.add_argument("--diloco-hierarchical", action="store_const", const=True, default=None,
+                       help="diloco: the ranks of a node train one replica with synchronous SGD, "
+                            "DiLoCo runs across the nodes (--ranks-per-node sets virtual nodes; "
+                            "nodes of equal size; not under --with-ft ulfm)")
     join.add_arguments(group)
 
 
@@ -93,7 +97,8 @@ def validate_options(cfg) -> None:
                          ("slowmo", ("slowmo_period", "slowmo_momentum", "slowmo_lr")),
                          ("diloco", ("diloco_sync_every", "diloco_outer_lr",
                                      "diloco_outer_momentum", "diloco_fragments",
-                                     "diloco_sync_delay", "diloco_alpha"))):
+                                     "diloco_sync_delay", "diloco_alpha",
+                                     "diloco_hierarchical"))):
         if cfg.algorithm == owner:
             continue
         for name in names:

@@ -98,13 +98,13 @@ def slowmo(cfg, inner, model, comm, *, check_only: bool = False):
     beta = DEFAULT_MOMENTUM if o.get("slowmo_momentum") is None else o["slowmo_momentum"]
     alpha = DEFAULT_SLOW_LR if o.get("slowmo_lr") is None else o["slowmo_lr"]
     if check_only:
-        LocalSGD.check(period, 0)
+        LocalSGD.check(period, 0, algorithm="slowmo")
         check(beta, alpha)
         return None
     return SlowMo(inner, model, comm, period=period, slow_momentum=beta, slow_lr=alpha)
 
 
-def diloco(cfg, inner, model, comm, *, check_only: bool = False):
+def diloco(cfg, inner, model, comm, *, check_only: bool = False, topo=None):
     """The :class:`~hpcasync.ssgd.diloco.DiLoCo` of the ``--diloco-*`` options (its checks
     alone with ``check_only``: the options' one-line errors before the run)."""
     from .diloco import DEFAULT_SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM, DiLoCo, check
@@ -121,7 +121,9 @@ def diloco(cfg, inner, model, comm, *, check_only: bool = False):
         check(kw["sync_every"], kw["fragments"], kw["fragment_sync_delay"],
               kw["fragment_update_alpha"], outer)
         return None
-    return DiLoCo(inner, model, comm, **kw, outer_optimizer=lambda ps: torch_sgd(ps, *outer))
+    node = topo.local if o.get("diloco_hierarchical") else None
+    return DiLoCo(inner, model, comm, **kw, outer_optimizer=lambda ps: torch_sgd(ps, *outer),
+                  node_comm=node)
 
 
 def torch_sgd(params, lr: float, momentum: float):
@@ -143,6 +145,11 @@ def powersgd(cfg):
                     warm_start=o.get("powersgd_warm_start", True), seed=cfg.seed)
 
 
+def _across(opt) -> int:
+    """Bytes ``opt`` has sent between nodes (hierarchical DiLoCo: the outer syncs' only)."""
+    return getattr(opt, "bytes_across", getattr(opt, "bytes_sent", 0))
+
+
 def run(ctx: RunContext) -> RunResult:
     cfg, topo = ctx.cfg, ctx.topo
     model = ctx.make_model()
@@ -160,7 +167,7 @@ def run(ctx: RunContext) -> RunResult:
         mb = cfg.options.get("ssgd_bucket_mb")
         bucket = None if mb is None else max(4, int(mb * 2**20))
         if cfg.algorithm == "diloco":
-            opt = diloco(cfg, ctx.optimizer_for(model), flat, topo.world)
+            opt = diloco(cfg, ctx.optimizer_for(model), flat, topo.world, topo=topo)
         elif cfg.algorithm == "slowmo":
             opt = slowmo(cfg, ctx.optimizer_for(model), flat, topo.world)
         elif cfg.algorithm == "localsgd":
@@ -242,10 +249,10 @@ def run(ctx: RunContext) -> RunResult:
             epoch = cur.epoch
             if cur.in_epoch:
                 loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
-                sent = getattr(opt, "bytes_sent", 0)
+                sent = _across(opt)
                 opt.step()
                 link.block(wire_bytes if cfg.algorithm == "ssgd" and getattr(
-                    opt, "powersgd", None) is None else opt.bytes_sent - sent)
+                    opt, "powersgd", None) is None else _across(opt) - sent)
                 cur.step_done(loss.item())
                 rec.step_completed()
                 # (localsgd: only where the replicas are equal, so that rank 0's state is the

@@ -22,7 +22,7 @@ from torch import nn
 
 from hpcasync.errors import ConfigError
 from hpcasync.ssgd.diloco import DiLoCo
-from tests.mpi_util import COMM, RANK, SIZE
+from tests.mpi_util import COMM, RANK, SIZE, last_summary, run_mpi
 
 try:
     import torchft  # noqa: F401 (is it installed)
@@ -142,3 +142,71 @@ def test_bad_options_are_one_line_errors():
                      (dict(sync_every=9, fragments=9), "modules with parameters")):
         with pytest.raises(ConfigError, match=said):
             DiLoCo(sgd, model, COMM, **kw)
+
+
+@pytest.mark.skipif(SIZE != 4, reason="2 nodes of 2 ranks")
+def test_hierarchical_is_ssgd_inside_each_node_and_diloco_across_bitwise():
+    """4 ranks as 2 nodes of 2 (``node_comm``): every inner step averages the node's two
+    gradients (each halved, then summed), every H = 3 steps the outer Nesterov step takes the
+    mean over the two nodes of their pseudo-gradients. Replayed in one process for both nodes;
+    the node's ranks hold the same parameters after every step."""
+    from hpcasync.comm import FlatModel
+
+    node = COMM.Split(RANK // 2, RANK)
+    try:
+        model = _model()
+        opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), FlatModel(model),
+                     COMM, sync_every=3, outer_optimizer=_outer, node_comm=node)
+        replicas = [_model() for _ in range(2)]
+        inner = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in replicas]
+        theta = _model()
+        outer = _outer(list(theta.parameters()))
+        for step in range(9):
+            opt.zero_grad()
+            F.cross_entropy(model(*_batch(step, RANK)[:1]), _batch(step, RANK)[1]).backward()
+            opt.step()
+            for p, (m, o) in enumerate(zip(replicas, inner)):
+                grads = []
+                for r in (2 * p, 2 * p + 1):
+                    m.zero_grad()
+                    x, y = _batch(step, r)
+                    F.cross_entropy(m(x), y).backward()
+                    grads.append([q.grad / 2 for q in m.parameters()])
+                for q, a, b in zip(m.parameters(), *grads):
+                    q.grad = a + b
+                o.step()
+            if (step + 1) % 3 == 0:
+                for t, a, b in zip(theta.parameters(), *(m.parameters() for m in replicas)):
+                    t.grad = ((t.detach() - a.detach()) + (t.detach() - b.detach())) / 2
+                outer.step()
+                with torch.no_grad():
+                    for m in replicas:
+                        for q, t in zip(m.parameters(), theta.parameters()):
+                            q.copy_(t)
+            mine = [q.detach() for q in model.parameters()]
+            want = list(replicas[RANK // 2].parameters())
+            bad = [i for i, (a, b) in enumerate(zip(mine, want)) if not torch.equal(a, b)]
+            assert not bad, f"step {step}: parameters {bad} differ from the replay"
+        assert opt.syncs == 3 and opt.replicas_equal
+        with pytest.raises(ConfigError, match="does not survive a death"):
+            opt.set_comm(COMM)
+    finally:
+        node.Free()
+
+
+@pytest.mark.rank0
+def test_cli_hierarchical_on_two_virtual_nodes_learns_and_crosses_less(tmp_path):
+    """``--diloco-hierarchical --ranks-per-node 2``: the outer syncs carry half a model per rank
+    across the nodes (each local rank its chunk); the run learns (seeds 0, 1, 2 of this command:
+    49.0 66.7 69.0 %, flat DiLoCo beside it 64.3 67.7 69.7)."""
+    args = ["train", "--algorithm", "diloco", "--ranks-per-node", "2", "--diloco-sync-every",
+            "16", "--dataset", "fashion-mnist-mini", "--train-limit", "6000", "--test-limit",
+            "1000", "--model", "lenet", "--epochs", "2", "--batch-size", "32", "--momentum",
+            "0.9", "--progress", "off", "--seed", "1", "--diloco-hierarchical"]
+    r = run_mpi(4, [*args, "--metrics", str(tmp_path / "m.jsonl")], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = last_summary(tmp_path / "m.jsonl")
+    assert s["test_accuracy"] >= 0.6, s["test_accuracy"]
+    r = run_mpi(4, ["train", "--algorithm", "ssgd", "--diloco-hierarchical", "--dataset",
+                    "fashion-mnist-mini"], timeout=120)
+    assert r.returncode == 2 and "--diloco-hierarchical applies to diloco" in r.stderr

@@ -330,6 +330,34 @@ def test_distributed_optimizer_is_the_users_class_and_trains_like_horovod(backen
         assert torch.allclose(ours, _flat(theirs), atol=1e-5)
 
 
+def test_powersgd_through_the_facade_is_the_front_doors_bitwise(backends):
+    """``hvd.DistributedOptimizer(..., compress=hpcasync.PowerSGD(...))``: the front door's
+    SSGD with PowerSGD (Horovod has none), the same parameters after 6 steps (2 uncompressed)."""
+    import hpcasync
+
+    def power():
+        return hpcasync.PowerSGD(rank=1, start_iter=2, seed=3)
+
+    model, opt = _train(fh, steps=6, compress=power())
+    assert opt.algorithm == "ssgd" and opt.powersgd is not None
+    ref = _net()
+    ref_opt = hpcasync.optimizer("ssgd", ref, torch.optim.SGD(ref.parameters(), lr=0.1,
+                                                                momentum=0.9), compress=power())
+    for s in range(6):
+        ref_opt.zero_grad()
+        x, y = _batch(s)
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    ours = _flat(model)
+    assert torch.equal(ours, _flat(ref))
+    assert not torch.allclose(ours, _flat(_reference_train(steps=6)), atol=1e-6)  # compressed
+    from hpcasync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not take compression"):
+        fh.DistributedOptimizer(torch.optim.SGD(_net().parameters(), lr=0.1),
+                                compression=fh.Compression.fp16, compress=power())
+
+
 def test_overlap_on_and_off_are_bitwise_equal():
     on, _ = _train(fh, overlap=True, bucket_bytes=64)
     off, _ = _train(fh, overlap=False, bucket_bytes=64)
