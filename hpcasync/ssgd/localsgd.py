@@ -42,6 +42,7 @@ import torch
 
 from ..comm import allreduce
 from ..errors import ConfigError
+from ..runtime.ft import ulfm_enabled
 from .optimizer import DistributedOptimizer
 
 __all__ = ["LocalSGD"]
@@ -72,6 +73,7 @@ class LocalSGD(DistributedOptimizer):
         self.period, self.warmup_steps = period, warmup_steps
         self.averages = 0          # parameter averages taken
         self._equal_since = -1     # the step count after the last average
+        self._survivable = ulfm_enabled()    # a failed step can be redone (else the job ends)
         super().__init__(optimizer, model, comm, average_buffers=average_buffers, overlap=False)
 
     def _whole_reduction(self):
@@ -128,8 +130,9 @@ class LocalSGD(DistributedOptimizer):
     @contextlib.contextmanager
     def _undone_on_failure(self, communicates: bool):
         """Inside, a step that communicates after the optimizer's step: on an exception the
-        state before it comes back (a copy of it, taken only for such steps), then re-raise."""
-        if not communicates:
+        state before it comes back (a copy of it, taken only for such steps and only under ULFM,
+        where a death is survived and the step redone), then re-raise."""
+        if not (communicates and self._survivable):
             yield
             return
         saved = (self.flat.params.clone(), self.flat.buffers.clone(),
