@@ -77,9 +77,9 @@ def validate(cfg) -> None:
     (built on a 1-element θ), the heterogeneity options."""
     opt = cfg.options
     validate_options(cfg)
-    build_rule(cfg, torch.zeros(1), 1)
+    probe = build_rule(cfg, torch.zeros(1), 1)
     simulated = "workers" in opt            # (hpcasync sim's config: its --workers)
-    if (opt.get("ringmaster_stop") or opt.get("rennala_stop")) and not simulated:
+    if getattr(probe, "stop_stale", False) and not simulated:      # (ParameterServer's check)
         raise ConfigError(STOP_IN_SIM_ONLY)
     check_hetero(opt)
     join.validate(cfg)

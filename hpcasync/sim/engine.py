@@ -146,8 +146,8 @@ class AsyncSim:
         return self.stats
 
     def _stop_stale(self, now, pusher, steps, draws, runs, local, version, heap, total) -> None:
-        """Ringmaster's stopping variant: every computation whose delay has reached R at ``now``
-        is dropped and starts again at θ (a new duration; the batch is not used)."""
+        """Every computation the rule calls stale at ``now`` (``is_stale`` of the version it
+        started at) is stopped and starts again at θ (a new duration; the batch is not used)."""
         rule = self.rule
         for u in range(self.W):
             if u != pusher and steps[u] < total and rule.is_stale(version[u]):

@@ -46,10 +46,10 @@ import copy
 
 import torch
 
-from ..comm import allreduce
+from ..comm import allreduce, mpi_buffer
+from ..comm.shm import partition
 from ..errors import ConfigError
 from .localsgd import LocalSGD
-from .optimizer import DistributedOptimizer
 
 __all__ = ["DiLoCo"]
 
@@ -161,24 +161,10 @@ class DiLoCo(LocalSGD):
         self._pending = None if d["pending"] is None else [t.clone() for t in d["pending"]]
 
     # -- hierarchical: SSGD inside the node --------------------------------------------------
-    def synchronize(self) -> None:
-        if self.node_comm is None:
-            return super().synchronize()
-        return DistributedOptimizer.synchronize(self)    # the node's average, every step
-
-    def _note_local_clip(self) -> None:
-        if self.node_comm is not None:
-            DistributedOptimizer._note_local_clip(self)
-
-    def _reduce_gradients(self, presence) -> None:
-        if self.node_comm is None:
-            return super()._reduce_gradients(presence)
-        span = self.flat.presence_and_grads[:self.flat.presence.numel() + self.flat.numel]
-        span.div_(self.node_comm.Get_size())
-        allreduce(self.node_comm, span)
-
     def _step_comm(self):
-        return self.comm if self.node_comm is None else self.node_comm
+        """Hierarchical: every inner step averages the gradients and buffers over the node (the
+        local phase of LocalSGD, otherwise)."""
+        return super()._step_comm() if self.node_comm is None else self.node_comm
 
     def set_comm(self, comm) -> None:
         if self.node_comm is not None:
@@ -209,13 +195,17 @@ class DiLoCo(LocalSGD):
         rank l averages chunk l with its peers of the other nodes; the node gathers the chunks."""
         from mpi4py import MPI
 
-        L, l = self.node_comm.Get_size(), self.node_comm.Get_rank()
-        bounds = [flat.numel() * k // L for k in range(L + 1)]
-        chunk = flat[bounds[l]:bounds[l + 1]]
+        bounds = partition(flat.numel(), self.node_comm.Get_size())
+        lo, hi = bounds[self.node_comm.Get_rank()]
+        chunk = flat[lo:hi]
         allreduce(self._peers, chunk)
         chunk /= self._peers.Get_size()
-        counts = [bounds[k + 1] - bounds[k] for k in range(L)]
-        self.node_comm.Allgatherv(MPI.IN_PLACE, [flat.numpy(), counts, bounds[:L], MPI.FLOAT])
+        host = flat.cpu()                          # (flat itself on the CPU)
+        buf, dtype = mpi_buffer(host)
+        self.node_comm.Allgatherv(MPI.IN_PLACE, [buf, [b - a for a, b in bounds],
+                                                 [a for a, _ in bounds], dtype])
+        if host is not flat:
+            flat.copy_(host)
         self.bytes_sent += flat.numel() * flat.element_size()    # its chunk out, the rest in
         self.bytes_across += chunk.numel() * chunk.element_size()
 

@@ -89,19 +89,25 @@ class LocalSGD(DistributedOptimizer):
                 raise ConfigError(f"{algorithm} {name} must be an integer >= {low}, got {value!r}")
 
     # -- the step --------------------------------------------------------------------------------
+    def _step_comm(self):
+        """The warm-up averages every step over ``comm``; after it nothing (None)."""
+        return self.comm if self.steps < self.warmup_steps else None
+
     def _reduce_gradients(self, presence) -> None:
-        """During the warm-up, the gradients (with the "used by some rank" flags in front)
-        divided by N, then summed; after it, nothing: each rank keeps its own."""
-        if self.steps >= self.warmup_steps:
+        """Over :meth:`_step_comm` (the warm-up's: all ranks), the gradients (with the "used by
+        some rank" flags in front) divided by its size, then summed; with None, nothing: each
+        rank keeps its own."""
+        comm = self._step_comm()
+        if comm is None:
             return
         span = self.flat.presence_and_grads[:self.flat.presence.numel() + self.flat.numel]
-        span.div_(self.comm.Get_size())
-        allreduce(self.comm, span)
+        span.div_(comm.Get_size())
+        allreduce(comm, span)
 
     def synchronize(self) -> None:
-        """The warm-up's: SSGD's. After it: local, nothing crosses the wire (each rank's own
-        gradients; one no rank of its own got stays None)."""
-        if self.steps < self.warmup_steps:
+        """SSGD's over :meth:`_step_comm` (the warm-up's). Without one: local, nothing crosses
+        the wire (each rank's own gradients; one no rank of its own got stays None)."""
+        if self._step_comm() is not None:
             return super().synchronize()
         self._check_bound()
         self.reducer.finish()
@@ -111,7 +117,7 @@ class LocalSGD(DistributedOptimizer):
         self._synchronized = True
 
     def _note_local_clip(self) -> None:
-        if self.steps < self.warmup_steps:      # (after it a clip acts on the gradient stepped)
+        if self._step_comm() is not None:     # (a local step's clip acts on the gradient stepped)
             super()._note_local_clip()
 
     def step(self, closure=None):

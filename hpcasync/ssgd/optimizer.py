@@ -191,8 +191,9 @@ class DistributedOptimizer(AlgorithmOptimizer):
         self._synchronized = True
 
     def _step_comm(self):
-        """The ranks whose buffers each step averages: all of ``comm`` (hierarchical DiLoCo:
-        the node's)."""
+        """The ranks each step averages the buffers over: all of ``comm``. LocalSGD's family
+        also averages its gradients over it, and None there is a local step (hierarchical
+        DiLoCo: the node's ranks)."""
         return self.comm
 
     def _release_unused(self) -> None:
