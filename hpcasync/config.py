@@ -61,6 +61,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     metrics: str | None = None           # JSONL path (rank 0 writes)
+    tensorboard: str | None = None       # TensorBoard directory: the stream's numbers (same writer)
     ranks_per_node: int | None = None
     device: str = "auto"
     ps_rank: int = 0
@@ -127,6 +128,12 @@ class TrainConfig:
                 raise ConfigError(f"--metrics {self.metrics}: directory {parent} does not exist")
             if not os.access(parent, os.W_OK):
                 raise ConfigError(f"--metrics {self.metrics}: directory {parent} is not writable")
+        if self.tensorboard is not None:
+            if Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
+                raise ConfigError(f"--tensorboard {self.tensorboard} is not a directory")
+            from .metrics import require_tensorboard
+
+            require_tensorboard("--tensorboard")
         if self.backend == "horovod" and self.algorithm not in registry.horovod_names():
             raise ConfigError(f"--backend horovod applies to {' and '.join(registry.horovod_names())}, "
                               f"not {self.algorithm}")

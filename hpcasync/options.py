@@ -54,6 +54,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default=None, help="JSONL metrics file (rank 0 writes it)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics' numbers as TensorBoard scalars to DIR "
+                        "(needs pip install hpcasync[tensorboard])")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="group the ranks of each machine into virtual nodes of K ranks "
                         "(also HPCASYNC_RANKS_PER_NODE)")

@@ -82,17 +82,21 @@ _STARTUP_EVENTS = frozenset({"config", "resume"})
 
 
 def discard_startup_stream(metrics: MetricsWriter) -> None:
-    """Close ``metrics`` unfinished and delete its ``.partial`` file if it holds only start-up
-    records (the run failed on its input before doing anything)."""
+    """Close ``metrics`` unfinished and delete its ``.partial`` file and its TensorBoard event
+    file if they hold only start-up records (the run failed on its input before doing anything)."""
     if not metrics.enabled:
         return
     metrics.close(complete=False)
     try:
-        events = {r.get("event") for r in read_metrics(metrics.partial)}
+        events = (set(metrics.counts) if metrics.path is None
+                  else {r.get("event") for r in read_metrics(metrics.partial)})
     except (OSError, ValueError):
         return
     if events <= _STARTUP_EVENTS:
-        metrics.partial.unlink(missing_ok=True)
+        if metrics.path is not None:
+            metrics.partial.unlink(missing_ok=True)
+        if metrics.tb_file is not None:
+            metrics.tb_file.unlink(missing_ok=True)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -148,7 +152,7 @@ def train(cfg: TrainConfig) -> dict:
         return build_model(cfg.model, train_set.input_shape, train_set.num_classes).to(topo.device)
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
-    metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report)
+    metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report, tensorboard=cfg.tensorboard)
     checkpoints = CheckpointManager(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
                      metrics=metrics, progress=Progress(progress_on and topo.rank == report),

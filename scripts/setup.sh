@@ -59,6 +59,12 @@ if ! has torchft; then
     has torchft || say "torchft could not be installed: tests/mpi/test_diloco.py skips (fails under CI)"
 fi
 
+# mkdocs + mkdocstrings: the documentation site (scripts/docs.sh; tests/unit/test_docs.py builds it)
+if ! "$venv/bin/python" -c "import mkdocs, mkdocstrings_handlers.python" 2>/dev/null; then
+    say "installing mkdocs and mkdocstrings (the documentation site)"
+    "${pip[@]}" "mkdocs>=1.6,<2" "mkdocstrings-python>=1.10" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         say "installing Debian's dataset-fashion-mnist"

@@ -91,7 +91,7 @@ def _follow(ctx, world, new) -> tuple:
 def _become_reporter(ctx, rank: int) -> None:
     """The new server (rank ``rank`` of the original world) writes the metrics and the log."""
     m = ctx.metrics
-    if not m.enabled and getattr(m, "path", None) is not None:
+    if not m.enabled and getattr(m, "requested", False):
         m.reopen_append()
     from ..runtime.logs import setup_logging
 

@@ -191,7 +191,7 @@ class SyncRecovery:
         """The metrics stream and the INFO log live on rank 0; if the old rank 0 died, the new
         one appends to the stream (same file system, as the checkpoints' directory)."""
         m = self.ctx.metrics
-        if self.ctx.topo.rank != 0 or m.enabled or getattr(m, "path", None) is None:
+        if self.ctx.topo.rank != 0 or m.enabled or not getattr(m, "requested", False):
             return
         m.reopen_append()
         from .logs import setup_logging

@@ -112,7 +112,7 @@ def simulate(cfg) -> dict:
         return build_model(cfg.model, train_set.input_shape, train_set.num_classes)
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
-    metrics = MetricsWriter(cfg.metrics)
+    metrics = MetricsWriter(cfg.metrics, tensorboard=cfg.tensorboard)
     topo = SimpleNamespace(rank=0, size=1, device="cpu", world=_LocalComm(), ps_rank=cfg.ps_rank)
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
                      metrics=metrics, progress=Progress(progress_on))
