@@ -450,8 +450,10 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     """Write an atomic, checksummed checkpoint of ``model`` and ``optimizer`` (plus ``extra``) to
     ``directory`` (the CLI's format; the newest ``keep`` are kept). Call it on every rank.
 
-    Synchronous algorithms (replicas identical): rank 0 writes, then every rank waits for the
-    file. A parameter-server algorithm (:mod:`hpcasync.ps.loop_checkpoint`): a worker's call (at
+    Synchronous algorithms: rank 0 writes, then every rank waits for the file; what each rank
+    holds of its own (local SGD, SlowMo and DiLoCo: the optimizer's state, and between two
+    averages the replica; PowerSGD: the error memory) is gathered into it, and
+    :func:`load_checkpoint` gives each rank its own back (a job of the same size). A parameter-server algorithm (:mod:`hpcasync.ps.loop_checkpoint`): a worker's call (at
     the end of its epoch, as a synchronous loop would) asks the server for the checkpoint
     ``(epoch, step)`` and trains on at once; the server, inside ``serve()``, writes one file when
     every worker has asked for that label or finished: θ, the rule's state, the server's clock
@@ -478,18 +480,22 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
             optimizer.checkpoints.request(directory, epoch=epoch, step=step, keep=keep,
                                           extra=extra, header=header)
         return None
-    if not getattr(optimizer, "replicas_equal", True):     # every rank raises alike
-        when = {"localsgd": ("between two averages", "opt.average_parameters()")}.get(
-            algorithm, ("inside a cycling epoch", "opt.epoch_end(...)"))
-        raise ConfigError(f"hpcasync.save_checkpoint of {algorithm} {when[0]}: the replicas "
-                          f"differ there and a checkpoint holds rank 0's state; save after "
-                          f"{when[1]} (a commit of hpcasync.elastic.State keeps each rank's "
-                          "own state at any step)")
+    local = getattr(optimizer, "local_state_dict", None)      # each rank's own part, if any
+    if not getattr(optimizer, "replicas_equal", True) and local is None:   # every rank alike
+        raise ConfigError(f"hpcasync.save_checkpoint of {algorithm} inside a cycling epoch: the "
+                          "replicas differ there and a checkpoint holds rank 0's state; save "
+                          "after opt.epoch_end(...) (a commit of hpcasync.elastic.State keeps "
+                          "each rank's own state at any step)")
+    parts = None
+    if local is not None and comm is not None:
+        parts = comm.gather(local(), root=0)
     writer = comm is None or comm.Get_rank() == 0
     path = None
     if writer:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "epoch": epoch, "step": step, "extra": extra}
+        if parts is not None and any(x is not None for x in parts):
+            state["per_rank"] = parts           # local SGD's replicas, PowerSGD's error memory
         path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
                                                             **header)
     if comm is not None:
@@ -543,7 +549,24 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     if ps:
         return optimizer.checkpoints.restore(state)
     optimizer.load_state_dict(state["optimizer"])
+    _load_own(optimizer, state.get("per_rank"))
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
+
+
+def _load_own(optimizer, parts: list | None) -> None:
+    """This rank's own part of a checkpoint (``per_rank``, written by :func:`save_checkpoint` and
+    the CLI): loaded when the checkpoint was written by as many ranks; else each rank goes on from
+    rank 0's state, which the log says (not a bitwise replay)."""
+    if parts is None or not hasattr(optimizer, "load_local_state_dict"):
+        return
+    comm = getattr(optimizer, "comm", None)
+    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+    if len(parts) == size:
+        optimizer.load_local_state_dict(parts[rank])
+    elif rank == 0:
+        log.warning("hpcasync.load_checkpoint: the checkpoint holds the own state of %d ranks "
+                    "(optimizer state, local SGD's replicas, PowerSGD's error memory), this job "
+                    "has %d: every rank goes on from rank 0's", len(parts), size)
 
 
 def _is_root(optimizer, ps: bool) -> bool:

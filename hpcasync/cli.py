@@ -38,7 +38,7 @@ BENCHMARKS = {
 def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     """The ``hpcasync`` parser. ``benchmarks=False`` leaves the benchmarks' own options out (their
     modules import torch and the families; a command line that is not ``bench`` never needs them,
-    and a bad option is then said in ~0.2 s instead of after torch's import)."""
+    and a bad option is then said at once instead of after torch's import)."""
     parser = _Parser(prog="hpcasync", description="Synchronous, asynchronous and hierarchical "
                      "data-parallel training on MPI.")
     parser.add_argument("--version", action="version", version=f"hpcasync {__version__}")
@@ -222,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_and_exit(argv: list[str] | None = None) -> None:
     """``main``, then the process's exit without the interpreter's teardown.
 
-    Python's exit after torch (and torch._dynamo, which ``torch.optim`` imports) spends ~0.9 s of
-    CPU per process deallocating modules, for nothing: every rank of every job paid it (a 4-rank
-    training job: 13.5 -> 11.1 CPU-s). Everything an exit must do is done first, in the
-    interpreter's order: non-daemon threads joined (``threading._shutdown``), every ``atexit``
-    handler run (the metrics stream, hpcasync's MPI_Finalize, logging, temp files), stdout and
-    stderr flushed; then ``os._exit`` with main's status (SystemExit's too: argparse's 2, a
-    preempted run's 75). Any other exception takes Python's normal way out (its traceback, 1),
-    and so does every exit under MPICH (:func:`_mpich_loaded`)."""
+    Python's exit after torch (and torch._dynamo, which ``torch.optim`` imports) spends close to
+    a second of CPU per process deallocating modules, for nothing, on every rank of every job
+    (figures: docs/design/restarts.md#notes-from-the-code-clipy). Everything an exit must do is
+    done first, in the interpreter's order: non-daemon threads joined (``threading._shutdown``),
+    every ``atexit`` handler run (the metrics stream, hpcasync's MPI_Finalize, logging, temp
+    files), stdout and stderr flushed; then ``os._exit`` with main's status (SystemExit's too:
+    argparse's 2, a preempted run's 75). Any other exception takes Python's normal way out (its
+    traceback, 1), and so does every exit under MPICH (:func:`_mpich_loaded`)."""
     import atexit
     import os
     import threading
@@ -244,9 +244,9 @@ def run_and_exit(argv: list[str] | None = None) -> None:
         print(code, file=sys.stderr)
         code = 1
     if _mpich_loaded():
-        # under MPICH (hydra) the normal exit: with this one, 2 of ~300 MPICH runs in one CI
-        # pass ended with status 9 after their last line (cause not found; not reproduced in
-        # 10 reruns of those runs under load)
+        # under MPICH (hydra) the normal exit: there the os._exit below can end a finished run
+        # with status 9 after its last line (cause unknown; docs/design/restarts.md, "Notes
+        # from the code: cli.py")
         sys.exit(code)
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:

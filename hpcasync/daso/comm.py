@@ -131,6 +131,7 @@ class DasoComm:
     Counters (seconds / bytes on this rank): ``global_wait_s`` (completing sends, emulated delay
     included), ``blocking_global_s`` (blocking global averages), ``local_s`` (node-local averages
     and broadcasts), ``global_bytes`` (wire bytes this rank put on global communicators),
+    ``local_bytes`` (bytes this rank handed to node-local averages, and broadcasts it rooted),
     ``sends``.
     """
 
@@ -166,11 +167,12 @@ class DasoComm:
 
     def reset_counters(self) -> None:
         self.global_wait_s = self.blocking_global_s = self.local_s = 0.0
-        self.global_bytes = self.sends = 0
+        self.global_bytes = self.local_bytes = self.sends = 0
 
     def counters(self) -> dict:
         return {"global_wait_s": self.global_wait_s, "blocking_global_s": self.blocking_global_s,
-                "local_s": self.local_s, "global_bytes": self.global_bytes, "sends": self.sends}
+                "local_s": self.local_s, "global_bytes": self.global_bytes,
+                "local_bytes": self.local_bytes, "sends": self.sends}
 
     # -- node-local ---------------------------------------------------------------------------
     def local_average(self, grads: torch.Tensor) -> None:
@@ -183,6 +185,7 @@ class DasoComm:
         else:
             allreduce(self.topo.local, grads, average=True)
         self.local_s += time.perf_counter() - t0
+        self.local_bytes += grads.numel() * grads.element_size()
 
     def node_broadcast(self, state: torch.Tensor, root: int) -> None:
         """Overwrite ``state`` on every rank of the node with local rank ``root``'s."""
@@ -191,6 +194,8 @@ class DasoComm:
         t0 = time.perf_counter()
         broadcast(self.topo.local, state, root=root)
         self.local_s += time.perf_counter() - t0
+        if self.topo.local_rank == root:
+            self.local_bytes += state.numel() * state.element_size()
 
     # -- global -------------------------------------------------------------------------------
     def global_average(self, tensor: torch.Tensor) -> None:

@@ -321,7 +321,8 @@ class DASO(AlgorithmOptimizer):
         ran with), ``daso_plateau``, ``daso_epoch``/``daso_batches`` (the schedule's count of the
         epoch closed and of its batches), and this rank's seconds waiting on global messages
         (``daso_global_wait_s``), in blocking global averages (``daso_blocking_global_s``), in
-        node-local communication (``daso_local_s``), ``daso_global_bytes`` and ``daso_sends``.
+        node-local communication (``daso_local_s``), ``daso_global_bytes``, ``daso_local_bytes``
+        and ``daso_sends``.
         """
         if self.inflight:
             raise RuntimeError(f"DASO: {len(self.inflight)} global message(s) still in flight "

@@ -216,7 +216,7 @@ def run(ctx: RunContext) -> RunResult:
                     # epoch end's last collective from messages already there while the others
                     # failed it must find the world revoked here; in the epoch's first step it
                     # would wait on a node-level duplicate, which Open MPI 5.0 does not wake on
-                    # a revoke (docs/design/recovery.md; that hang: 2 runs in 14)
+                    # a revoke (docs/design/recovery.md, "the rank-0-late hang")
                     topo.world.Barrier()
             epoch = cur.epoch
             if cur.in_epoch:
@@ -271,7 +271,8 @@ def run(ctx: RunContext) -> RunResult:
     return RunResult(model=model, summary={**summary, **rec.summary(), **growth.summary()})
 
 
-TOTALS = ("daso_global_wait_s", "daso_blocking_global_s", "daso_global_bytes")
+TOTALS = ("daso_global_wait_s", "daso_blocking_global_s", "daso_global_bytes",
+          "daso_local_bytes")
 
 
 def _saved(ctx, epoch: int, step: int) -> bool:
@@ -286,7 +287,7 @@ def _saved(ctx, epoch: int, step: int) -> bool:
 def _final(opt, topo, cfg, rows, counters, delay) -> dict:
     """The summary's collective part (checksums: replicas must be bitwise identical)."""
     schedule = [rows[e] for e in sorted(rows)]
-    totals = {key: sum(c[key] for c in counters.values()) for key in TOTALS}
+    totals = {key: sum(c.get(key, 0) for c in counters.values()) for key in TOTALS}
     checksum = opt.checksum()
     checksums = topo.world.allgather(checksum)
     identical = len(set(checksums)) == 1
@@ -299,4 +300,7 @@ def _final(opt, topo, cfg, rows, counters, delay) -> dict:
             "daso_global_wait_s": round(totals["daso_global_wait_s"], 4),
             "daso_blocking_global_s": round(totals["daso_blocking_global_s"], 4),
             "bytes_communicated_global": topo.world.allreduce(totals["daso_global_bytes"]),
+            # what every rank handed to MPI, node-local included (as SSGD's bytes_communicated)
+            "bytes_communicated": topo.world.allreduce(totals["daso_global_bytes"]
+                                                       + totals["daso_local_bytes"]),
             **delay.record(), "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}

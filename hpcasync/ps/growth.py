@@ -15,7 +15,7 @@ while the replacement starts (its Python, torch and data: seconds). Then:
   workers' BatchNorm buffers. The joiner starts at the dead worker's position (its pushes that
   the server answered) from θ; SHAT's and ENSEMBLE's survivors keep their local models, the
   joiner's starts from θ (the dead worker's died with it).
-* **the server died**: the survivors run today's takeover (:mod:`.takeover`: a worker serves),
+* **the server died**: the survivors run the takeover (:mod:`.takeover`: a worker serves),
   then the new server spawns the replacement, which joins as a worker in the dead server's
   place; every worker resumes at the takeover's share of its budget.
 

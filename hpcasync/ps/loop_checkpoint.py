@@ -7,9 +7,9 @@ writes ONE file when every worker has asked for that label or has finished. Noth
 How a request travels: the worker sends it (a synchronous send, completed later) and counts it in
 every header it sends after (``wire``: the push header's request count). The server receives a
 worker's requests from that worker alone, when a header says more were sent than it took: no probe
-of any source (under ULFM, Open MPI 5.0.11, probing beside the server's receive from any worker
-left that receive failing with MPI_ERR_PROC_FAILED_PENDING after a worker's death was
-acknowledged, and the job hung). The worker's FINISH header counts its last requests.
+of any source (under ULFM, Open MPI 5.0.11, an operation on any source can go on failing with
+MPI_ERR_PROC_FAILED_PENDING after a worker's death was acknowledged, and the server would hang:
+docs/design/ps.md#loop-checkpoints). The worker's FINISH header counts its last requests.
 
 Example (every rank)::
 

@@ -215,13 +215,17 @@ class RunContext:
         return state
 
     def consistent_point(self, comm, make_state, *, epoch: int, step: int, writer: bool,
-                         force: bool = False) -> None:
+                         force: bool = False, local_state=None) -> None:
         """Call at a point where ``make_state()`` describes the whole job (every rank of ``comm``).
 
         Every ``check_every`` steps the ranks agree (one allreduce) whether a preemption signal has
         arrived anywhere. A checkpoint is written by the ``writer`` rank when a stop was agreed, at
         every ``checkpoint_every`` steps, or when ``force`` (epoch ends). After an agreed stop every
         rank raises :class:`Preempted`, which the driver turns into exit status 75.
+
+        ``local_state``: a function giving what each rank holds of its own (the optimizer's
+        ``local_state_dict``); when it gives anything, the checkpoint keeps every rank's under
+        ``per_rank`` (gathered to rank 0 of ``comm``, which must then be the writer).
         """
         stop = False
         if force:
@@ -231,8 +235,13 @@ class RunContext:
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):
             inject.point("checkpoint")
+            parts = None
+            if local_state is not None:
+                parts = comm.gather(local_state(), root=0)
             if writer:
                 state = make_state()
+                if parts is not None and any(x is not None for x in parts):
+                    state = {**state, "per_rank": parts}
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
                                               "(checkpoint not written)")
                 state = {**state, "divergence": self.divergence.state_dict()}

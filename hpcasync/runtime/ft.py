@@ -17,12 +17,12 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
     collectives run on the shrunk communicator. ``MPI_Win_free`` is collective over the window's
     whole group, so the RMA windows are freed only when nobody died, and are otherwise left to
     ``MPI_Finalize``. ``topology.ulfm_open_mpi_defaults`` skips the job-wide PMIx fence in
-    ``MPI_Finalize``, which after a death hung in about 1 run of 4 (3 of 12 measured; 0 of 15
-    without it).
+    ``MPI_Finalize``, which after a death can leave the survivors there for good (figures:
+    docs/design/ps.md#notes-from-the-code-runtimeftpy).
 ``none``
     Without ``--with-ft`` Open MPI's launcher (prterun) ends the whole job when one process dies.
-    Measured with Open MPI 5.0.11: every survivor gets SIGCONT, SIGTERM 0.25 s later, SIGKILL about
-    0.25 s after that; mpirun exits with a non-zero status (137 for a SIGKILLed rank). The PS writes
+    With Open MPI 5.0.11 every survivor gets SIGCONT, SIGTERM 0.25 s later, SIGKILL about 0.25 s
+    after that; mpirun exits with a non-zero status (137 for a SIGKILLed rank). The PS writes
     a checkpoint the moment it sees SIGTERM (:class:`SigtermCheckpoint`; the PS state between two
     pushes is a consistent point, and a write takes milliseconds) and logs the command that resumes
     the run, which retrains the dead worker's remaining batches. If the PS is busy for the whole
@@ -32,9 +32,9 @@ Two modes (:func:`ulfm_enabled`; logged at the start, ``fault_tolerance`` in the
 ``none`` under MPICH (and the MPIs derived from it)
     ULFM is Open-MPI-only here (:func:`check_ft_request`: ``OMPI_MCA_mpi_ft_enable=1`` under
     another MPI is a one-line ConfigError; hydra itself rejects ``--with-ft``). MPICH's launcher
-    (hydra 5.0.2, measured) SIGKILLs every survivor at once when one process dies ("BAD
-    TERMINATION"): no SIGTERM comes first, so no checkpoint is written at the death; the resume
-    point is the last epoch or ``--checkpoint-every`` checkpoint (``--resume auto`` finds it).
+    (hydra 5.0.2) SIGKILLs every survivor at once when one process dies ("BAD TERMINATION"): no
+    SIGTERM comes first, so no checkpoint is written at the death; the resume point is the last
+    epoch or ``--checkpoint-every`` checkpoint (``--resume auto`` finds it).
 
 The PS's own death (ULFM): the workers get ``MPI_ERR_PROC_FAILED``, agree on a new server among
 themselves (the freshest θ; with ``--ps-ranks K > 1`` the surviving servers join and a dead

@@ -2,7 +2,7 @@
 spawn replacement ranks that join the running job, so the run returns to full size without a
 restart (ULFM, Open MPI).
 
-Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains on. With
+Recovery alone (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains on. With
 ``--grow-back`` (``--max-ranks N``, default the starting size) the survivors then:
 
 1. **spawn** ``N - survivors`` processes running this very command (``MPI_Comm_spawn`` of
@@ -29,9 +29,9 @@ Today's recovery (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains
 Spawn failure (no free slot, a launcher that cannot spawn): every survivor gets the error; the
 run goes on shrunk with one warning line (the shrink-only behaviour, as without ``--grow-back``),
 unless fewer than ``--min-ranks`` remain, which ends the job with one line
-(:class:`~hpcasync.errors.ProcessFailedError`). Open MPI's launcher (prterun 5.0.11, measured)
-records the failed spawn and exits with status 213 after every rank finished with 0: the
-metrics stream is complete (``summary``), the warning line says so. A joiner that never reaches the merge (it died
+(:class:`~hpcasync.errors.ProcessFailedError`). Open MPI's launcher (prterun 5.0.11) records
+the failed spawn and exits with status 213 after every rank finished with 0: the metrics stream
+is complete (``summary``), the warning line says so. A joiner that never reaches the merge (it died
 while starting) would leave the survivors in ``MPI_Intercomm_merge``: after
 ``HPCASYNC_JOIN_TIMEOUT`` seconds (default 300) a watchdog ends the job with one line; a death
 once the spawn has returned (in the merge) ends it after ``HPCASYNC_JOIN_CONNECT_TIMEOUT``
@@ -432,9 +432,9 @@ def connect(world, spawner: int, groups: list | None, order: Callable[[int], dic
     (``{"keys", "survivor_keys", ...}``, computed on rank 0 of ``world``; every process gets it)
     and split. Returns ``(grown world, order)``.
 
-    (``MPI_Intercomm_create`` through the spawner does not do: with Open MPI 5.0.11 a rank of
-    the world and a joiner that never met hang in their first message — measured, a bcast over
-    the merged world; connect/accept wires every pair.)"""
+    (Not ``MPI_Intercomm_create`` through the spawner: with Open MPI 5.0.11 a rank of the world
+    and a joiner that never met hang in their first message; connect/accept wires every pair.
+    Design: docs/design/growth.md#the-parameter-server, "Why connect/accept".)"""
     from mpi4py import MPI
 
     me = world.Get_rank()
@@ -474,7 +474,7 @@ def _bridge_joiner(sj, msg: dict):
     index, n, leader = msg["index"], msg["groups"], msg["leader"]
     try:
         inter = MPI.COMM_WORLD.Connect(msg["port"], root=0)
-    except MPI.Exception as exc:    # (measured: a survivor killed before its accept)
+    except MPI.Exception as exc:    # (a survivor died before its accept)
         raise JoinError(f"grow-back: this replacement could not connect to the survivors "
                         f"({exc.Get_error_string()}): one of them died during the grow") from None
     grown = inter.Merge(high=True)
@@ -590,10 +590,8 @@ def release(topo) -> None:
     over the final world (after ``topo.free()``). ``MPI_Finalize`` disconnects every dynamic
     communicator (one spanning spawned jobs) still allocated, a handshake with each member; a
     survivor whose older communicators hold dead ranks leaves that handshake early, and a joiner
-    then waited in ``MPI_Finalize`` for good (Open MPI 5.0.11, measured in the reproduction of
-    docs/design/growth.md: 4 hangs in 4 runs with nothing freed, none in 3 with every
-    communicator freed; here the final world is enough: the two-death test of
-    tests/mpi/reliability/test_join.py hung without this call and passes with it)."""
+    then waits in ``MPI_Finalize`` for good (Open MPI 5.0.11). Freeing the final world is enough
+    (figures: docs/design/growth.md, "Feasibility and a finalize hang")."""
     if not _joined:
         return
     for comm in (topo.world,):

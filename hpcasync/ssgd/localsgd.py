@@ -20,8 +20,9 @@ Where it differs:
   gradients during the warm-up (DDP instead broadcasts rank 0's buffers before every forward);
 - :meth:`LocalSGD.average_parameters` averages the replicas at any step (the CLI calls it at
   each epoch's end, so that every rank evaluates, checkpoints and ends with the same model);
-- :attr:`LocalSGD.replicas_equal` says whether the replicas are equal now: a checkpoint of rank
-  0's state (``hpcasync.save_checkpoint``) between two averages is a one-line error, as DASO's.
+- :attr:`LocalSGD.replicas_equal` says whether the replicas are equal now; between two
+  averages :meth:`LocalSGD.local_state_dict` holds each rank's replica, which checkpoints keep
+  for every rank (``hpcasync.save_checkpoint``, the CLI's).
 
 Example (a user's own loop)::
 
@@ -189,6 +190,27 @@ class LocalSGD(DistributedOptimizer):
         """The end of training: one model on every rank (:meth:`average_parameters`), as the
         other algorithms' ``finish()`` leaves every rank with the final model."""
         self.average_parameters()
+
+    own_optimizer_state = True
+
+    def local_state_dict(self) -> dict | None:
+        """This rank's own state: its optimizer's, and between two averages (the replicas
+        differ) its parameters and floating buffers too, so that a checkpoint at any step keeps
+        every replica (the CLI's and ``hpcasync.save_checkpoint``'s ``per_rank``)."""
+        out = super().local_state_dict() or {}
+        if not self.replicas_equal:
+            out["params"] = self.flat.params.detach().clone()
+            if self.flat.buffers.numel():
+                out["buffers"] = self.flat.buffers.detach().clone()
+        return out or None
+
+    def load_local_state_dict(self, local: dict | None) -> None:
+        super().load_local_state_dict(local)
+        if local and "params" in local:
+            with torch.no_grad():
+                self.flat.params.copy_(local["params"])
+                if "buffers" in local:
+                    self.flat.buffers.copy_(local["buffers"])
 
     @property
     def replicas_equal(self) -> bool:

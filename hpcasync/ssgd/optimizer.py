@@ -292,6 +292,35 @@ class DistributedOptimizer(AlgorithmOptimizer):
         if self.flat.buffers.numel():
             allreduce(self.comm, self.flat.buffers, average=True)
 
+    #: the inner optimizer's per-parameter state (momentum, Adam's moments) is each rank's own:
+    #: the ranks step on their own gradients (local SGD, SlowMo, DiLoCo)
+    own_optimizer_state = False
+
+    def local_state_dict(self) -> dict | None:
+        """This rank's own state, beside :meth:`state_dict` (what the replicas share): the inner
+        optimizer's per-parameter state where each rank steps on its own gradient
+        (:attr:`own_optimizer_state`) and PowerSGD's error-feedback memory; None where the ranks
+        hold the same (plain SSGD). The CLI's checkpoints keep every rank's, and a resumed rank
+        loads its own (:meth:`load_local_state_dict`): the resumed run is the uninterrupted one."""
+        out = {}
+        if self.own_optimizer_state:
+            out["optimizer_state"] = self.optimizer.state_dict()["state"]
+        if self.powersgd is not None and self.powersgd.error is not None:
+            out["powersgd_error"] = self.powersgd.error
+        return out or None
+
+    def load_local_state_dict(self, local: dict | None) -> None:
+        """Load what :meth:`local_state_dict` gave on this rank (after :meth:`load_state_dict`,
+        whose inner optimizer state, another rank's, it replaces)."""
+        if not local:
+            return
+        if "optimizer_state" in local:
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": local["optimizer_state"],
+                                            "param_groups": groups})
+        if "powersgd_error" in local and self.powersgd is not None:
+            self.powersgd.load_local(local["powersgd_error"])
+
     def _extra_state(self) -> dict:
         extra = {"steps": self.steps}
         if self.powersgd is not None:

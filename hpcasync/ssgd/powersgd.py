@@ -151,6 +151,7 @@ class PowerSGD:
         self.sent_numel = self.dense_numel = 0
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{id(self)}"
         self._told = False
+        self._foreign = False       # the loaded state's error memory was another rank's
 
     def options(self) -> dict:
         return {"rank": self.rank, "start_iter": self.start_iter,
@@ -179,6 +180,12 @@ class PowerSGD:
             self.iter += 1
             return
         if self.error_feedback:
+            if self._foreign and not self._told:
+                self._told = True
+                log.info("PowerSGD: this rank keeps its own error-feedback memory (%s) instead "
+                         "of another rank's: the run is not a bitwise replay",
+                         "zero: a new process" if self.error is None else "its last step's")
+            self._foreign = False
             if self.error is None or self.error.shape != grads.shape:
                 self.error = torch.zeros_like(grads)
             else:
@@ -295,11 +302,16 @@ class PowerSGD:
         local = state.get(LOCAL_KEY, {})
         if local.get("owner") == self._owner:
             self.error = like(local["error"])
-        elif self.error_feedback and self.iter > self.start_iter and not self._told:
-            self._told = True
-            log.info("PowerSGD: this rank keeps its own error-feedback memory (%s) instead of "
-                     "another rank's: the run is not a bitwise replay",
-                     "zero: a new process" if self.error is None else "its last step's")
+        elif self.error_feedback and self.iter > self.start_iter:
+            self._foreign = True        # said at the next compressed step, unless load_local
+
+    def load_local(self, error: torch.Tensor | None) -> None:
+        """This rank's own error-feedback memory, kept apart from the shared state (the CLI's
+        checkpoints hold every rank's)."""
+        self._foreign = False
+        if error is not None:
+            self.error = error.detach().clone().to(
+                self.p.device if self.p is not None else error.device)
 
 
 def _joined(presence: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:

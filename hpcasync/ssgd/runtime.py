@@ -194,7 +194,7 @@ def run(ctx: RunContext) -> RunResult:
     link = LinkDelay(cfg.options.get("link_delay_us_per_mb", 0.0) if topo.num_nodes > 1 else 0.0)
     numel = sum(p.numel() for p in model.parameters())
     wire_bytes = numel * (2 if cfg.options.get("compress", "none") != "none" and flat else 4)
-    start_epoch, start_batch, loss_carry = 1, 0, 0.0
+    start_epoch, start_batch, loss_carry, own = 1, 0, 0.0, None
     joined = join.receive(ctx) if join.joined() else None   # a replacement: the live state
     state = ctx.resume_state() if joined is None else joined["state"]
     if state is not None:
@@ -202,19 +202,31 @@ def run(ctx: RunContext) -> RunResult:
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
-        if (cfg.algorithm in ("localsgd", "diloco", "slowmo") and opt.steps > opt.warmup_steps
-                and (opt.optimizer.state or cfg.algorithm == "diloco") and ctx.is_root):
-            log.warning("%s: the checkpoint holds rank 0's own replica state (its optimizer's "
-                        "momentum or moments%s), which each rank's own was: every rank resumes "
-                        "with rank 0's (not a bitwise replay of an uninterrupted run)",
-                        cfg.algorithm, "; DiLoCo: its parameters since the last sync"
-                        if cfg.algorithm == "diloco" else "")
+        per_rank = state.get("per_rank")
+        if per_rank is not None and len(per_rank) == topo.size:
+            own = per_rank[topo.rank]       # this rank's own: loaded after the start's broadcast
+        elif per_rank is not None and ctx.is_root:
+            log.warning("%s: the checkpoint holds the own state (optimizer momentum or moments, "
+                        "PowerSGD's error memory) of %d ranks, this run has %d: every rank "
+                        "resumes with rank 0's (not a bitwise replay of an uninterrupted run)",
+                        cfg.algorithm, len(per_rank), topo.size)
 
     def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
         """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
         return {"model": model.state_dict(), "optimizer": opt.state_dict(),
                 "epoch": epoch, "batch": batch, "loss_sum": loss_sum,
                 "rank_failures": rec.failures}
+
+    # each rank's own state in the checkpoints (local SGD's optimizer state, PowerSGD's error
+    # memory): a resume loads its own and replays the uninterrupted run
+    local = getattr(opt, "local_state_dict", None)
+
+    def start(own: dict | None) -> None:
+        """Rank 0's parameters on every rank (resumed: the same anyway), then this rank's own
+        part of the checkpoint resumed from (local SGD's replica between two averages)."""
+        opt.broadcast_parameters(root=0)
+        if own is not None:
+            opt.load_local_state_dict(own)
 
     def load_adopted(blob: dict) -> None:
         """After a death: take the most advanced survivor's state (see SyncRecovery.recover)."""
@@ -232,7 +244,7 @@ def run(ctx: RunContext) -> RunResult:
     while summary is None:
         topo = ctx.topo
         try:
-            cur.start(lambda: opt.broadcast_parameters(root=0))  # (resumed: the same anyway)
+            cur.start(lambda: start(own))
             if cur.finished:                         # the final gathers
                 inject.point("final")
                 if hasattr(opt, "finish"):         # localsgd, diloco: one model on every rank
@@ -255,12 +267,14 @@ def run(ctx: RunContext) -> RunResult:
                     opt, "powersgd", None) is None else _across(opt) - sent)
                 cur.step_done(loss.item())
                 rec.step_completed()
-                # (localsgd: only where the replicas are equal, so that rank 0's state is the
-                # job's: periodic checkpoints and the preemption check between two averages wait)
+                # (localsgd: only where the replicas are equal: between two averages a local
+                # step communicates nothing, and the preemption check would; checkpoints keep
+                # each rank's own optimizer state, local_state_dict)
                 if cur.in_epoch and getattr(opt, "replicas_equal", True):
                     ctx.consistent_point(topo.world,
                                          lambda: snapshot(epoch, cur.done, cur.loss_sum),
-                                         epoch=epoch, step=opt.steps, writer=topo.rank == 0)
+                                         epoch=epoch, step=opt.steps, writer=topo.rank == 0,
+                                         local_state=local)
                 continue
             evaluated = contextlib.nullcontext()
             if hasattr(opt, "global_weights"):                # diloco: evaluate the global θ
@@ -277,7 +291,8 @@ def run(ctx: RunContext) -> RunResult:
                                                      4),
                               world_size=topo.size)
             ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1, 0, 0.0), epoch=epoch,
-                                 step=opt.steps, writer=topo.rank == 0, force=True)
+                                 step=opt.steps, writer=topo.rank == 0, force=True,
+                                 local_state=local)
             cur.next_epoch()
         except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
             if not rec.handles(exc):

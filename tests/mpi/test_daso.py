@@ -438,6 +438,16 @@ def test_cli_daso_end_to_end_and_bitwise_resume(tmp_path):
                                         [3, "cycling", 2, 1, 1], [4, "cooldown", 1, 1, 0]]
     assert [e["daso_phase"] for e in epochs] == ["warmup", "cycling", "cycling", "cooldown"]
     assert all("daso_global_wait_s" in e for e in epochs) and epochs[1]["daso_sends"] > 0
+    # bytes: what every rank handed to MPI, the node-local gradient averages of the cycling
+    # epochs' steps included (the blocking epochs average over the world at once)
+    from hpcasync.models import build_model
+
+    numel = sum(p.numel() for p in build_model("mlp", (1, 28, 28), 10).parameters())
+    per_epoch = summary["steps"] // 4
+    assert [e["daso_local_bytes"] >= per_epoch * numel * 4 for e in epochs] == \
+        [False, True, True, False]
+    local = 4 * 2 * per_epoch * numel * 4           # 4 ranks, 2 cycling epochs
+    assert summary["bytes_communicated"] >= summary["bytes_communicated_global"] + local > local
     # resume from the end of epoch 2: epochs 3 (cycling) and 4 again, bitwise the same
     for late in (tmp_path / "ck").glob("ckpt-e000[34]-*"):
         late.unlink()

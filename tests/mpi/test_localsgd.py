@@ -90,28 +90,47 @@ def test_four_ranks_equal_torchs_post_local_sgd_to_1e_6(gloo):
     assert differed                   # between averages the replicas did drift apart
 
 
-def test_replicas_are_equal_after_each_average_and_a_checkpoint_between_is_refused(tmp_path):
-    model = _model()
-    opt = hpcasync.optimizer("localsgd", model, torch.optim.SGD(model.parameters(), lr=0.1),
-                             period=3, warmup_steps=2)
-    assert isinstance(opt, LocalSGD)
-    path = str(COMM.bcast(str(tmp_path)))
-    for step in range(8):
+def _train(model, opt, steps):
+    for step in steps:
         x, y = _batch(step, RANK)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def test_replicas_are_equal_after_each_average_and_a_checkpoint_between_keeps_every_replica(
+        tmp_path):
+    """hpcasync.save_checkpoint between two averages keeps each rank's replica and momentum
+    (per_rank): a job that loads it goes on bitwise as the one that wrote it."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hpcasync.optimizer("localsgd", model, sgd, period=3, warmup_steps=2)
+    assert isinstance(opt, LocalSGD)
+    path = str(COMM.bcast(str(tmp_path)))
+    for step in range(8):
+        _train(model, opt, [step])
         assert opt.replicas_equal == (step < 2 or (step - 2) % 3 == 0)
         if opt.replicas_equal:
             assert identical_everywhere(model)
     assert not opt.replicas_equal                       # step 7: one local step after step 6's
-    with pytest.raises(ConfigError, match="localsgd between two averages"):
-        hpcasync.save_checkpoint(path + "/ck", model, opt, epoch=1)
+    assert not identical_everywhere(model)
+    hpcasync.save_checkpoint(path + "/ck", model, opt, epoch=1, step=8)
+    _train(model, opt, range(8, 12))                    # averages at steps 8 and 11 (0-based)
+    after = [p.detach().clone() for p in model.parameters()]
+
+    model2 = _model()
+    opt2 = hpcasync.optimizer("localsgd", model2,
+                              torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
+                              period=3, warmup_steps=2)
+    assert hpcasync.load_checkpoint(path + "/ck", model2, opt2)["step"] == 8
+    assert not opt2.replicas_equal
+    _train(model2, opt2, range(8, 12))
+    assert all(torch.equal(a, b) for a, b in zip(after, model2.parameters()))   # bitwise, per rank
     opt.average_parameters()
     assert opt.replicas_equal and identical_everywhere(model)
     assert opt.bytes_sent > 0
     state = opt.state_dict()["hpcasync"]
-    assert (state["steps"], state["averages"], state["equal_since"]) == (8, 3, 8)
+    assert (state["steps"], state["averages"], state["equal_since"]) == (12, 5, 12)
 
 
 def test_bad_options_are_one_line_errors():

@@ -53,16 +53,20 @@ PLAN: dict[str, tuple[list[str], str]] = {
               "--daso-global-skip", "2"], "delete"),
     # SSGD for 4 steps, then averages after steps 5, 7, 9, ... (the replicas are equal there,
     # where the CLI checkpoints): every 3 -> 3, 8 (epoch end), 9, 15, 16; keep <= 12: 9 (epoch
-    # 2, batch 1). No momentum: the optimizer's state is each rank's own in the local phase and a
-    # checkpoint holds rank 0's (docs/design/ssgd.md, "Local SGD")
-    "localsgd": (["--momentum", "0", "--localsgd-warmup-steps", "4", "--localsgd-period", "2",
+    # 2, batch 1). With momentum: each rank's own in the local phase, in the checkpoint per rank
+    "localsgd": (["--momentum", "0.9", "--localsgd-warmup-steps", "4", "--localsgd-period", "2",
                   "--checkpoint-every", "3"], "delete"),
     # an outer step every 3 (F = 1, α = 0: the replicas are equal right after it, where the CLI
     # checkpoints): every 3 -> 3, 6, 8 (epoch end), 9, 12, 15, 16; keep <= 12: 12 (epoch 2,
-    # batch 4). No momentum: the inner optimizer's state is each rank's own
-    "diloco": (["--momentum", "0", "--diloco-sync-every", "3", "--checkpoint-every", "3"],
+    # batch 4). The inner optimizer's momentum is each rank's own: in the checkpoint per rank
+    "diloco": (["--momentum", "0.9", "--diloco-sync-every", "3", "--checkpoint-every", "3"],
                "delete"),
-    "slowmo": (["--momentum", "0", "--slowmo-period", "3", "--checkpoint-every", "3"], "delete"),
+    "slowmo": (["--momentum", "0.9", "--slowmo-period", "3", "--checkpoint-every", "3"], "delete"),
+    # ssgd with PowerSGD (compressed from step 2, error feedback): each rank's error memory is in
+    # the checkpoint (per_rank); not an algorithm of its own (EXTRA)
+    "ssgd+powersgd": (["--momentum", "0.9", "--checkpoint-every", str(SSGD_EVERY), "--compress",
+                       "powersgd", "--powersgd-start-iter", "2", "--powersgd-rank", "2"],
+                      "delete"),
     # signalled after step 5: the ranks agree at step 10 (every 10), after warm-up (4 steps)
     "odsgd": (["--odsgd-warmup-iters", "4"], "1:5"),
 }
@@ -77,10 +81,15 @@ for _name, _extra in _PS_EXTRA.items():
     PLAN[_name] = (_extra, f"1:{PS_SIGNAL}")
 
 
+#: plans that are an algorithm with options (its name before the "+")
+EXTRA = ("ssgd+powersgd",)
+SYNC = ("ssgd", "ssgd+powersgd", "localsgd", "slowmo", "diloco")     # checkpoints every few steps
+
+
 def _args(algorithm: str) -> list[str]:
     extra = PLAN[algorithm][0]
     epochs = [] if "--epochs" in extra else ["--epochs", "2"]
-    return ["train", "--algorithm", algorithm, *MINI, *epochs, *extra]
+    return ["train", "--algorithm", algorithm.split("+")[0], *MINI, *epochs, *extra]
 
 
 # -- the job (every rank runs this) -------------------------------------------------------------
@@ -122,7 +131,7 @@ def _delete_late(name: str, ck: Path) -> None:
 
     for p in sorted(ck.glob("ckpt-*.pt")):
         header, _ = read_checkpoint(p)
-        if (header["step"] > SSGD_KEEP if name in ("ssgd", "localsgd", "slowmo", "diloco")
+        if (header["step"] > SSGD_KEEP if name in SYNC
                 else header["epoch"] > 1):
             p.unlink()
 
@@ -146,7 +155,7 @@ def _run_job(tmp_path_factory) -> Path:
     if "out" not in _job:
         out = tmp_path_factory.mktemp("resume_all")
         r = run_mpi(2, ["--", sys.executable, "-m", "tests.mpi.test_resume_all", str(out),
-                        *algorithms()], timeout=540)
+                        *algorithms(), *EXTRA], timeout=540)
         _job["out"], _job["result"] = out, r
     r = _job["result"]
     assert r.returncode == 0, r.stderr[-4000:]
@@ -155,10 +164,10 @@ def _run_job(tmp_path_factory) -> Path:
 
 @pytest.mark.rank0
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("algorithm", algorithms())
+@pytest.mark.parametrize("algorithm", [*algorithms(), *EXTRA])
 @pytest.mark.one_mpi       # MPICH: test_worker_failure's resume
 def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
-    assert sorted(PLAN) == sorted(algorithms()) and len(PLAN) == 20
+    assert sorted(PLAN) == sorted([*algorithms(), *EXTRA]) and len(PLAN) == 21
     out = _run_job(tmp_path_factory)
     d = out / algorithm
     codes = json.loads((out / "codes.json").read_text())[algorithm]
@@ -177,9 +186,21 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
         assert stopped[-1]["event"] == "preempted"
         saved = [r for r in stopped if r["event"] == "checkpoint"][-1]
         assert saved["path"] == resume[0]["path"]           # resumed from the stop checkpoint
-    if algorithm in ("ssgd", "localsgd", "slowmo", "diloco", "daso", "odsgd"):
+    if algorithm in SYNC:           # each rank's own state kept where the ranks' differ
+        import torch
+
+        if algorithm == "ssgd":
+            assert "per_rank" not in state
+        else:
+            own = state["per_rank"]
+            key = "powersgd_error" if algorithm == "ssgd+powersgd" else "optimizer_state"
+            a, b = own[0][key], own[1][key]
+            if key == "optimizer_state":
+                a, b = a[0]["momentum_buffer"], b[0]["momentum_buffer"]
+            assert len(own) == 2 and not torch.equal(a, b)
+    if algorithm in (*SYNC, "daso", "odsgd"):
         per = PER_EPOCH["sync"]
-        if algorithm in ("ssgd", "diloco", "slowmo"):
+        if algorithm in SYNC and algorithm != "localsgd":
             assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
             assert epochs == [2]
         elif algorithm == "localsgd":
