@@ -50,11 +50,14 @@ class BackwardPasses:
         self._view_ptrs = [v.data_ptr() for _, v in flat.views("grads")]
         self._grad_version: int | None = None    # flat.grads' version after the last hook
         self._hooks = {}
+        self.paused = False
         self._hook_trainable()
 
     def _hook_trainable(self) -> None:
         """A hook on every parameter that requires grad now (one unfrozen later gets it at the
-        next step boundary)."""
+        next step boundary); none while paused."""
+        if self.paused:
+            return
         for k, p in enumerate(self.flat.parameters):
             if p.requires_grad and k not in self._hooks:
                 self._hooks[k] = p.register_post_accumulate_grad_hook(self._hook(k))
@@ -126,3 +129,15 @@ class BackwardPasses:
         for h in self._hooks.values():
             h.remove()
         self._hooks = {}
+
+    def pause(self) -> None:
+        """No hooks until :meth:`resume` (steps whose gradients are torch's own tensors, which
+        nothing counts: local SGD's local steps)."""
+        if not self.paused:
+            self.close()
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self._hook_trainable()

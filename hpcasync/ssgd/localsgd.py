@@ -75,6 +75,7 @@ class LocalSGD(DistributedOptimizer):
         self.averages = 0          # parameter averages taken
         self._equal_since = -1     # the step count after the last average
         self._survivable = ulfm_enabled()    # a failed step can be redone (else the job ends)
+        self._own_grads = False    # the gradients are torch's own tensors (local steps)
         super().__init__(optimizer, model, comm, average_buffers=average_buffers, overlap=False)
 
     def _whole_reduction(self):
@@ -105,12 +106,34 @@ class LocalSGD(DistributedOptimizer):
         span.div_(comm.Get_size())
         allreduce(comm, span)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """SSGD's, except before a local step with ``set_to_none`` (torch's default): then the
+        gradients are torch's own, as in one process: every ``p.grad`` is set to None, the
+        backward makes fresh ones and the local step applies them as the wrapped optimizer
+        does, with no gradient hook and no copy into the flat buffer (a parameter without a
+        gradient keeps None and is skipped; two backward passes add up, as torch's)."""
+        if set_to_none and self._step_comm() is None:
+            self._check_bound()
+            self.reducer.discard()
+            self._passes.pause()
+            for p in self.flat.parameters:
+                p.grad = None
+            self._own_grads = self._none_if_unused = True
+            return
+        self._own_grads = False
+        self._passes.resume()
+        super().zero_grad(set_to_none)
+
     def synchronize(self) -> None:
         """SSGD's over :meth:`_step_comm` (the warm-up's). Without one: local, nothing crosses
         the wire (each rank's own gradients; one no rank of its own got stays None)."""
         if self._step_comm() is not None:
             return super().synchronize()
         self._check_bound()
+        if self._own_grads:             # torch's own gradients (zero_grad before a local step)
+            self._passes.reset()
+            self._synchronized = True
+            return
         self.reducer.finish()
         self.flat.collect_grads()
         self._release_unused()

@@ -133,6 +133,49 @@ def test_replicas_are_equal_after_each_average_and_a_checkpoint_between_keeps_ev
     assert (state["steps"], state["averages"], state["equal_since"]) == (12, 5, 12)
 
 
+class _TwoHeads(nn.Module):
+    """A model with a head one forward leaves out (no gradient in that step)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10), nn.Linear(32, 10)
+
+    def forward(self, x, head):
+        return getattr(self, head)(torch.tanh(self.body(x.flatten(1))))
+
+
+def test_a_local_step_is_the_wrapped_optimizers_step_bitwise():
+    """Between two averages each step is torch's own, bitwise: a parameter without a gradient
+    keeps None and is skipped (no momentum made for it), two backward passes add up, and
+    zero_grad(set_to_none=False) keeps zeros (then the step moves it by momentum, as torch)."""
+    ours_m, ref_m = _TwoHeads(), _TwoHeads()
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3))
+    ref = make(ref_m.parameters())
+    opt = LocalSGD(make(ours_m.parameters()), ours_m, COMM, period=10**6, warmup_steps=0)
+    x, y = _batch(99, RANK)             # step 0 (the average after it), then torch's from there
+    opt.zero_grad()
+    F.cross_entropy(ours_m(x, "a"), y).backward()
+    opt.step()
+    assert opt.averages == 1
+    ref_m.load_state_dict(ours_m.state_dict())
+    ref.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))     # (not shared buffers)
+    plan = [("a", True, 1), ("a", True, 2), ("b", True, 1), ("a", False, 1), ("b", True, 1)]
+    for step, (head, none, passes) in enumerate(plan):
+        for o, m in ((opt, ours_m), (ref, ref_m)):
+            o.zero_grad(set_to_none=none)
+            for k in range(passes):
+                x, y = _batch(10 * step + k, RANK)
+                F.cross_entropy(m(x, head), y).backward()
+            o.step()
+        for (name, p), q in zip(ours_m.named_parameters(), ref_m.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name} differs from torch's"
+        assert [(p.grad is None) for p in ours_m.parameters()] == \
+            [(q.grad is None) for q in ref_m.parameters()]
+    assert len(opt.state) == len(ref.state)            # no momentum for a head never stepped
+    assert opt.averages == 1 and opt.steps == 1 + len(plan)
+
+
 def test_bad_options_are_one_line_errors():
     model = _model()
     for kw, said in ((dict(period=0), "period must be an integer >= 1"),
