@@ -194,6 +194,38 @@ def test_hierarchical_is_ssgd_inside_each_node_and_diloco_across_bitwise():
         node.Free()
 
 
+class _DeviceLike(torch.Tensor):
+    """A CPU tensor whose ``.cpu()`` is a copy, as a CUDA tensor's is: the device branch of a
+    host-staged exchange runs on a machine without a GPU."""
+
+    def cpu(self, *args, **kwargs):
+        return torch.Tensor.clone(self).as_subclass(torch.Tensor)
+
+
+@pytest.mark.skipif(SIZE != 4, reason="2 nodes of 2 ranks")
+def test_hierarchical_node_mean_of_a_device_tensor_goes_through_a_host_copy():
+    """The outer sync's mean over the nodes of a tensor that is not host memory (a CUDA flat
+    buffer): each local rank averages its chunk with its peer of the other node, the node's
+    allgather runs on a host copy, and the copy's result comes back into the device tensor."""
+    from hpcasync.comm import FlatModel
+
+    node = COMM.Split(RANK // 2, RANK)
+    try:
+        model = _model()
+        opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), FlatModel(model), COMM,
+                     sync_every=3, outer_optimizer=_outer, node_comm=node)
+        n = 1001                                        # chunks of 501 and 500
+        mine = torch.arange(n, dtype=torch.float32) * (1 + RANK // 2)    # equal inside a node
+        flat = mine.clone().as_subclass(_DeviceLike)
+        assert flat.cpu() is not flat
+        opt._node_mean(flat)
+        want = torch.arange(n, dtype=torch.float32) * 1.5                # (1 + 2) / 2
+        assert torch.equal(flat.as_subclass(torch.Tensor), want)
+        assert opt.bytes_across == (501 if node.Get_rank() == 0 else 500) * 4
+    finally:
+        node.Free()
+
+
 @pytest.mark.rank0
 def test_cli_hierarchical_on_two_virtual_nodes_learns_and_crosses_less(tmp_path):
     """``--diloco-hierarchical --ranks-per-node 2``: the outer syncs carry half a model per rank
