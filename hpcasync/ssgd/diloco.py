@@ -26,7 +26,8 @@ The inner optimizer's state is never averaged. Differences from torchft's (same 
 otherwise, ``tests/mpi/test_diloco.py``): no quorum or healing (the ranks are the MPI job's;
 deaths are the fault-tolerance layer's, as for every algorithm here); the pseudo-gradient travels
 as one flat float32 sum per sync (torchft: one allreduce per parameter; the sums are the same),
-never quantized (torchft quantizes only with Triton on a GPU); the floating buffers (BatchNorm
+or with ``quantize=True`` as FP8 with a scale per rank's chunk (torchft: per block of its Triton
+kernel, on a GPU only; :mod:`hpcasync.ssgd.quantize`); the floating buffers (BatchNorm
 statistics) are averaged at each sync (torchft leaves them).
 
 Example (a user's own loop)::
@@ -47,6 +48,7 @@ import copy
 import torch
 
 from ..comm import allreduce, mpi_buffer
+from .quantize import quantized_mean
 from ..comm.shm import partition
 from ..errors import ConfigError
 from .localsgd import LocalSGD
@@ -78,6 +80,9 @@ class DiLoCo(LocalSGD):
             layout, module doc; e.g. ``topology.local``); default None: one replica per rank.
             Collective over ``comm`` when given. Not under ULFM: the node groups are not rebuilt
             after a death (a one-line error).
+        quantize: exchange the outer gradients as FP8 with a scale per chunk, averaged in
+            float32 (torchft's ``should_quantize``; :mod:`hpcasync.ssgd.quantize`); not with
+            ``node_comm``.
     """
 
     algorithm = "diloco"
@@ -85,11 +90,14 @@ class DiLoCo(LocalSGD):
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  sync_every: int = DEFAULT_SYNC_EVERY, outer_optimizer=None, fragments=1,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0,
-                 node_comm=None):
+                 node_comm=None, quantize: bool = False):
         if isinstance(fragments, int) and not isinstance(fragments, bool):
             check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
+        if quantize and node_comm is not None:
+            raise ConfigError("diloco: quantize and node_comm (--diloco-quantize, "
+                              "--diloco-hierarchical) do not go together: the node mean is exact")
         super().__init__(optimizer, model, comm, period=1, warmup_steps=0)
-        self.node_comm, self._peers = node_comm, None
+        self.node_comm, self._peers, self.quantize = node_comm, None, bool(quantize)
         self.bytes_across = 0      # of bytes_sent, what crossed between nodes (the outer syncs)
         if node_comm is not None:
             self._peers = _node_peers(self.comm, node_comm)
@@ -177,7 +185,11 @@ class DiLoCo(LocalSGD):
         """Δ̄ of fragment f: (Σ_i (θ − θ_i)) / N, one flat sum (hierarchical: over the nodes)."""
         deltas = [g - p.detach() for g, p in zip(self.globals[f], self.fragments[f])]
         flat = torch.cat([d.reshape(-1) for d in deltas])
-        if self._peers is None:
+        if self.quantize:
+            sent = quantized_mean(self.comm, flat)
+            self.bytes_sent += sent
+            self.bytes_across += sent
+        elif self._peers is None:
             allreduce(self.comm, flat)
             flat /= self.comm.Get_size()
             self.bytes_sent += flat.numel() * flat.element_size()

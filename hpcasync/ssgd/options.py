@@ -81,6 +81,10 @@ def add_arguments(parser) -> None:
                        help="diloco: the ranks of a node train one replica with synchronous SGD, "
                             "DiLoCo runs across the nodes (--ranks-per-node sets virtual nodes; "
                             "nodes of equal size; not under --with-ft ulfm)")
+    group.add_argument("--diloco-quantize", action="store_const", const=True, default=None,
+                       help="diloco: exchange the outer gradients as FP8 (E4M3, a scale per "
+                            "chunk) and average them in float32, as torchft's should_quantize "
+                            "(not with --diloco-hierarchical)")
     join.add_arguments(group)
 
 
@@ -98,7 +102,7 @@ def validate_options(cfg) -> None:
                          ("diloco", ("diloco_sync_every", "diloco_outer_lr",
                                      "diloco_outer_momentum", "diloco_fragments",
                                      "diloco_sync_delay", "diloco_alpha",
-                                     "diloco_hierarchical"))):
+                                     "diloco_hierarchical", "diloco_quantize"))):
         if cfg.algorithm == owner:
             continue
         for name in names:

@@ -120,10 +120,13 @@ def diloco(cfg, inner, model, comm, *, check_only: bool = False, topo=None):
     if check_only:
         check(kw["sync_every"], kw["fragments"], kw["fragment_sync_delay"],
               kw["fragment_update_alpha"], outer)
+        if o.get("diloco_quantize") and o.get("diloco_hierarchical"):
+            raise ConfigError("--diloco-quantize and --diloco-hierarchical do not go together: "
+                              "the node mean is exact")
         return None
     node = topo.local if o.get("diloco_hierarchical") else None
     return DiLoCo(inner, model, comm, **kw, outer_optimizer=lambda ps: torch_sgd(ps, *outer),
-                  node_comm=node)
+                  node_comm=node, quantize=bool(o.get("diloco_quantize")))
 
 
 def torch_sgd(params, lr: float, momentum: float):
