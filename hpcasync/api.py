@@ -453,7 +453,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     Synchronous algorithms: rank 0 writes, then every rank waits for the file; what each rank
     holds of its own (local SGD, SlowMo and DiLoCo: the optimizer's state, and between two
     averages the replica; PowerSGD: the error memory) is gathered into it, and
-    :func:`load_checkpoint` gives each rank its own back (a job of the same size). A parameter-server algorithm (:mod:`hpcasync.ps.loop_checkpoint`): a worker's call (at
+    :func:`load_checkpoint` gives each rank its own back (a job of the same size). A
+    parameter-server algorithm (:mod:`hpcasync.ps.loop_checkpoint`): a worker's call (at
     the end of its epoch, as a synchronous loop would) asks the server for the checkpoint
     ``(epoch, step)`` and trains on at once; the server, inside ``serve()``, writes one file when
     every worker has asked for that label or finished: θ, the rule's state, the server's clock
@@ -463,7 +464,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     already complete. Returns the path on a rank that wrote (None on a PS worker). A sharded
     server (``ps_ranks`` > 1) is a ConfigError: only the CLI checkpoints its shards.
     """
-    from .checkpoint import CheckpointManager
+    from .checkpoint import PER_RANK, CheckpointManager, gather_own
 
     algorithm = getattr(optimizer, "algorithm", type(optimizer).__name__)
     topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
@@ -486,16 +487,14 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
                           "replicas differ there and a checkpoint holds rank 0's state; save "
                           "after opt.epoch_end(...) (a commit of hpcasync.elastic.State keeps "
                           "each rank's own state at any step)")
-    parts = None
-    if local is not None and comm is not None:
-        parts = comm.gather(local(), root=0)
+    parts = None if local is None or comm is None else gather_own(comm, local)
     writer = comm is None or comm.Get_rank() == 0
     path = None
     if writer:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "epoch": epoch, "step": step, "extra": extra}
-        if parts is not None and any(x is not None for x in parts):
-            state["per_rank"] = parts           # local SGD's replicas, PowerSGD's error memory
+        if parts is not None:
+            state[PER_RANK] = parts             # local SGD's replicas, PowerSGD's error memory
         path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
                                                             **header)
     if comm is not None:
@@ -525,7 +524,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     (returned: the labels it asked the checkpoint for; ``finished: True`` if it had finished),
     its BatchNorm buffers, its optimizer's param groups and (shat, shat-root, ensemble) its own
     model, which it trains from after the server's first reply."""
-    from .checkpoint import CheckpointManager, load_checkpoint as load_file
+    from .checkpoint import PER_RANK, CheckpointManager, own_part
+    from .checkpoint import load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
     ps = algorithm in PS_ALGORITHMS
@@ -549,24 +549,12 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     if ps:
         return optimizer.checkpoints.restore(state)
     optimizer.load_state_dict(state["optimizer"])
-    _load_own(optimizer, state.get("per_rank"))
+    if hasattr(optimizer, "load_local_state_dict"):     # this rank's own part, if written
+        comm = getattr(optimizer, "comm", None)
+        rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+        optimizer.load_local_state_dict(own_part(state.get(PER_RANK), rank, size,
+                                                 "hpcasync.load_checkpoint"))
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
-
-
-def _load_own(optimizer, parts: list | None) -> None:
-    """This rank's own part of a checkpoint (``per_rank``, written by :func:`save_checkpoint` and
-    the CLI): loaded when the checkpoint was written by as many ranks; else each rank goes on from
-    rank 0's state, which the log says (not a bitwise replay)."""
-    if parts is None or not hasattr(optimizer, "load_local_state_dict"):
-        return
-    comm = getattr(optimizer, "comm", None)
-    rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
-    if len(parts) == size:
-        optimizer.load_local_state_dict(parts[rank])
-    elif rank == 0:
-        log.warning("hpcasync.load_checkpoint: the checkpoint holds the own state of %d ranks "
-                    "(optimizer state, local SGD's replicas, PowerSGD's error memory), this job "
-                    "has %d: every rank goes on from rank 0's", len(parts), size)
 
 
 def _is_root(optimizer, ps: bool) -> bool:

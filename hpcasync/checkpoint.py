@@ -71,6 +71,35 @@ def checkpoint_name(epoch: int, step: int) -> str:
 
 # --- validation and canonical hash ------------------------------------------------------------
 
+#: the key of a checkpoint's list of each rank's own state (local SGD's optimizer state and
+#: replica, PowerSGD's error memory), index = the writing job's rank
+PER_RANK = "per_rank"
+
+
+def gather_own(comm, local) -> list | None:
+    """Collective over ``comm``: every rank's ``local()`` (its optimizer's
+    ``local_state_dict()``) on rank 0, as the checkpoint's :data:`PER_RANK` list; None there
+    when no rank holds anything of its own (and on the other ranks)."""
+    parts = comm.gather(local(), root=0)
+    return parts if parts is not None and any(x is not None for x in parts) else None
+
+
+def own_part(parts: list | None, rank: int, size: int, what: str) -> Any:
+    """This rank's entry of a checkpoint's :data:`PER_RANK` list when the checkpoint was written
+    by a job of ``size`` ranks, else None (rank 0 says once that every rank goes on from rank
+    0's state; ``what`` names the reader)."""
+    if parts is None:
+        return None
+    if len(parts) == size:
+        return parts[rank]
+    if rank == 0:
+        log.warning("%s: the checkpoint holds the own state (optimizer momentum or moments, local "
+                    "SGD's replicas, PowerSGD's error memory) of %d ranks, this job has %d: every "
+                    "rank goes on from rank 0's (not a bitwise replay of an uninterrupted run)",
+                    what, len(parts), size)
+    return None
+
+
 def _check_plain(obj: Any, where: str) -> Any:
     """``obj`` with tensors detached and scalar subclasses made plain; CheckpointError for
     anything that is not plain data."""

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import inject
+from ..checkpoint import PER_RANK, gather_own
 from .divergence import DEFAULT_FACTOR, DivergenceGuard
 
 log = logging.getLogger("hpcasync")
@@ -235,13 +236,11 @@ class RunContext:
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):
             inject.point("checkpoint")
-            parts = None
-            if local_state is not None:
-                parts = comm.gather(local_state(), root=0)
+            parts = None if local_state is None else gather_own(comm, local_state)
             if writer:
                 state = make_state()
-                if parts is not None and any(x is not None for x in parts):
-                    state = {**state, "per_rank": parts}
+                if parts is not None:
+                    state = {**state, PER_RANK: parts}
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "
                                               "(checkpoint not written)")
                 state = {**state, "divergence": self.divergence.state_dict()}

@@ -293,15 +293,13 @@ class PowerSGD:
 
         self.iter = int(state["iter"])
         self.order, self.buckets = state.get("order"), state.get("buckets", [])
-        like = (lambda t: None if t is None else t.detach().clone().to(
-            self.p.device if self.p is not None else t.device))
-        self.p, self.q = like(state["p"]), like(state["q"])
+        self.p, self.q = self._here(state["p"]), self._here(state["q"])
         r = state["rng"]
         self.rng.set_state(("MT19937", r["keys"].numpy().astype(np.uint32), r["pos"],
                             r["has_gauss"], r["cached"]))
         local = state.get(LOCAL_KEY, {})
         if local.get("owner") == self._owner:
-            self.error = like(local["error"])
+            self.error = self._here(local["error"])
         elif self.error_feedback and self.iter > self.start_iter:
             self._foreign = True        # said at the next compressed step, unless load_local
 
@@ -310,8 +308,12 @@ class PowerSGD:
         checkpoints hold every rank's)."""
         self._foreign = False
         if error is not None:
-            self.error = error.detach().clone().to(
-                self.p.device if self.p is not None else error.device)
+            self.error = self._here(error)
+
+    def _here(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of a loaded tensor on P's device (its own, before P exists)."""
+        return None if t is None else t.detach().clone().to(
+            self.p.device if self.p is not None else t.device)
 
 
 def _joined(presence: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import contextlib
 import logging
 
 from .. import inject
+from ..checkpoint import PER_RANK, own_part
 from ..comm import FlatModel
 from ..daso.comm import LinkDelay
 from ..errors import ConfigError
@@ -205,14 +206,8 @@ def run(ctx: RunContext) -> RunResult:
         opt.load_state_dict(state["optimizer"])
         start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
         rec.failures = list(state.get("rank_failures", []))
-        per_rank = state.get("per_rank")
-        if per_rank is not None and len(per_rank) == topo.size:
-            own = per_rank[topo.rank]       # this rank's own: loaded after the start's broadcast
-        elif per_rank is not None and ctx.is_root:
-            log.warning("%s: the checkpoint holds the own state (optimizer momentum or moments, "
-                        "PowerSGD's error memory) of %d ranks, this run has %d: every rank "
-                        "resumes with rank 0's (not a bitwise replay of an uninterrupted run)",
-                        cfg.algorithm, len(per_rank), topo.size)
+        # this rank's own part (loaded after the start's broadcast, which would overwrite it)
+        own = own_part(state.get(PER_RANK), topo.rank, topo.size, cfg.algorithm)
 
     def snapshot(epoch: int, batch: int, loss_sum: float) -> dict:
         """Everything a resumed run needs to continue bitwise: replicas are identical, so rank 0's."""
