@@ -84,6 +84,8 @@ class MetricsWriter:
     def __init__(self, path: str | os.PathLike | None, *, enabled: bool = True,
                  tensorboard: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else None
+        if self.path is not None:                  # the stream while it is written
+            self.partial = self.path.with_name(self.path.name + ".partial")
         self.tensorboard = Path(tensorboard) if tensorboard is not None else None
         if self.tensorboard is not None:
             require_tensorboard("tensorboard=")
@@ -91,6 +93,7 @@ class MetricsWriter:
         self.t0 = time.time()
         self._fh = None
         self._tb = None                      # torch's FileWriter of the SummaryWriter
+        self._summary = None                 # TensorBoard's Summary message class
         self.tb_file: Path | None = None     # this writer's TensorBoard event file
         self.epochs: set = set()      # epochs whose ``epoch`` record is in the stream
         self.counts: dict[str, int] = {}     # records written per event
@@ -104,9 +107,11 @@ class MetricsWriter:
 
     def _open(self, mode: str) -> None:
         if self.path is not None:
-            self.partial = self.path.with_name(self.path.name + ".partial")
             self._fh = open(self.partial, mode, encoding="utf-8")
         if self.tensorboard is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            self._summary = Summary
             writer = require_tensorboard("tensorboard=")(str(self.tensorboard), flush_secs=2)
             self._tb = writer.file_writer
             name = getattr(self._tb.event_writer, "_file_name", None)
@@ -120,9 +125,8 @@ class MetricsWriter:
         if not self.requested or self._fh is not None or self._tb is not None:
             return
         if self.path is not None:
-            partial = self.path.with_name(self.path.name + ".partial")
             try:
-                with open(partial, encoding="utf-8") as fh:
+                with open(self.partial, encoding="utf-8") as fh:
                     for line in fh:
                         if line.strip():
                             self._count(json.loads(line))
@@ -155,8 +159,7 @@ class MetricsWriter:
             self._fh.write(json.dumps(record, allow_nan=False) + "\n")
             self._fh.flush()
         if self._tb is not None:        # one event per record: a quarter of add_scalar's cost a value
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
+            Summary = self._summary
             values = [Summary.Value(tag=tag, simple_value=v) for tag, v in scalars(record)]
             self._tb.add_summary(Summary(value=values), self.tensorboard_step(record))
         self._count(record)
