@@ -16,7 +16,7 @@ Methods:
 * ``daso``: :class:`hpcasync.daso.DASO` (node-local gradient averages, one global group per
   ``global_skip`` batches, bf16 global messages); the bench defaults to 1 warm-up and 1 cool-down
   epoch (the paper's 4 + 4 would make a short run all blocking);
-* ``ssgd``: own SSGD, :class:`hpcasync.ssgd.runtime.DistributedOptimizer` (flat allreduce over all
+* ``ssgd``: own SSGD, :class:`hpcasync.ssgd.DistributedOptimizer` (flat allreduce over all
   ranks, float32) — as ``hpcasync train --algorithm ssgd``;
 * ``ssgd-hier``: own SSGD through :func:`hpcasync.comm.hierarchical_allreduce` (node reduce-scatter,
   across-node allreduce, node allgather; float32);

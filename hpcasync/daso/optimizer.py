@@ -260,8 +260,8 @@ class DASO(AlgorithmOptimizer):
 
     def set_topology(self, topo, *, average: bool) -> None:
         """Run on ``topo`` from now on: the survivors after dead ranks were shrunk out (ULFM,
-        :class:`~hpcasync.runtime.recovery.SyncRecovery`, ``Topology.shrunk``: a node that lost a
-        rank keeps its other ranks, nodes may be uneven). The global messages in flight are
+        :meth:`~hpcasync.runtime.elastic.FaultTolerance.reset`, ``Topology.shrunk``: a node that
+        lost a rank keeps its other ranks, nodes may be uneven). The global messages in flight are
         dropped (their receives in this epoch are skipped), the collectives are rebuilt on the
         new communicators, the schedule cycles over the largest node's size; the epoch, its
         batch and the knobs are kept. ``average``: average every replica's parameters, buffers

@@ -1,7 +1,8 @@
-"""``hpcasync train --algorithm daso``: the DASO loop (see :mod:`hpcasync.daso`).
+"""``hpcasync train --algorithm daso``: DASO (see :mod:`hpcasync.daso`) in the one synchronous loop.
 
-The loop is SSGD's (:mod:`.sync`) with :class:`hpcasync.daso.DASO` in place of the
-``DistributedOptimizer``, plus ``opt.epoch_end(loss)`` once per epoch, whose record (phase, knobs
+:class:`Daso` is the family of :mod:`hpcasync.runtime.driver`'s loop: SSGD's with
+:class:`hpcasync.daso.DASO` in place of the ``DistributedOptimizer``, plus
+``opt.epoch_end(loss)`` once per epoch, whose record (phase, knobs
 gs/ls/B, seconds waiting on global messages, bytes) goes into the epoch's metrics. At the end every
 rank hashes its parameters and buffers; the summary records ``replicas_identical`` and the hash.
 
@@ -10,7 +11,7 @@ where every replica — parameters, buffers and optimizer state — is identical
 the job's; a preemption signal is acted upon at the next epoch end.
 
 Heterogeneity (``--hetero``, ``--straggler``, ``--compute-time``, ``--push-delay``) works as in
-SSGD (:class:`~hpcasync.ssgd.runtime.StepDelay`): a slow rank sleeps after its forward/backward,
+SSGD (:class:`~hpcasync.hetero.StepDelay`): a slow rank sleeps after its forward/backward,
 so the node-local average (and any blocking global one) waits for it.
 
 ``--backend horovod`` runs the node-local gradient averages through Horovod initialised on the
@@ -25,21 +26,17 @@ from __future__ import annotations
 
 import logging
 
-
 from .. import inject
-from ..comm import DASO_CHUNK_ELEMS, FlatModel
-from . import DASO, DasoSchedule, LinkDelay
+from ..comm import DASO_CHUNK_ELEMS
+from . import DasoSchedule, LinkDelay
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..ssgd.horovod import check_backend
-from ..runtime import join
+from ..runtime import driver, join
 from ..runtime.context import RunContext, RunResult, max_over
-from ..runtime.ft import ulfm_enabled
-from ..runtime.recovery import EpochCursor, SyncRecovery
 from .optimizer import optimizer_state_tensors
 from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .schedule import CYCLING
-from ..hetero import StepDelay
 
 log = logging.getLogger("hpcasync")
 
@@ -82,193 +79,175 @@ def validate(cfg) -> None:
     join.validate(cfg)
 
 
-def run(ctx: RunContext) -> RunResult:
-    cfg, topo = ctx.cfg, ctx.topo
-    model = ctx.make_model()
-    flat = FlatModel(model)
-    nbatches = len(ctx.train) // topo.size // cfg.batch_size
-    if nbatches < 1:
-        raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks give "
-                          f"no batch of {cfg.batch_size}; lower --batch-size")
-    optimizer = ctx.optimizer_for(model)
-    opt = DASO(optimizer, flat, topo, total_epochs=cfg.epochs, batches_per_epoch=nbatches,
-               local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
-    delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
-    if ctx.is_root and delay.active:
-        log.info("daso: heterogeneity: %s", delay.model.describe())
-    start_epoch = 1
-    # a dead rank (ULFM): the survivors stay on their nodes (a node that lost a rank goes on
-    # smaller: uneven nodes), adopt the most advanced position; in a blocking epoch they adopt
-    # its replica, in a cycling one they average theirs
-    rec = SyncRecovery(ctx, enabled=cfg.backend != "horovod" and ulfm_enabled())
-    # --grow-back: replacements take the dead ranks' places (and so their nodes: the topology is
-    # rebuilt with --ranks-per-node); only those places, since the epoch's plan fixes each
-    # rank's shard and the batch count the schedule runs on (runtime.join)
-    growth = join.Growth(ctx, rec, refill_only=True)
-    # a replacement: the live state from a survivor, after DASO's constructor (its global
-    # groups, a collective, match the survivors' set_topology in the grow's adopt)
-    joined = join.receive(ctx) if join.joined() else None
-    state = ctx.resume_state() if joined is None else None
-    if state is not None:
-        model.load_state_dict(state["model"])        # copies into the FlatModel views
-        opt.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"]
-        rec.failures = list(state.get("rank_failures", []))
+class Daso(driver.Family):
+    """DASO in the driver's loop. After a death the survivors stay on their nodes (a node that
+    lost a rank goes on smaller: uneven nodes) and adopt the furthest position; in a blocking
+    epoch they adopt its replica, in a cycling one they average theirs. ``--grow-back``:
+    replacements take the dead ranks' places (and so their nodes) and only those: the epoch's
+    plan fixes each rank's shard and the batch count the schedule runs on."""
 
-    def snapshot(next_epoch: int) -> dict:
-        """The whole job at an epoch end (replicas, optimizer state included, are identical)."""
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": next_epoch,
-                "rank_failures": rec.failures}
+    refill_only = True
 
-    def schedule_state() -> dict:
-        sch = opt.schedule
+    def keywords(self) -> tuple:
+        cfg, topo, ctx = self.cfg, self.ctx.topo, self.ctx
+        self.recover = cfg.backend != "horovod"
+        nbatches = len(ctx.train) // topo.size // cfg.batch_size
+        if nbatches < 1:
+            raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks "
+                              f"give no batch of {cfg.batch_size}; lower --batch-size")
+        return ctx.optimizer_for(self.model), dict(
+            topo=topo, epochs=cfg.epochs, steps_per_epoch=nbatches,
+            local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        if ctx.is_root and self.delay.active:
+            log.info("daso: heterogeneity: %s", self.delay.model.describe())
+        # the schedule as it was before DASO.epoch_end of epoch undo["epoch"]: a death after that
+        # call but before the cursor's next_epoch leaves this rank's position at (epoch, all
+        # batches done) with the schedule already one epoch on; the epoch end is then redone
+        # (by every survivor), so the state sent for that position is the schedule before it
+        self.undo: dict = {}
+        self.rows: dict[int, list] = {}      # the summary's daso_schedule, by epoch (a redo
+        self.counters: dict[int, dict] = {}  # replaces); this rank's per-epoch totals, likewise
+        self.redo, self.slept = None, self.delay.slept
+
+    def _schedule(self) -> dict:
+        sch = self.opt.schedule
         return {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
                 "plateau": dict(sch.plateau.state_dict())}
 
-    # the schedule as it was before DASO.epoch_end of epoch undo["epoch"]: a death after that
-    # call but before the cursor's next_epoch leaves this rank's position at (epoch, all
-    # batches done) with the schedule already one epoch on; the epoch end is then redone
-    # (by every survivor), so the state sent for that position is the schedule before it
-    undo: dict = {}
-    rows: dict[int, list] = {}       # the summary's daso_schedule, by epoch (a redo replaces)
-    counters: dict[int, dict] = {}   # this rank's per-epoch totals, by epoch (likewise)
-
-    def adopted_state() -> dict:
-        epoch = rec.position[0]
-        ahead = opt.schedule.epoch > epoch and undo.get("epoch") == epoch
-        return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
-                "steps": opt.steps, "done": rec.position[1], "nbatches": opt.batches_per_epoch,
-                "schedule": undo["state"] if ahead else schedule_state(),
-                "rows": {e: r for e, r in rows.items() if e < epoch or not ahead}}
-
-    def load_adopted(blob: dict) -> None:
-        sch, src = opt.schedule, blob["schedule"]
-        rows.clear()
-        rows.update(blob["rows"])
-        # the batches done (the schedule counts one more when the death hit inside a step)
-        sch.epoch, sch.batch = src["epoch"], blob["done"]
+    def _load_schedule(self, src: dict, batch: int, nbatches) -> None:
+        sch = self.opt.schedule
+        sch.epoch, sch.batch, sch.nbatches = src["epoch"], batch, nbatches
         sch.knobs = type(sch.knobs)(*src["knobs"])
         sch.plateau.load_state_dict(src["plateau"])
-        if sch.batch:                    # (a rank behind the epoch's start has no count yet)
-            opt.batches_per_epoch = blob["nbatches"]
-        sch.nbatches = opt.batches_per_epoch if sch.batch else None
-        opt.steps = blob["steps"]
-        cycling = sch.phase == CYCLING
-        if not cycling:                  # replicas are identical in a blocking epoch: exact
-            model.load_state_dict(blob["model"])
-            opt.optimizer.load_state_dict(blob["optimizer"])
-        opt.set_topology(ctx.topo, average=cycling)
 
-    def live_state() -> dict:
-        """What a joiner gets (after the recovery: no global message in flight, every replica
+    def state(self) -> dict:
+        opt, (epoch, done) = self.opt, self.world.position[:2]
+        ahead = opt.schedule.epoch > epoch and self.undo.get("epoch") == epoch
+        return {"model": self.model.state_dict(), "optimizer": opt.optimizer.state_dict(),
+                "steps": opt.steps, "done": done, "nbatches": opt.batches_per_epoch,
+                "schedule": self.undo["state"] if ahead else self._schedule(),
+                "rows": {e: r for e, r in self.rows.items() if e < epoch or not ahead}}
+
+    def load(self, blob: dict) -> None:
+        opt = self.opt
+        self.rows.clear()
+        self.rows.update(blob["rows"])
+        # the batches done (the schedule counts one more when the death hit inside a step)
+        if blob["done"]:                 # (a rank behind the epoch's start has no count yet)
+            opt.batches_per_epoch = blob["nbatches"]
+        self._load_schedule(blob["schedule"], blob["done"],
+                            opt.batches_per_epoch if blob["done"] else None)
+        opt.steps = blob["steps"]
+        cycling = opt.schedule.phase == CYCLING
+        if not cycling:                  # replicas are identical in a blocking epoch: exact
+            self.model.load_state_dict(blob["model"])
+            opt.optimizer.load_state_dict(blob["optimizer"])
+        opt.set_topology(self.ctx.topo, average=cycling)
+
+    def live(self) -> dict:
+        """What a replacement gets (after the reset: no global message in flight, every replica
         the same — adopted in a blocking epoch, averaged in a cycling one)."""
-        sch = opt.schedule
-        return {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
+        opt = self.opt
+        return {"model": self.model.state_dict(), "optimizer": opt.optimizer.state_dict(),
                 "steps": opt.steps, "batches_per_epoch": opt.batches_per_epoch,
                 "lost_before": opt._lost_before,
-                "schedule": {"epoch": sch.epoch, "batch": sch.batch, "nbatches": sch.nbatches,
-                             "knobs": list(sch.knobs), "plateau": dict(sch.plateau.state_dict())},
-                "rows": dict(rows), "counters": dict(counters), "undo": dict(undo)}
+                "schedule": {**self._schedule(), "nbatches": opt.schedule.nbatches},
+                "rows": dict(self.rows), "counters": dict(self.counters),
+                "undo": dict(self.undo)}
 
-    def load_live(blob: dict) -> None:
-        model.load_state_dict(blob["model"])         # (into the FlatModel views)
+    def load_live(self, blob: dict) -> None:
+        opt = self.opt
+        self.model.load_state_dict(blob["model"])         # (into the FlatModel views)
         opt.optimizer.load_state_dict(blob["optimizer"])
         opt.steps, opt.batches_per_epoch = blob["steps"], blob["batches_per_epoch"]
-        opt._lost_before = blob["lost_before"]       # receives of sends dropped in the recovery
-        sch, src = opt.schedule, blob["schedule"]
-        sch.epoch, sch.batch, sch.nbatches = src["epoch"], src["batch"], src["nbatches"]
-        sch.knobs = type(sch.knobs)(*src["knobs"])
-        sch.plateau.load_state_dict(src["plateau"])
-        rows.update(blob["rows"])
-        counters.update(blob["counters"])           # (the sender's per-rank totals)
-        undo.update(blob["undo"])
+        opt._lost_before = blob["lost_before"]       # receives of sends dropped in the reset
+        src = blob["schedule"]
+        self._load_schedule(src, src["batch"], src["nbatches"])
+        self.rows.update(blob["rows"])
+        self.counters.update(blob["counters"])           # (the sender's per-rank totals)
+        self.undo.update(blob["undo"])
 
-    def digest() -> tuple:
+    def digest(self) -> tuple:
         """What every rank holds alike after a join (replicas, optimizer state, schedule)."""
+        opt = self.opt
         sch = opt.schedule
-        return (tuple(cur.position),
-                (opt.steps, opt.batches_per_epoch, opt._lost_before, len(opt.inflight), sch.epoch,
-                 sch.batch, sch.nbatches, tuple(sch.knobs), repr(sch.plateau.state_dict())),
-                join.tensors_digest([*model.state_dict().values(),
+        return (tuple(self.cur.position),
+                (opt.steps, opt.batches_per_epoch, opt._lost_before, len(opt.inflight),
+                 sch.epoch, sch.batch, sch.nbatches, tuple(sch.knobs),
+                 repr(sch.plateau.state_dict())),
+                join.tensors_digest([*self.model.state_dict().values(),
                                      *optimizer_state_tensors(opt.optimizer)]))
 
-    device = topo.device
-    cur = EpochCursor(ctx, epoch=start_epoch)
-    summary = redo = None
-    if joined is not None:
-        load_live(joined["state"])
-        join.take_live_state(joined, ctx, cur, growth, check=digest)
-        redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
-    slept = delay.slept                  # (set at each epoch's start; a joiner enters mid-epoch)
-    while summary is None:
-        topo = ctx.topo
-        try:
-            cur.start(lambda: opt.broadcast_parameters(root=0))
-            if cur.finished:
-                inject.point("final")
-                summary = _final(opt, topo, cfg, rows, counters, delay)
-                continue
-            if cur.begin_epoch():
-                opt.batches_per_epoch = cur.nbatches     # (the survivors' after a death)
-                slept = delay.slept
-                if rec.enabled:
-                    # the epoch's first collective on the world: a rank that completed the last
-                    # epoch end's last collective from messages already there while the others
-                    # failed it must find the world revoked here; in the epoch's first step it
-                    # would wait on a node-level duplicate, which Open MPI 5.0 does not wake on
-                    # a revoke (docs/design/recovery.md, "the rank-0-late hang")
-                    topo.world.Barrier()
-            epoch = cur.epoch
-            if cur.in_epoch:
-                loss = cur.backward(model, opt, delay, device)   # (a straggler sleeps in it)
-                opt.step()
-                cur.step_done(loss.item())
-                rec.step_completed()
-                continue
-            undo.update(epoch=epoch, state=schedule_state())
-            record = opt.epoch_end(cur.loss_sum / max(1, cur.loss_n))
-            wait_max = max_over(topo.world, record["daso_global_wait_s"])
-            record["daso_global_wait_max_s"] = round(wait_max, 4)
-            record["sleep_time_max_s"] = round(max_over(topo.world, delay.slept - slept), 4)
-            counters[epoch] = {key: record[key] for key in TOTALS}
-            rows[epoch] = [epoch, record["daso_phase"], record["daso_global_skip"],
-                           record["daso_local_skip"], record["daso_batches_to_wait"]]
-            if topo.rank == 0:
-                log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global "
-                         "messages", epoch, record["daso_phase"], record["daso_global_skip"],
-                         record["daso_local_skip"], record["daso_batches_to_wait"],
-                         record["daso_global_wait_s"])
-            ctx.epoch_end(epoch, model, world_size=topo.size, **record)
-            # the step passed is rounded down to a multiple of check_every, so that the
-            # preemption agreement (made only on such steps) takes place at every epoch end
-            step = opt.steps - opt.steps % max(1, ctx.check_every)
-            ctx.consistent_point(topo.world, lambda: snapshot(epoch + 1), epoch=epoch,
-                                 step=step, force=True, writer=topo.rank == 0
-                                 and not (redo == epoch and _saved(ctx, epoch, step)))
-            inject.point("epoch_done")
-            cur.next_epoch()
-        except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
-            if not rec.handles(exc):
-                raise
-            def revoke():               # (the attempt's own, after a failed attempt)
-                return tuple(c for c in (ctx.topo.local, ctx.topo.glob,
-                                         *opt.comm.group_comms()) if c is not None)
-            adopted = rec.recover(position=cur.position, state=adopted_state, load=load_adopted,
-                                  revoke=revoke)
+    def comms(self) -> tuple:
+        return tuple(self.opt.comm.group_comms())
 
-            def adopt(same: bool) -> None:
-                # each survivor finishes the epoch on its own shard; a grow fills the dead
-                # ranks' places (same), whose joiners take their shards
-                cur.adopt(adopted, keep=list(range(ctx.topo.size)) if same else rec.last_kept,
-                          size_before=rec.size_before)
-                if opt.topo is not ctx.topo:      # grown: DASO's groups over the new world
-                    opt.set_topology(ctx.topo, average=False)
-            growth.grow(adopted, adopt=adopt, check=digest,
-                        payload=lambda: join.live_state(ctx, cur, growth, live_state()))
-            # an epoch end adopted before its end (all batches done) is redone: its checkpoint
-            # is written then unless its writer had written it before the death (once)
-            redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
-    return RunResult(model=model, summary={**summary, **rec.summary(), **growth.summary()})
+    def resume(self, state: dict) -> tuple:
+        self.model.load_state_dict(state["model"])        # copies into the FlatModel views
+        self.opt.load_state_dict(state["optimizer"])
+        return state["epoch"], 0, 0.0
+
+    def adopt(self, same: bool) -> None:
+        # each survivor finishes the epoch on its own shard; a grow fills the dead ranks'
+        # places (same), whose replacements take their shards
+        self.cur.adopt(self.world.position, size_before=self.ft.size_before,
+                       keep=list(range(self.ctx.topo.size)) if same else self.ft.last_kept)
+        if self.opt.topo is not self.ctx.topo:      # grown: DASO's groups over the new world
+            self.opt.set_topology(self.ctx.topo, average=False)
+
+    def entered(self) -> None:
+        # an epoch end adopted before its end (all batches done) is redone: its checkpoint is
+        # written then unless its writer had written it before the death (once)
+        cur = self.cur
+        self.redo = cur.epoch if cur.plan is not None and not cur.in_epoch else None
+
+    settled = entered
+
+    def begin_epoch(self) -> None:
+        self.opt.batches_per_epoch = self.cur.nbatches     # (the survivors' after a death)
+        self.slept = self.delay.slept
+        if self.ft.ulfm:
+            # the epoch's first collective on the world: a rank that completed the last epoch
+            # end's last collective from messages already there while the others failed it must
+            # find the world revoked here; in the epoch's first step it would wait on a
+            # node-level duplicate, which Open MPI 5.0 does not wake on a revoke
+            # (docs/design/recovery.md, "the rank-0-late hang")
+            self.ctx.topo.world.Barrier()
+
+    def epoch_end(self) -> None:
+        ctx, opt, cur = self.ctx, self.opt, self.cur
+        topo, epoch = ctx.topo, cur.epoch
+        self.undo.update(epoch=epoch, state=self._schedule())
+        record = opt.epoch_end(cur.loss_sum / max(1, cur.loss_n))
+        record["daso_global_wait_max_s"] = round(max_over(topo.world,
+                                                          record["daso_global_wait_s"]), 4)
+        record["sleep_time_max_s"] = round(max_over(topo.world, self.delay.slept - self.slept), 4)
+        self.counters[epoch] = {key: record[key] for key in TOTALS}
+        self.rows[epoch] = [epoch, record["daso_phase"], record["daso_global_skip"],
+                            record["daso_local_skip"], record["daso_batches_to_wait"]]
+        if topo.rank == 0:
+            log.info("DASO epoch %d: %s (gs %d, ls %d, B %d), waited %.3f s on global messages",
+                     epoch, record["daso_phase"], record["daso_global_skip"],
+                     record["daso_local_skip"], record["daso_batches_to_wait"],
+                     record["daso_global_wait_s"])
+        ctx.epoch_end(epoch, self.model, world_size=topo.size, **record)
+        # the step passed is rounded down to a multiple of check_every, so that the preemption
+        # agreement (made only on such steps) takes place at every epoch end
+        step = opt.steps - opt.steps % max(1, ctx.check_every)
+        ctx.consistent_point(topo.world, lambda: {
+            "model": self.model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1,
+            "rank_failures": self.ft.failures}, epoch=epoch, step=step, force=True,
+            writer=topo.rank == 0 and not (self.redo == epoch and _saved(ctx, epoch, step)))
+        inject.point("epoch_done")
+
+    def final(self) -> dict:
+        return _final(self.opt, self.ctx.topo, self.cfg, self.rows, self.counters, self.delay)
+
+
+def run(ctx: RunContext) -> RunResult:
+    return driver.run(ctx, Daso)
 
 
 TOTALS = ("daso_global_wait_s", "daso_blocking_global_s", "daso_global_bytes",

@@ -2,7 +2,8 @@
 (Xu et al., "OD-SGD: One-step Delay Stochastic Gradient Descent for Distributed Training",
 arXiv 2005.06728). LocalOpt and the global step are in :mod:`hpcasync.odsgd.steps`, one round as
 pure functions (shared with the simulator) in :mod:`.core`; the MPI pipeline in :mod:`.pipeline`;
-the CLI loop is here.
+the CLI's part is here: the options, and :class:`OdSgd`, the family in the one synchronous loop
+(:mod:`hpcasync.runtime.driver`).
 
 Every rank is a worker. Round t is an allreduce-average of the N gradients g_t^k followed by the same
 momentum-SGD step on every rank, so the global model stays bitwise identical everywhere::
@@ -29,16 +30,11 @@ import time
 
 import torch
 
-from .. import inject
 from ..errors import ConfigError
-from ..hetero import StepDelay
-from ..runtime import join
+from ..runtime import driver, join
 from ..runtime.context import RunContext, RunResult
-from ..runtime.ft import ulfm_enabled
-from ..runtime.recovery import EpochCursor, SyncRecovery
 from .checkpoint import consistent_point, global_state, load_state, local_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
-from .optimizer import ODSGD
 from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
 
@@ -81,140 +77,149 @@ def validate(cfg) -> None:
     join.validate(cfg)
 
 
-def run(ctx: RunContext) -> RunResult:
-    cfg, topo = ctx.cfg, ctx.topo
-    hp = hyper_from_config(cfg)
-    model = ctx.make_model()
-    opt = ODSGD(model, comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
-                broadcast=False, epochs=cfg.epochs,        # the front door's object
-                steps_per_epoch=len(ctx.train) // topo.size // cfg.batch_size,
-                **dataclasses.asdict(hp))
-    worker = opt.worker
-    delay = StepDelay.from_config(cfg, rank=topo.rank, size=topo.size, device=topo.device)
-    if ctx.is_root:
-        log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s, %s",
-                 hp.local_opt, hp.lr_local, hp.delta, hp.warmup_iters, worker.progress,
-                 delay.model.describe())
-    start_epoch, start_batch, loss_carry = 1, 0, 0.0
-    rec = SyncRecovery(ctx, enabled=ulfm_enabled())
-    growth = join.Growth(ctx, rec)           # --grow-back: replacements join after a death
-    # a replacement (runtime.join): the live state from a survivor, after ODSGD's constructor
-    # (its communicator Dup matches the survivors' set_comm in the grow's adopt)
-    joined = join.receive(ctx) if join.joined() else None
-    state = ctx.resume_state() if joined is None else None
-    if state is not None:
-        start_epoch, start_batch, loss_carry = state["epoch"], state["batch"], state["loss_sum"]
-        rec.failures = list(state.get("rank_failures", []))
-    device = topo.device
+class OdSgd(driver.Family):
+    """OD-SGD in the driver's loop: the global state (W, its momentum, identical on every rank)
+    is the job's; each rank's local weights and mean square are its own (a reset gives every
+    survivor W as its local weights; a checkpoint keeps every rank's)."""
 
-    def adopted_state() -> dict:
-        """The global model (identical on every rank) for survivors to adopt after a death."""
-        return {"global": global_state(worker), "buffers": worker.flat.buffers.detach().cpu()}
+    def keywords(self) -> tuple:
+        cfg, topo = self.cfg, self.ctx.topo
+        self.hp = hyper_from_config(cfg)
+        return None, dict(comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
+                          epochs=cfg.epochs,
+                          steps_per_epoch=len(self.ctx.train) // topo.size // cfg.batch_size,
+                          **dataclasses.asdict(self.hp))
 
-    def load_adopted(blob: dict) -> None:
-        load_state(worker, blob["global"], {"local": blob["global"]["W"], "ms": worker.ws.ms,
-                                            "buffers": blob["buffers"]})
+    def build(self):
+        opt = super().build()
+        self.worker = opt.worker
+        return opt
 
-    def live_state() -> dict:
-        """What a joiner needs of the worker (no round in flight after a recovery): the global
-        state and the sender's own part — its local weights (W on every survivor after the
-        recovery), BatchNorm buffers and dc-adaptive mean square (the dead rank's is lost;
-        the sender's is the nearest estimate of the same gradients' statistics)."""
-        return {"global": global_state(worker), "local": local_state(worker)}
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        hp = self.hp
+        if ctx.is_root:
+            log.info("odsgd: local %s (lr %g, delta %s), %d warm-up steps, progress %s, %s",
+                     hp.local_opt, hp.lr_local, hp.delta, hp.warmup_iters, self.worker.progress,
+                     self.delay.model.describe())
 
-    def digest() -> tuple:
+    def state(self) -> dict:
+        """The global model (identical on every rank) for the survivors after a death."""
+        w = self.worker
+        return {"global": global_state(w), "buffers": w.flat.buffers.detach().cpu()}
+
+    def load(self, blob: dict) -> None:
+        w = self.worker
+        load_state(w, blob["global"], {"local": blob["global"]["W"], "ms": w.ws.ms,
+                                       "buffers": blob["buffers"]})
+
+    def live(self) -> dict:
+        """What a replacement needs (no round in flight after a reset): the global state and the
+        sender's own part — its local weights (W on every survivor after the reset), BatchNorm
+        buffers and dc-adaptive mean square (the dead rank's is lost; the sender's is the
+        nearest estimate of the same gradients' statistics)."""
+        return {"global": global_state(self.worker), "local": local_state(self.worker)}
+
+    def load_live(self, blob: dict) -> None:
+        load_state(self.worker, blob["global"], blob["local"])
+
+    def digest(self) -> tuple:
         """What every rank holds alike after a join (the mean square differs per rank)."""
-        g = worker.glob
-        return (tuple(cur.position), (worker.steps, worker.rounds),
-                join.tensors_digest([g.W, g.W_prev, g.buf, worker.flat.params,
-                                     worker.flat.buffers]))
+        w = self.worker
+        g = w.glob
+        return (tuple(self.cur.position), (w.steps, w.rounds),
+                join.tensors_digest([g.W, g.W_prev, g.buf, w.flat.params, w.flat.buffers]))
 
-    def setup(rank: int) -> None:
-        worker.broadcast_parameters(root=0)
+    def position(self) -> tuple:
+        return (*self.cur.position, self.worker.rounds)
+
+    def comms(self) -> tuple:
+        return (self.worker.round_comm,)
+
+    def resume(self, state: dict) -> tuple:
+        return state["epoch"], state["batch"], state["loss_sum"]   # (loaded by start)
+
+    def start(self) -> None:
+        self.worker.broadcast_parameters(root=0)
+        state = self.resumed
         if state is not None:                # (after the broadcast, which sets W from params)
-            load_state(worker, state["global"], state["locals"][rank])
+            load_state(self.worker, state["global"], state["locals"][self.ctx.topo.rank])
 
-    # positions (epoch, batches done, started), recovery and re-sharding as in hpcasync.ssgd
-    cur = EpochCursor(ctx, epoch=start_epoch, done=start_batch, loss_sum=loss_carry)
-    if joined is not None:
-        load_state(worker, joined["state"]["global"], joined["state"]["local"])
-        join.take_live_state(joined, ctx, cur, growth, check=digest)
-    # this epoch's counters (a joiner enters mid-epoch: its own from here, the epoch's steps)
-    before, steps_before, slept, compute = (StepTimes(**vars(worker.times)),
-                                            worker.steps - cur.done, delay.slept, 0.0)
-    summary = None
-    while summary is None:
-        topo = ctx.topo
-        try:
-            cur.start(lambda: setup(topo.rank))
-            if cur.finished:                               # the final gathers
-                inject.point("final")
-                summary = {"bytes_communicated": topo.world.allreduce(worker.bytes_sent),
-                           "sleep_time_s": topo.world.allgather(round(delay.slept, 4))}
-                if rec.failures:         # the global model, bitwise on every survivor
-                    summary["replica_sha256"] = topo.world.allgather(
-                        hashlib.sha256(worker.glob.W.numpy().tobytes()).hexdigest())
-                continue
-            if cur.begin_epoch():
-                before, steps_before, slept = (StepTimes(**vars(worker.times)), worker.steps,
-                                               delay.slept)
-                compute = 0.0
-            epoch = cur.epoch
-            if cur.in_epoch:
-                model.train()
-                t0 = time.perf_counter()
-                x, y = cur.batch(device)
-                opt.zero_grad()
-                delay.begin()
-                loss = ctx.loss_fn(model(x), y)
-                loss.backward()
-                loss_value = loss.item()
-                compute += time.perf_counter() - t0
-                delay.end(worker.steps)          # a straggler sleeps here; the round waits for it
-                opt.step()
-                cur.step_done(loss_value)
-                rec.step_completed()
-                if cur.in_epoch:
-                    consistent_point(ctx, worker, epoch=epoch, batch=cur.done,
-                                     loss_sum=cur.loss_sum)
-                continue
-            worker.synchronize()
-            worker.average_buffers()
-            times = _epoch_times(topo.world, worker.times, before, compute,
-                                 max(1, worker.steps - steps_before))
-            times["warmup_steps"] = (min(worker.steps, hp.warmup_iters)
-                                     - min(steps_before, hp.warmup_iters))
-            train_loss = cur.train_loss(topo.world)
-            times["sleep_time_max_s"] = round(max(topo.world.allgather(delay.slept - slept)), 4)
-            with worker.global_weights():
-                ctx.epoch_end(epoch, model, train_loss=train_loss, rounds=worker.rounds,
-                              bytes_communicated=topo.world.allreduce(worker.bytes_sent),
-                              world_size=topo.size, **times)
-            consistent_point(ctx, worker, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
-                             label=epoch)
-            cur.next_epoch()
-        except Exception as exc:        # noqa: BLE001 - only a dead rank is handled here
-            if not rec.handles(exc):
-                raise
-            adopted = rec.recover(position=(*cur.position, worker.rounds), state=adopted_state,
-                                  load=load_adopted, revoke=(worker.round_comm,))
+    def adopt(self, same: bool) -> None:
+        # (a grow: the Dup of set_comm matches the one in a replacement's ODSGD constructor)
+        super().adopt(same)
+        self.opt.set_comm(self.ctx.topo.world)
 
-            def adopt(same: bool) -> None:
-                # (a grow: each joiner in a dead rank's place keeps the epoch's plan; the Dup of
-                # set_comm matches the one in a joiner's ODSGD constructor)
-                cur.adopt(adopted, size_before=rec.size_before,
-                          keep=list(range(ctx.topo.size)) if same else None)
-                opt.set_comm(ctx.topo.world)
-            growth.grow(adopted, adopt=adopt, check=digest,
-                        payload=lambda: join.live_state(ctx, cur, growth, live_state()))
-    opt.finish(average_buffers=False)        # buffers were averaged at the last epoch end
-    return RunResult(model=model, summary={
-        "steps": worker.steps, "rounds": worker.rounds,
-        "warmup_steps": min(worker.steps, hp.warmup_iters),
-        "local_opt": hp.local_opt, "delta": hp.delta, "progress": worker.progress,
-        "compute_time_s": round(sum(r["compute_time_s"] for r in ctx.history), 4),
-        "wait_time_s": round(sum(r["wait_time_s"] for r in ctx.history), 4),
-        **summary, **delay.record(), **rec.summary(), **growth.summary()})
+    def entered(self) -> None:
+        # this epoch's counters (a replacement enters mid-epoch: its own from here)
+        w = self.worker
+        self.before, self.steps_before = StepTimes(**vars(w.times)), w.steps - self.cur.done
+        self.slept, self.compute = self.delay.slept, 0.0
+
+    def begin_epoch(self) -> None:
+        w = self.worker
+        self.before, self.steps_before = StepTimes(**vars(w.times)), w.steps
+        self.slept, self.compute = self.delay.slept, 0.0
+
+    def step(self) -> float:
+        self.model.train()
+        t0 = time.perf_counter()
+        x, y = self.cur.batch(self.device)
+        self.opt.zero_grad()
+        self.delay.begin()
+        loss = self.ctx.loss_fn(self.model(x), y)
+        loss.backward()
+        value = loss.item()
+        self.compute += time.perf_counter() - t0
+        self.delay.end(self.worker.steps)    # a straggler sleeps here; the round waits for it
+        self.opt.step()
+        return value
+
+    def after_step(self) -> None:
+        cur = self.cur
+        consistent_point(self.ctx, self.worker, epoch=cur.epoch, batch=cur.done,
+                         loss_sum=cur.loss_sum)
+
+    def epoch_end(self) -> None:
+        ctx, w, cur, hp = self.ctx, self.worker, self.cur, self.hp
+        world, epoch = ctx.topo.world, cur.epoch
+        w.synchronize()
+        w.average_buffers()
+        times = _epoch_times(world, w.times, self.before, self.compute,
+                             max(1, w.steps - self.steps_before))
+        times["warmup_steps"] = (min(w.steps, hp.warmup_iters)
+                                 - min(self.steps_before, hp.warmup_iters))
+        train_loss = cur.train_loss(world)
+        times["sleep_time_max_s"] = round(max(world.allgather(self.delay.slept - self.slept)), 4)
+        with w.global_weights():
+            ctx.epoch_end(epoch, self.model, train_loss=train_loss, rounds=w.rounds,
+                          bytes_communicated=world.allreduce(w.bytes_sent),
+                          world_size=ctx.topo.size, **times)
+        consistent_point(ctx, w, epoch=epoch + 1, batch=0, loss_sum=0.0, force=True,
+                         label=epoch)
+
+    def final(self) -> dict:
+        world, w = self.ctx.topo.world, self.worker
+        summary = {"bytes_communicated": world.allreduce(w.bytes_sent),
+                   "sleep_time_s": world.allgather(round(self.delay.slept, 4))}
+        if self.ft.failures:         # the global model, bitwise on every survivor
+            summary["replica_sha256"] = world.allgather(
+                hashlib.sha256(w.glob.W.numpy().tobytes()).hexdigest())
+        self.opt.finish(average_buffers=False)      # buffers were averaged at the last epoch end
+        return summary
+
+    def summary(self) -> dict:
+        w, hp, history = self.worker, self.hp, self.ctx.history
+        return {"steps": w.steps, "rounds": w.rounds,
+                "warmup_steps": min(w.steps, hp.warmup_iters),
+                "local_opt": hp.local_opt, "delta": hp.delta, "progress": w.progress,
+                "compute_time_s": round(sum(r["compute_time_s"] for r in history), 4),
+                "wait_time_s": round(sum(r["wait_time_s"] for r in history), 4),
+                **self.delay.record()}
+
+
+def run(ctx: RunContext) -> RunResult:
+    return driver.run(ctx, OdSgd)
 
 
 def _epoch_times(comm, now: StepTimes, before: StepTimes, compute: float, nbatches: int) -> dict:

@@ -2,8 +2,8 @@
 death the run returns to its size with a replacement in the dead rank's place.
 
 The synchronous runtimes spawn replacements from every survivor at once
-(:class:`hpcasync.runtime.join.Growth`). A PS run's workers are asynchronous, so here the
-**server spawns alone** (:class:`~hpcasync.runtime.join.Spawned`) and the workers go on pushing
+(:meth:`hpcasync.runtime.elastic.FaultTolerance.reset`). A PS run's workers are asynchronous, so
+here the **server spawns alone** (:class:`~hpcasync.runtime.join.Spawned`) and the workers go on pushing
 while the replacement starts (its Python, torch and data: seconds). Then:
 
 * **a worker died**: the server asks every worker to stop after its current push (the

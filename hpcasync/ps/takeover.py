@@ -32,9 +32,8 @@ import time
 import torch
 
 from .. import inject
-from ..errors import proc_failure
+from ..errors import proc_failure, ranks_in
 from ..runtime.elastic import atomic_shrink, revoke_all
-from ..runtime.recovery import _kept
 
 log = logging.getLogger("hpcasync")
 
@@ -59,8 +58,6 @@ def known_dead(comm) -> bool:
     (``MPI_ERR_WIN``), and ``comm`` may not know of the death yet."""
     from mpi4py import MPI
 
-    from ..runtime.recovery import proc_failure
-
     try:
         comm.Barrier()
     except MPI.Exception as exc:
@@ -82,7 +79,7 @@ def _follow(ctx, world, new) -> tuple:
     """After ``new = world.Shrink()``: ``(ranks kept (old numbering), dead ranks (original
     numbering))``; ``ctx.original_ranks`` follows."""
     size = world.Get_size()
-    kept = _kept(world, new)
+    kept = ranks_in(new.Get_group(), world)
     original = getattr(ctx, "original_ranks", list(range(size)))
     ctx.original_ranks = [original[r] for r in kept]
     return kept, [original[r] for r in range(size) if r not in kept]

@@ -3,6 +3,8 @@
 
 A runtime module provides ``run(ctx: RunContext) -> RunResult`` and may provide
 ``add_arguments(parser)`` (its own option group) and ``validate(cfg)`` (checks that need no MPI).
+The synchronous families' ``run`` is the one loop of :mod:`hpcasync.runtime.driver` over their
+:class:`~hpcasync.runtime.driver.Family`.
 Modules are imported lazily, and the options come from torch-free modules (``Algorithm.arguments``),
 so ``hpcasync --help`` and option errors stay fast.
 """

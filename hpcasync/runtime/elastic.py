@@ -16,12 +16,13 @@ on the survivors, how to broadcast); :func:`elastic_run` is the retry loop::
 
 Without ULFM nothing is caught: a death ends the job (fail-fast, one line).
 
-**One loop for every recovery**: :func:`atomic_shrink` is hpcasync's only "shrink, attempt,
-``MPI_Comm_agree``, retry on a fresh shrink" loop. :meth:`FaultTolerance.reset` runs it, and so
-do the CLI's synchronous recovery (:meth:`hpcasync.runtime.recovery.SyncRecovery.recover`) and
-the parameter server's takeover (:func:`hpcasync.ps.takeover.take_over`), each passing only its
-attempt, its bookkeeping per shrink and what to revoke; :func:`is_process_failure` is their one
-test of "this exception is a process failure".
+**One reset for every synchronous road**: :meth:`FaultTolerance.reset` is the one shrink →
+sync → grow path of your own loop, ``hvd.elastic`` and the CLI's synchronous families (their
+world: :class:`hpcasync.runtime.recovery.SyncWorld`, which adopts the live state of the survivor
+furthest on instead of a commit). :func:`atomic_shrink` is hpcasync's only "shrink, attempt,
+``MPI_Comm_agree``, retry on a fresh shrink" loop: the reset runs it, and so does the parameter
+server's takeover (:func:`hpcasync.ps.takeover.take_over`); :func:`is_process_failure` is their
+one test of "this exception is a process failure".
 
 **Growing back** (opt-in: ``HPCASYNC_GROW_BACK=1``, or ``run(grow_back=True)`` of a front end):
 after the shrink the survivors spawn replacements running the user's own command
@@ -49,7 +50,7 @@ import torch
 
 from .. import inject
 from . import join
-from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
+from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure, ranks_in as _ranks_in
 
 log = logging.getLogger("hpcasync")
 
@@ -92,12 +93,21 @@ class Membership:
     ``rebuild(new)``    collective over ``new``, the shrunk ``comm``: re-initialise topology and
                         optimizers on the survivors (``new`` stays valid: the reset agrees on it);
     ``done_with(new)``  after the reset was agreed on: free ``new`` if the rebuild copied it;
+    ``shrunk(record)``  after the shrink (the ``rank_failed`` record): say it;
+    ``settle(grew)``    last, on every rank of the world the reset ends on (``grew``: the
+                        ``rank_joined`` record, None if the world did not grow);
     ``rank()``/``size()``, ``bcast_object(obj)``, ``sync_model(m)``, ``sync_optimizer(o)``.
     """
 
     comm: Any = None
-    #: during a reset: every survivor's count of commits, by rank of the shrunk world
+    #: during a reset: every survivor's key (its count of commits, its position), by rank of the
+    #: shrunk world
     commits: list | None = None
+    #: grow back only into the places a death emptied (never past the size before it)
+    refill_only = False
+    #: set by a ``rebuild`` that loaded the root's state: the key this rank holds from then on
+    #: (it reports that one if the attempt fails and another begins)
+    adopted: Any = None
 
     def comms(self) -> list:
         return [self.comm]
@@ -119,6 +129,19 @@ class Membership:
         dead rank's place): rebuild the front end on it with exactly the collectives a
         replacement's ``init`` and optimizer constructors make; ``grown`` is the front end's."""
         raise NotImplementedError
+
+    def shrunk(self, record: dict) -> None:
+        if self.rank() == sync_root():
+            log.warning("rank(s) %s died; going on with %d ranks (recovered in %.3f s, from the "
+                        "state of rank %d at %s)", ", ".join(map(str, record["dead_ranks"])),
+                        record["world_size"], record["recovery_s"], record["adopted_from"],
+                        record["position"])
+
+    def settle(self, grew: dict | None) -> None:
+        if grew and self.rank() == sync_root():
+            log.warning("grow-back: %d rank(s) joined as rank(s) %s; %d ranks again (%.3f s)",
+                        len(grew["joined"]), ", ".join(map(str, grew["ranks"])),
+                        grew["world_size"], grew["join_s"])
 
     def rank(self) -> int:
         return self.comm.Get_rank()
@@ -172,7 +195,7 @@ def is_process_failure(exc: BaseException, world, comms=()) -> bool:
     enters it late, after a peer died and another revoked: "known error not in list") while one
     of ``comms`` or a duplicate hpcasync cached on it is revoked (a peer revoked it before this
     rank learnt of the death), or ``world`` knows of a dead process. The one test of
-    :meth:`FaultTolerance.is_failure` and :meth:`~.recovery.SyncRecovery.handles`."""
+    :meth:`FaultTolerance.is_failure`."""
     if proc_failure(exc):
         return True
     from mpi4py import MPI
@@ -207,10 +230,9 @@ def atomic_shrink(world, attempt: Callable[[Any], Any], *, first_revoke=(),
                   no_death: str | None = None, max_attempts: int | None = None,
                   exhausted: Callable[[int], BaseException] | None = None) -> tuple:
     """The one atomic "shrink, rebuild, agree, retry on a fresh shrink" loop of hpcasync's fault
-    tolerance (docs/design/elastic.md, "One loop"): an elastic reset
-    (:meth:`FaultTolerance.reset`), a synchronous runtime's recovery
-    (:meth:`~.recovery.SyncRecovery.recover`) and a parameter server's takeover
-    (:func:`hpcasync.ps.takeover.take_over`) all run it. Collective over the survivors of
+    tolerance (docs/design/elastic.md, "One loop"): a reset (:meth:`FaultTolerance.reset`: your
+    own loop, ``hvd.elastic``, the CLI's synchronous families) and a parameter server's takeover
+    (:func:`hpcasync.ps.takeover.take_over`) run it. Collective over the survivors of
     ``world``.
 
     Each attempt: revoke (``first_revoke`` before the first shrink; the attempt's world before
@@ -258,25 +280,34 @@ def atomic_shrink(world, attempt: Callable[[Any], Any], *, first_revoke=(),
 # -- the fault-tolerance object ----------------------------------------------------------------------
 
 class FaultTolerance:
-    """Error latch, agreement, shrink and rebuild over a :class:`Membership` (torchft's
-    ``Manager`` role; one per elastic state).
+    """Error latch, agreement, shrink, rebuild and grow-back over a :class:`Membership`
+    (torchft's ``Manager`` role): one per elastic state, one per CLI run of a synchronous family.
 
     Attributes: ``error`` (the latched process failure of the current attempt, None if none),
-    ``resets`` (one record per reset: ``size_before``, ``size``, ``detected_unix``,
-    ``reset_s``), ``ulfm`` (ULFM is on: otherwise nothing is caught)."""
+    ``failures`` (one record per reset: the ``rank_failed`` metrics record), ``joins`` (one per
+    grow: the ``rank_joined`` record), ``original`` (each rank's number in the first launch; a
+    replacement gets a new one), ``last_kept`` (the survivors' ranks in the world before the last
+    reset), ``ulfm`` (ULFM is on: otherwise nothing is caught)."""
 
     def __init__(self, membership: Membership, *, ulfm: bool | None = None,
-                 grow_back: bool | None = None, max_ranks: int | None = None):
+                 grow_back: bool | None = None, max_ranks: int | None = None,
+                 min_ranks: int | None = None):
         if ulfm is None:
             from .ft import ulfm_enabled
 
             ulfm = ulfm_enabled()
         self.membership, self.ulfm = membership, bool(ulfm)
         self.error: BaseException | None = None
-        self.resets: list[dict] = []
-        self._detected = None
-        self.grow_back, self.max_ranks = False, None
+        self.failures: list[dict] = []
+        self.joins: list[dict] = []
+        self._detected, self._t0, self._pending_next_step = None, time.time(), None
+        self.grow_back, self.max_ranks, self.min_ranks = False, None, min_ranks or 1
         self.set_growth(grow_back, max_ranks)
+        joined = join.joined() or {}
+        self.original = list(joined.get("original", range(membership.size())))
+        self.next_id = joined.get("next_id", membership.size())  # the next replacement's number
+        self.last_kept: list[int] = []
+        self.size_before = membership.size()
         #: after a grow (or on a replacement): the first sync is checked (:func:`check_synced`)
         self.check_pending = False
 
@@ -330,92 +361,168 @@ class FaultTolerance:
             revoke_all(self.membership.comms())
             return False
 
-    def reset(self, commits: int = 0) -> None:
-        """Shrink the world over the survivors and rebuild the front end on them. Atomic: the
-        rebuild ends in one ``MPI_Comm_agree``; if it failed anywhere (a death during the
-        rebuild's collectives), every survivor shrinks again and rebuilds on the smaller world.
+    def reset(self, key=0) -> None:
+        """Shrink the world over the survivors, rebuild the front end on them, grow back if asked.
+        Atomic: the rebuild ends in one ``MPI_Comm_agree``; if it failed anywhere (a death during
+        the rebuild's collectives), every survivor shrinks again and rebuilds on the smaller
+        world.
 
-        ``commits``: this rank's count of commits (its restored state's). The survivors may hold
-        different ones (DASO's cycling epochs sync only inside a node: a node far from the dead
-        rank can commit again before it learns of the death); the sync root is the lowest
-        survivor holding the most, and ``membership.commits`` (every survivor's count) tells
-        the rebuild whether all hold the same commit."""
+        ``key``: how far this rank got (comparable: a count of commits, a CLI loop's position
+        ``(epoch, batches done, started)``). The sync root is the lowest survivor holding the
+        largest (:func:`sync_root`); ``membership.commits`` holds every survivor's key during the
+        rebuild (DASO asks it whether all hold the same commit). Collective over the survivors."""
         m = self.membership
         m.check_reset()
-        t0, before, before_rank = time.perf_counter(), m.comm.Get_size(), m.rank()
+        t0, before, before_rank = time.perf_counter(), m.size(), m.rank()
+        detected = self._detected or time.time()
+        lost, track = [], {"index": list(range(before)), "original": self.original}
+        m.adopted = None
 
-        def attempt(new):
-            m.commits = new.allgather(int(commits))
-            _GROWN["root"] = m.commits.index(max(m.commits))
+        def on_shrink(world, new) -> None:      # who is left, in original and old numbering
+            inject.point("reset")
+            kept, original = _ranks_in(new.Get_group(), world), track["original"]
+            lost.extend(original[r] for r in range(world.Get_size()) if r not in kept)
+            track["original"] = [original[r] for r in kept]
+            track["index"] = [track["index"][r] for r in kept]
+            if not self.grow_back:
+                self._check_min(new.Get_size(), sorted(lost))
+
+        def attempt(new) -> int:
+            m.commits = new.allgather(key if m.adopted is None else m.adopted)
+            root = max(range(len(m.commits)), key=lambda r: (m.commits[r], -r))
+            _GROWN["root"] = root
             m.rebuild(new)
+            return root
 
-        # the world was revoked by report_error: nothing more to revoke before the first shrink
-        new, _, attempts = atomic_shrink(
-            m.comm, attempt,
-            on_shrink=lambda world, new: inject.point("reset"),  # a death inside the rebuild
-            no_death="elastic reset: the rebuild failed on another survivor, and no rank died "
-                     "since the last attempt")
+        # (report_error revoked the world: each failed attempt revokes what it may block on)
+        new, root, attempts = atomic_shrink(
+            m.comm, attempt, on_shrink=on_shrink, revoke=lambda new: (new, *m.comms()),
+            no_death="reset: the rebuild failed on another survivor, and no rank died since the "
+                     "last attempt",
+            max_attempts=before,        # (each attempt that fails needs one more death)
+            exhausted=lambda n: ProcessFailedError(f"the reset did not complete in {n} attempts",
+                                                   sorted(lost)))
+        self.original, self.last_kept, self.size_before = (track["original"], track["index"],
+                                                           before)
         m.done_with(new)
-        shrunk = m.size()
-        grew = self._grow(before, before_rank) if self.grow_back else None
-        self.resets.append({"size_before": before, "size_shrunk": shrunk, "size": m.size(),
-                            "detected_unix": self._detected, "attempts": attempts,
-                            "reset_s": round(time.perf_counter() - t0, 4), **(grew or {})})
+        keys = m.commits
+        record = {"dead_ranks": sorted(lost), "world_size": m.size(),
+                  "survivors": list(self.original),
+                  "detected_at_s": round(detected - self._t0, 4),
+                  "detected_unix": round(detected, 4),
+                  "recovery_s": round(time.perf_counter() - t0, 4),
+                  "position": list(keys[root]) if isinstance(keys[root], tuple) else keys[root],
+                  "adopted_from": self.original[root],
+                  "steps_behind": [_behind(k, keys[root]) for k in keys],
+                  "attempts": attempts, "next_step_s": None, "size_before": before}
+        self.failures.append(record)
+        self._pending_next_step = record
+        m.shrunk(record)
+        grew = self._grow(before, before_rank, record) if self.grow_back else None
+        if self.grow_back:
+            self._check_min(m.size(), record["dead_ranks"], "" if grew else
+                            f" and spawning {self._want(before)} replacement(s) failed")
         self.error = self._detected = None
-        if m.rank() == sync_root():     # a survivor (a replacement may be rank 0)
-            log.warning("elastic: a rank died; reset from %d to %d ranks%s", before, m.size(),
-                        f" ({grew['joined']} replacement(s) joined in {grew['grow_s']:.3f} s)"
-                        if grew else "")
+        m.settle(grew)
+        log.info("reset from %d to %d ranks in %.3f s", before, m.size(),
+                 time.perf_counter() - t0)
 
-    def _grow(self, before: int, before_rank: int) -> dict | None:
+    def _want(self, before: int) -> int:
+        """Replacements to spawn: up to ``max_ranks`` (``membership.refill_only``: no more than
+        the places the last reset emptied)."""
+        target = min(self.max_ranks, before) if self.membership.refill_only else self.max_ranks
+        return target - self.membership.size()
+
+    def _check_min(self, size: int, lost: list, why: str = "") -> None:
+        if size < self.min_ranks:
+            raise ProcessFailedError(f"rank(s) {', '.join(map(str, lost))} died; {size} left"
+                                     f"{why}: fewer than --min-ranks {self.min_ranks}", lost)
+
+    def step_completed(self) -> None:
+        """After each completed step: the first one after a reset is timed (the record's
+        ``next_step_s``, from the detection to the end of that step)."""
+        rec, self._pending_next_step = self._pending_next_step, None
+        if rec is not None:
+            rec["next_step_s"] = round(time.time() - rec["detected_unix"], 4)
+
+    def summary(self) -> dict[str, Any]:
+        """For a run's summary: ``rank_failures``, ``failed_ranks``, ``fault_tolerance``,
+        ``rank_joins`` (after a grow)."""
+        out = {"rank_failures": self.failures,
+               "failed_ranks": sorted(r for f in self.failures for r in f["dead_ranks"]),
+               "fault_tolerance": "ulfm" if self.ulfm else "none"}
+        return {**out, "rank_joins": self.joins} if self.joins else out
+
+    def _grow(self, before: int, before_rank: int, failure: dict) -> dict | None:
         """The survivors' side of a grow (module doc), right after the shrink and rebuild:
-        spawn ``max_ranks - survivors`` replacements, merge, give each a dead rank's place when
-        the world returns to its size before the death (else the replacements come last), and
-        rebuild the front end on the grown world. A spawn that fails on any survivor: the run
-        goes on shrunk, with one warning line. A death or a replacement that never starts while
-        growing ends the job with one line (not survived; ``HPCASYNC_JOIN_TIMEOUT``'s
-        watchdog for a replacement that never merges). Returns the record, None if not grown."""
+        spawn the replacements (:meth:`_want`), merge, give each a dead rank's place when the
+        world returns to its size before the death (else the replacements come last), and
+        rebuild the front end on the grown world (``membership.regrow``). A spawn that fails on
+        any survivor: the run goes on shrunk, with one warning line. A death or a replacement
+        that never starts while growing ends the job with one line (not survived;
+        ``HPCASYNC_JOIN_TIMEOUT``'s watchdog for a replacement that never merges). Returns the
+        ``rank_joined`` record, None if not grown."""
         from mpi4py import MPI
 
         m = self.membership
-        world, want = m.comm, self.max_ranks - m.size()
+        world, want = m.comm, self._want(before)
         if want <= 0:
             return None
         t0 = time.perf_counter()
         try:
             kept = world.allgather(before_rank)
-            with join._Watchdog(f"elastic grow-back (spawning {want} replacement(s))",
-                                connect=False):
+            with join._Watchdog(f"grow-back (spawning {want} replacement(s))", connect=False):
                 inter, error = join.spawn(world, want)
             if not world.allreduce(inter is not None, op=MPI.LAND):
                 if inter is not None:
                     inter.Free()
                 if m.rank() == 0:
-                    log.warning("elastic grow-back: spawning %d replacement(s) failed (%s); going "
-                                "on with %d ranks", want, error or "on another rank", m.size())
+                    log.warning("grow-back: spawning %d replacement(s) failed (%s); going on with "
+                                "%d ranks (Open MPI's launcher exits with status 213 at the end "
+                                "for the failed spawn)", want, error or "on another rank",
+                                m.size())
                 return None
             spawned = time.perf_counter()
+            inject.point("grow")
             keys, joiner_keys, same = join._order(before, kept, m.size(), want)
             root = keys[_GROWN["root"]]         # the sync root's place in the grown world
-            with join._Watchdog(f"elastic grow-back (waiting for {want} replacement(s) to start)"):
+            original = [0] * (m.size() + want)
+            ids = list(range(self.next_id, self.next_id + want))
+            for k, r in [*zip(keys, self.original), *zip(joiner_keys, ids)]:
+                original[k] = r
+            with join._Watchdog(f"grow-back (waiting for {want} replacement(s) to start)"):
                 merged = inter.Merge(high=False)
+                merged_at = time.perf_counter()
                 merged.bcast({"keys": joiner_keys, "survivor_keys": keys, "src": root,
-                              "max_ranks": self.max_ranks}, root=0)
+                              "max_ranks": self.max_ranks, "original": original,
+                              "next_id": self.next_id + want}, root=0)
                 grown = merged.Split(0, key=keys[m.rank()])
             merged.Free()
             inter.Free()
             _GROWN["root"] = root
+            self.original, self.next_id = original, self.next_id + want
             join.register_release()
+            record = {"joined": ids, "ranks": joiner_keys, "world_size": grown.Get_size(),
+                      "position": failure["position"], "same_places": same,
+                      "spawn_s": round(spawned - t0, 4), "merge_s": round(merged_at - spawned, 4)}
             m.regrow(grown)
         except Exception as exc:       # noqa: BLE001 - a death while growing: not survived
             if not _mpi_error(exc):
                 raise
-            raise ProcessFailedError(f"elastic grow-back: a rank died while growing from "
-                                     f"{m.size()} to {self.max_ranks} ranks ({exc}); ending the "
-                                     "job") from exc
+            raise ProcessFailedError(f"grow-back: a rank died while growing from {m.size()} to "
+                                     f"{self.max_ranks} ranks ({exc}); ending the job") from exc
+        record["join_s"] = round(time.perf_counter() - t0, 4)
+        self.joins.append(record)
         self.check_pending = True
-        return {"joined": want, "joiner_ranks": joiner_keys, "same_places": same, "root": root,
-                "spawn_s": round(spawned - t0, 4), "grow_s": round(time.perf_counter() - t0, 4)}
+        return record
+
+
+def _behind(p, q) -> int:
+    """How far key ``p`` was behind ``q``: commits, or batches of one epoch (-1 across an epoch
+    end)."""
+    if not isinstance(p, tuple):
+        return int(q - p)
+    return int(q[1] - p[1]) if p[0] == q[0] else -1
 
 
 def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):

@@ -1,9 +1,13 @@
-"""Grow back: after a death, the survivors of a synchronous run (``ssgd``, ``odsgd``, ``daso``)
-spawn replacement ranks that join the running job, so the run returns to full size without a
-restart (ULFM, Open MPI).
+"""Grow back: after a death, the survivors spawn replacement ranks that join the running job,
+so the run returns to full size without a restart (ULFM, Open MPI). The pieces every road shares:
+the spawn, the replacement's one entry (:func:`join_world`), the places (:func:`_order`), the
+watchdogs; the survivors' side of a synchronous run's grow is
+:meth:`hpcasync.runtime.elastic.FaultTolerance.reset` (your own loop, ``hvd.elastic`` and the
+CLI's ``ssgd``, ``odsgd``, ``daso`` alike), the parameter server's is :class:`Spawned` +
+:func:`connect`.
 
-Recovery alone (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains on. With
-``--grow-back`` (``--max-ranks N``, default the starting size) the survivors then:
+A reset alone shrinks the world and trains on. With ``--grow-back`` (``--max-ranks N``, default
+the starting size; ``HPCASYNC_GROW_BACK`` in your own loop) the survivors then:
 
 1. **spawn** ``N - survivors`` processes running this very command (``MPI_Comm_spawn`` of
    ``sys.executable`` with the interpreter's own arguments, working directory kept) into the
@@ -19,9 +23,9 @@ Recovery alone (:mod:`hpcasync.runtime.recovery`) shrinks the world and trains o
    same reduction order); otherwise the survivors keep their order and the joiners come last;
 3. **rebuild the topology** on the merged world (:meth:`hpcasync.topology.Topology.build`: nodes
    from shared memory, ``--ranks-per-node`` honoured);
-4. the survivors adopt the recovered position — the epoch's plan kept (same size) or re-sharded
-   over the grown world (:class:`~hpcasync.runtime.recovery.EpochCursor`) — and the lowest
-   surviving rank **sends the live state** to the joiners (one broadcast over the grown world):
+4. the CLI's survivors adopt the recovered position — the epoch's plan kept (same size) or
+   re-sharded over the grown world (:class:`~hpcasync.runtime.recovery.EpochCursor`) — and the
+   sync root **sends the live state** to the joiners (one broadcast over the grown world):
    model parameters and buffers (BatchNorm), optimizer state and step count, the data cursor
    (epoch, batches done, the epoch's shards), the epoch history, the failure records, the
    divergence guard's reference, torch's RNG state (every rank seeds alike).
@@ -49,7 +53,7 @@ import time
 from typing import Any, Callable
 
 from .. import inject
-from ..errors import ConfigError, HpcasyncError, ProcessFailedError
+from ..errors import ConfigError, HpcasyncError
 from .logs import setup_logging
 
 log = logging.getLogger("hpcasync")
@@ -260,121 +264,6 @@ def _topology(world, cfg, ps_rank: int = 0):
                           ps_rank=ps_rank)
 
 
-class Growth:
-    """The survivors' side of grow-back in a synchronous runtime (module doc).
-
-    Args: the run's context and its :class:`~hpcasync.runtime.recovery.SyncRecovery`;
-    ``refill_only``: spawn only into the places the last recovery emptied (never beyond the size
-    before the death, so every joiner takes a dead rank's place: DASO, whose epoch plan fixes
-    each rank's shard and batch count). Sets the recovery's ``min_ranks`` (``--min-ranks``; with
-    ``--grow-back`` checked after the grow).
-    Attributes: ``joins`` (one record per grow, as the ``rank_joined`` metrics records).
-
-    Example (after ``rec.recover``, in the runtime's ``except``)::
-
-        adopted = rec.recover(...)
-        growth.grow(adopted, adopt=lambda same: cur.adopt(adopted, keep=..., ...),
-                    payload=lambda: live_state(ctx, cur, growth, snapshot()),
-                    check=lambda: state_digest(model, opt, cur))
-
-    A death during the grow itself (a survivor in the spawn or the merge, the joiner before the
-    merge) is not survived: the MPI error leaves the runtime's ``except`` and should end the job
-    with one line (:func:`hpcasync.errors.fail_fast`; not tested); a joiner that never merges
-    trips the watchdog.
-    """
-
-    def __init__(self, ctx, rec, *, refill_only: bool = False):
-        o = ctx.cfg.options
-        self.ctx, self.rec, self.refill_only = ctx, rec, refill_only
-        self.enabled = bool(o.get("grow_back")) and rec.enabled
-        self.max_ranks = o.get("max_ranks") or ctx.topo.size
-        self.min_ranks = o.get("min_ranks") or 1
-        rec.min_ranks = 1 if self.enabled else self.min_ranks
-        self.joins: list[dict[str, Any]] = []
-        self.next_id = ctx.topo.size        # the ids ("original ranks") given to joiners
-
-    def grow(self, adopted: tuple, *, adopt: Callable[[bool], None],
-             payload: Callable[[], dict], check: Callable[[], Any]) -> bool:
-        """Spawn, merge, rebuild the topology, ``adopt(same)`` (``same``: every rank holds its
-        place of the world before the death: keep the epoch's plan), send ``payload()`` to the
-        joiners, then :func:`agree` on ``check()`` (the joiners' must be equal). Returns
-        whether the world grew. Collective over the survivors."""
-        ctx, rec = self.ctx, self.rec
-        topo = ctx.topo
-        target = min(self.max_ranks, rec.size_before) if self.refill_only else self.max_ranks
-        want = target - topo.size if self.enabled else 0
-        if want <= 0:
-            self._check_min(None)
-            adopt(False)
-            return False
-        from mpi4py import MPI
-
-        t0 = time.perf_counter()
-        inter, error = spawn(topo.world, want)
-        if not topo.world.allreduce(inter is not None, op=MPI.LAND):
-            if inter is not None:       # (MPI_Comm_spawn is collective: not seen here)
-                inter.Free()
-            self._check_min(f"spawning {want} replacement(s) failed: {error or 'on another rank'}")
-            if topo.rank == 0:
-                log.warning("grow-back: spawning %d replacement(s) failed (%s); going on with "
-                            "%d ranks (Open MPI's launcher exits with status 213 at the end for "
-                            "the failed spawn)", want, error or "on another rank", topo.size)
-            adopt(False)
-            return False
-        spawned = time.perf_counter()
-        inject.point("grow")
-        with _Watchdog(f"grow-back (waiting for {want} spawned rank(s) to start)"):
-            merged = inter.Merge(high=False)
-        merged_at = time.perf_counter()
-        keys, joiner_keys, same = _order(rec.size_before, rec.last_kept, topo.size, want)
-        ids = list(range(self.next_id, self.next_id + want))
-        self.next_id += want
-        merged.bcast({"keys": joiner_keys, "survivor_keys": keys}, root=0)
-        world = merged.Split(0, key=keys[topo.rank])
-        merged.Free()
-        inter.Free()
-        ctx.topo = _topology(world, ctx.cfg, topo.ps_rank)
-        original = [0] * world.Get_size()
-        for k, r in zip(keys, rec.original):
-            original[k] = r
-        for k, r in zip(joiner_keys, ids):
-            original[k] = r
-        rec.original = original
-        adopt(same)
-        src = min(keys)                 # the lowest surviving rank of the grown world
-        record = {"joined": ids, "ranks": joiner_keys, "world_size": world.Get_size(),
-                  "position": list(adopted), "spawn_s": round(spawned - t0, 4),
-                  "merge_s": round(merged_at - spawned, 4),
-                  "join_s": round(time.perf_counter() - t0, 4)}     # (to the state's broadcast)
-        self.joins.append(record)
-        _joined.setdefault("grew", True)
-        m = ctx.metrics
-        m.write("rank_joined", **record)
-        if m.enabled and ctx.topo.rank != 0:    # a joiner is rank 0: it takes the stream and
-            m.close(complete=False)             # the log over (after the broadcast)
-            m.enabled = False
-            setup_logging(ctx.topo.rank, report_rank=0)
-        world.bcast({**payload(), "original": original, "record": record}
-                    if world.Get_rank() == src else None, root=src)
-        agree(world, check(), src)
-        if ctx.topo.rank == src:
-            log.warning("grow-back: %d rank(s) joined at %s as rank(s) %s; %d ranks again "
-                        "(%.3f s)", want, tuple(adopted), ", ".join(map(str, joiner_keys)),
-                        world.Get_size(), record["join_s"])
-        return True
-
-    def _check_min(self, why: str | None) -> None:
-        size = self.ctx.topo.size
-        if self.enabled and size < self.min_ranks:
-            lost = sorted(r for f in self.rec.failures for r in f["dead_ranks"])
-            raise ProcessFailedError(
-                f"rank(s) {', '.join(map(str, lost))} died; {size} left"
-                f"{' and ' + why if why else ''}: fewer than --min-ranks {self.min_ranks}", lost)
-
-    def summary(self) -> dict[str, Any]:
-        return {"rank_joins": self.joins} if self.joins else {}
-
-
 def joiner_topology(cfg):
     """The CLI joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: the grown
     world (:func:`join_world`) and the topology over it."""
@@ -489,20 +378,20 @@ def _bridge_joiner(sj, msg: dict):
 
 
 def receive(ctx) -> dict:
-    """The joiner's side of step 4: the live state from the lowest surviving rank (the
-    broadcast :meth:`Growth.grow` sends). Collective over the grown world."""
+    """The replacement's side of step 4: the live state from the sync root (the broadcast of
+    :meth:`~.recovery.SyncWorld.settle`). Collective over the grown world."""
     blob = ctx.topo.world.bcast(None, root=_joined["src"])
     log.warning("grow-back: rank %d took the live state at %s", ctx.topo.rank,
                 tuple(blob["record"]["position"]))
     return blob
 
 
-def live_state(ctx, cur, growth, snapshot: dict) -> dict:
-    """What a joiner gets from a survivor of a synchronous run (:meth:`Growth.grow`'s
+def live_state(ctx, cur, ft, snapshot: dict) -> dict:
+    """What a replacement gets from a survivor of a synchronous run (:class:`~.recovery.SyncWorld`'s
     ``payload``): ``snapshot`` (the runtime's model and optimizer state, as in its checkpoints),
     the data cursor ``cur`` (:class:`~hpcasync.runtime.recovery.EpochCursor`, after the adopt:
     the epoch's shards included), the epoch history, step count, divergence reference, torch's RNG
-    state and the failure and join records."""
+    state and the failure and join records of ``ft`` (the :class:`~.elastic.FaultTolerance`)."""
     import torch
 
     plan = cur.plan
@@ -512,7 +401,7 @@ def live_state(ctx, cur, growth, snapshot: dict) -> dict:
                        "shards": None if plan is None else plan.shards},
             "history": list(ctx.history), "steps": ctx.steps,
             "divergence": ctx.divergence.state_dict(), "rng": torch.get_rng_state(),
-            "failures": growth.rec.failures, "joins": growth.joins, "next_id": growth.next_id,
+            "failures": ft.failures, "joins": ft.joins,
             "clocks": (ctx.t0, ctx.metrics.t0)}   # the run's start: records' times agree
 
 
@@ -554,9 +443,9 @@ def agree(world, mine, ref: int) -> None:
                         f"{'equal' if every[bad[0]][2] == every[ref][2] else 'different'}")
 
 
-def take_live_state(blob: dict, ctx, cur, growth, check: Callable[[], Any]) -> None:
-    """The joiner's side of :func:`live_state` (the runtime loads ``blob["state"]`` itself, as
-    a resumed checkpoint), then :func:`agree` on ``check()``."""
+def take_live_state(blob: dict, ctx, cur, ft, check: Callable[[], Any]) -> None:
+    """The replacement's side of :func:`live_state` (the runtime loads ``blob["state"]``
+    itself, as a resumed checkpoint), then :func:`agree` on ``check()``."""
     import torch
 
     from ..data import EpochShards
@@ -573,12 +462,9 @@ def take_live_state(blob: dict, ctx, cur, growth, check: Callable[[], Any]) -> N
     ctx.t0, ctx.metrics.t0 = blob["clocks"]
     ctx.divergence.load_state_dict(blob["divergence"])
     torch.set_rng_state(blob["rng"])
-    rec = growth.rec
-    rec.failures, rec.original = list(blob["failures"]), list(blob["original"])
-    if rec.failures and rec.failures[-1].get("next_step_s") is None:
-        rec._pending_next_step = rec.failures[-1]      # timed by the first step, as elsewhere
-    growth.joins = list(blob["joins"])
-    growth.next_id = blob["next_id"]
+    ft.failures, ft.joins = list(blob["failures"]), list(blob["joins"])
+    if ft.failures and ft.failures[-1].get("next_step_s") is None:
+        ft._pending_next_step = ft.failures[-1]      # timed by the first step, as elsewhere
     if ctx.topo.rank == 0:              # the writer of the metrics stream and the log is rank 0
         ctx.metrics.reopen_append()
         setup_logging(0, report_rank=0)

@@ -1,204 +1,130 @@
-"""A synchronous runtime keeps training through a dead rank (ULFM), without a restart.
+"""A synchronous CLI run keeps training through a dead rank (ULFM), without a restart.
 
 Synchronous replicas are bitwise identical, so a dead replica loses nothing but its share of the
-step in flight. Under Open MPI's ULFM (``mpirun --with-ft ulfm``, :func:`~.ft.ulfm_enabled`) a
-collective that involves a dead process raises ``MPI_ERR_PROC_FAILED`` on some ranks; the others
-may already be one step further, or blocked in the next collective. :meth:`SyncRecovery.recover`,
-called on every survivor from the ``except`` of its step:
+step in flight. The run's world is a :class:`SyncWorld`, a :class:`~.elastic.Membership` of the
+one fault-tolerance core (:class:`~.elastic.FaultTolerance`, which your own loop and
+``hvd.elastic`` run on too). On a process failure (``MPI_ERR_PROC_FAILED``, or a revoked
+communicator) every survivor, from the ``except`` of its step::
 
-1. **revoke** the world communicator (``MPI_Comm_revoke``: every rank still blocked on it, or
-   entering a call on it, gets ``MPI_ERR_REVOKED`` and comes here too);
-2. **shrink** it (``MPI_Comm_shrink``: an agreement on who is alive; the survivors keep their
-   order, so the lowest surviving rank becomes rank 0);
-3. **adopt the most advanced state**: the survivors allgather their positions ``(epoch, batches
-   done)``; the most advanced one (lowest rank among equals) broadcasts its state — model,
-   optimizer, position, epoch history — and every survivor loads it. A rank whose last collective
-   succeeded holds a correct step (MPI: a call that returns success left correct results on that
-   rank), so nothing computed is thrown away but the step nobody finished, which is redone;
-4. **rebuild the topology** on the shrunk world (:meth:`hpcasync.topology.Topology.shrunk`: each
-   survivor stays on its node with that node's other survivors; nodes may become uneven) and
-   re-shard the rest of the epoch over the survivors (:class:`~hpcasync.data.sharding.EpochShards`);
-5. hand the metrics stream over when its writer died (the new rank 0 appends to ``.partial``) and
-   write a ``rank_failed`` record: who died (original world ranks), when, what the recovery cost.
+    if not ft.report_error(exc):    # revoke every communicator: the others fail too
+        raise
+    ft.reset(cur.position)          # shrink, adopt the furthest survivor's state, grow back
 
-A death during the recovery itself (in the broadcast after the shrink) is one more failure: the
-steps repeat on the shrunk communicator. The loop of attempts is the fault-tolerance core's
-(:func:`hpcasync.runtime.elastic.atomic_shrink`, which the elastic reset and the PS takeover run
-too); this module gives it steps 2-4 and the bookkeeping of each shrink. Without ULFM nothing
-here runs: the launcher ends the job and the checkpoint-and-resume path (``--checkpoint-dir``,
-``--resume auto``) is the recovery.
-
-Example (the shape of :mod:`hpcasync.ssgd.runtime`'s loop)::
-
-    rec = SyncRecovery(ctx, enabled=ft.ulfm_enabled())
-    while not done:
-        try:
-            step()
-        except Exception as exc:
-            if not rec.handles(exc):
-                raise
-            state = rec.recover(position=(epoch, i), state=lambda: snapshot(), load=restore)
+The reset shrinks the world (the survivors keep their order), and in its atomic attempt the
+survivor furthest on (the largest position ``(epoch, batches done, started)``, the lowest rank
+among equals: the sync root) broadcasts its live state, which every survivor loads; the topology
+is rebuilt on the survivors (:meth:`hpcasync.topology.Topology.shrunk`: each keeps its node, nodes
+may become uneven). No commit is copied: a rank whose last collective succeeded holds a correct
+step (an optimizer undoes what a failed step began), so nothing is lost but the step nobody
+finished, which is redone. Then the ``rank_failed`` record, the metrics stream handed over if its
+writer died, a grow-back (``--grow-back``: replacements in the dead ranks' places, the live state
+sent to them and checked, :mod:`hpcasync.runtime.join`), and the data cursor moved
+(:meth:`EpochCursor.adopt`: the rest of the epoch re-sharded over the world). Without ULFM nothing
+here runs: the launcher ends the job and the checkpoint-and-resume path is the recovery.
+Design: docs/design/recovery.md.
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 from .. import inject
-from ..errors import ProcessFailedError, proc_failure  # noqa: F401 (re-exported)
-from .elastic import agreed, atomic_shrink, is_process_failure  # noqa: F401 (agreed re-exported)
-from .ft import _ranks_in
+from . import join
+from .elastic import FaultTolerance, Membership, sync_root
+from .logs import setup_logging
 
 log = logging.getLogger("hpcasync")
 
 
-class SyncRecovery:
-    """Survive dead ranks in a synchronous runtime (see the module doc).
+class SyncWorld(Membership):
+    """The world of a CLI run of a synchronous family (module doc): ``ctx.topo``.
 
     Args:
         ctx: the run's :class:`~hpcasync.runtime.context.RunContext` (its ``topo`` is replaced
-            after a recovery; ``metrics``, ``history`` and ``steps`` are kept consistent).
-        enabled: ULFM is on (otherwise :meth:`handles` is always False and errors propagate).
-
-    Attributes: ``failures`` (one dict per recovery, as in the ``rank_failed`` records),
-    ``original`` (the original world rank of each rank of the current world), ``last_kept``
-    and ``size_before`` (the survivors' ranks in, and the size of, the world before the last
-    recovery), ``position`` (during a recovery: this rank's, the adopted one once loaded),
-    ``min_ranks`` (fewer survivors end the run: :class:`~hpcasync.errors.ProcessFailedError`).
+            by a reset; ``metrics`` and ``history`` are kept consistent).
+        state: ``state()`` returns what ``load(obj)`` restores (the sync root's is broadcast,
+            with the epoch history; ``position`` is the root's while it runs). ``load`` runs
+            after ``ctx.topo`` is the survivors' and may be collective over it.
+        adopt: ``adopt(same)`` moves the data cursor onto the world the reset ends on (``same``:
+            a grow gave every rank its place of the world before the death).
+        payload, check: what a replacement gets (:func:`~.join.live_state`) and what every rank
+            then holds alike (:func:`~.join.agree`).
+        comms: more communicators the run may be blocked on (revoked after a failure).
+        refill_only: grow back only into the places a death emptied (DASO: the epoch's plan
+            fixes each rank's shard and the batch count).
     """
 
-    def __init__(self, ctx, *, enabled: bool):
-        self.ctx, self.enabled = ctx, bool(enabled)
-        self.last_kept: list[int] = []      # the survivors' ranks in the world before a recovery
-        self.original = list(range(ctx.topo.size))
-        self.failures: list[dict[str, Any]] = []
-        self._pending_next_step: dict | None = None
-        self._t0 = time.time()
-        self.min_ranks = 1
+    def __init__(self, ctx, *, state: Callable[[], Any], load: Callable[[Any], None],
+                 adopt: Callable[[bool], None], payload: Callable[[], dict],
+                 check: Callable[[], Any], comms: Callable[[], tuple] = tuple,
+                 refill_only: bool = False):
+        self.ctx, self.state, self.load, self.adopt = ctx, state, load, adopt
+        self.payload, self.check, self.extra = payload, check, comms
+        self.refill_only = refill_only
         self.position: tuple = ()
-        self.size_before = ctx.topo.size
+        self._before = ctx.topo
 
-    def handles(self, exc: BaseException) -> bool:
-        """True when ``exc`` is a process failure this object recovers from: ULFM's error
-        classes, or ``MPI_ERR_IN_STATUS`` (a test/wait over several requests, e.g. the pieces of
-        a chunked nonblocking allreduce) or ``MPI_ERR_OTHER`` (Open MPI 5's barrier on a rank
-        that enters it late, after a peer died and another revoked: "known error not in list")
-        while the world knows of a dead process or one of our communicators is revoked."""
-        if not self.enabled:
-            return False
-        topo = self.ctx.topo
-        return is_process_failure(exc, topo.world, (topo.world, topo.local, topo.glob))
+    @property
+    def comm(self):
+        return self.ctx.topo.world
 
-    def recover(self, *, position: tuple, state: Callable[[], Any],
-                load: Callable[[Any], None], revoke=()) -> tuple:
-        """Revoke, shrink, adopt the most advanced survivor's state, rebuild the topology, agree.
+    def comms(self) -> list:
+        t = self.ctx.topo
+        return [c for c in (t.world, t.local, t.glob, *self.extra()) if c is not None]
 
-        ``position`` is this rank's progress (comparable tuples; larger = further); ``state()``
-        returns what ``load(obj)`` restores (pickled and broadcast from the most advanced rank,
-        with its epoch history: epoch ends it finished are taken into ``ctx.history`` and
-        written to the metrics stream if its writer has not recorded them). ``load`` runs after
-        ``ctx.topo`` is the survivors' topology and may be collective over it.
-        ``revoke``: more communicators the runtime uses, or a function returning them (revoked
-        first, so that a survivor blocked on one of them wakes up, and again when an attempt
-        fails). Returns the adopted position. Collective over the survivors.
+    def check_reset(self) -> None:
+        self._before = self.ctx.topo
 
-        Atomic (docs/design/recovery.md): each attempt ends in ``MPI_Comm_agree`` on whether
-        every survivor completed it; a death inside an attempt (an MPI error, or the agreement
-        reporting a failure) starts a new one on a fresh shrink, so every survivor returns from
-        the same attempt with the same topology, position and state."""
-        detected = time.time()
-        t0 = time.perf_counter()
-        topo = self.ctx.topo
-        self.position = tuple(position)
-        lost_all, track = [], {"index": list(range(topo.size)), "original": self.original}
-        self.size_before = topo.size
+    def rebuild(self, new) -> None:
+        """The root's state and epoch history on every survivor, the topology over them."""
+        ctx, src = self.ctx, sync_root()
+        self.position = tuple(self.commits[src])
+        blob, history = new.bcast((self.state(), ctx.history) if new.Get_rank() == src
+                                  else None, root=src)
+        inject.point("recovery")
+        ctx.topo = self._before.shrunk(new)
+        self.load(blob)
+        self.adopted = self.position        # (reported by this rank if another attempt begins)
+        ctx.history.extend(history[len(ctx.history):])    # epoch ends the root had done
+        # testing hook: a failure after the attempt's last collective, on one rank only (the
+        # others completed it: only the agreement sends them into another attempt)
+        inject.point("recovered")
 
-        def on_shrink(world, new) -> None:      # who is left, in original and old numbering
-            kept, original = _kept(world, new), track["original"]
-            lost_all.extend(original[r] for r in range(world.Get_size()) if r not in kept)
-            track["original"] = [original[r] for r in kept]
-            track["index"] = [track["index"][r] for r in kept]
-            if new.Get_size() < self.min_ranks:
-                raise ProcessFailedError(
-                    f"rank(s) {', '.join(map(str, sorted(lost_all)))} died; {new.Get_size()} "
-                    f"left, fewer than the {self.min_ranks} this run needs", sorted(lost_all))
-
-        def attempt(new) -> tuple:
-            positions = new.allgather(self.position)
-            src = max(range(len(positions)), key=lambda r: (positions[r], -r))
-            blob, history = new.bcast((state(), self.ctx.history)
-                                      if new.Get_rank() == src else None, root=src)
-            inject.point("recovery")
-            self.ctx.topo = topo.shrunk(new)
-            load(blob)
-            self.position = tuple(positions[src])      # this rank now holds that state
-            self.ctx.history.extend(history[len(self.ctx.history):])   # ends it had done
-            # testing hook: a failure after the attempt's last collective, on one rank only
-            # (the others completed it: only the agreement sends them into another attempt)
-            inject.point("recovered")
-            return positions, src
-
-        # (recover runs in an except: a failed attempt is an MPI failure itself, not its context)
-        new, (positions, src), attempts = atomic_shrink(
-            topo.world, attempt, on_shrink=on_shrink, failed=_mpi_failure,
-            first_revoke=(*(revoke() if callable(revoke) else revoke), topo.world),
-            # wake whoever waits on a failed attempt's communicators
-            revoke=lambda new: (new, self.ctx.topo.local, self.ctx.topo.glob,
-                                *(revoke() if callable(revoke) else ())),
-            max_attempts=topo.size,     # (each attempt that fails needs one more death)
-            exhausted=lambda n: ProcessFailedError(f"recovery did not complete in {n} attempts",
-                                                   sorted(lost_all)))
-        original, index = track["original"], track["index"]
-        self.original, self.last_kept = original, index
-        took = time.perf_counter() - t0
-        record = {"dead_ranks": sorted(lost_all), "world_size": new.Get_size(),
-                  "survivors": list(self.original), "detected_at_s": round(detected - self._t0, 4),
-                  "detected_unix": round(detected, 4), "recovery_s": round(took, 4),
-                  "position": list(positions[src]), "adopted_from": self.original[src],
-                  "steps_behind": [_behind(p, positions[src]) for p in positions],
-                  "attempts": attempts, "next_step_s": None}
-        self.failures.append(record)
-        self._pending_next_step = record
-        self._hand_over_metrics()
-        m = self.ctx.metrics
-        for r in self.ctx.history:          # epoch ends the stream's writer had not recorded
+    def shrunk(self, record: dict) -> None:
+        """The metrics stream handed over if its writer died (the new rank 0 appends to the
+        ``.partial`` file), epoch ends it had not recorded, the ``rank_failed`` record."""
+        ctx, m = self.ctx, self.ctx.metrics
+        if ctx.topo.rank == 0 and not m.enabled and getattr(m, "requested", False):
+            m.reopen_append()
+            first = record["survivors"][0]
+            setup_logging(first, report_rank=first)
+            log.warning("rank %d takes over the metrics stream and the log (rank 0 died)", first)
+        for r in ctx.history:
             if r["epoch"] not in m.epochs:
                 m.write("epoch", **r)
         m.write("rank_failed", **record)
-        if self.ctx.topo.rank == 0:
-            log.warning("rank(s) %s died; going on with %d ranks (recovered in %.3f s, from the "
-                        "state of rank %d at %s)", ", ".join(map(str, sorted(lost_all))),
-                        new.Get_size(), took, self.original[src], tuple(positions[src]))
-        return positions[src]
+        super().shrunk(record)
 
+    def regrow(self, grown) -> None:
+        self.ctx.topo = join._topology(grown, self.ctx.cfg, self._before.ps_rank)
+        join._joined.setdefault("grew", True)       # (freed before MPI_Finalize: join.release)
 
-    def step_completed(self) -> None:
-        """Call after each completed step: the first one after a recovery is timed (the record's
-        ``next_step_s``, from the detection to the end of that step)."""
-        rec = self._pending_next_step
-        if rec is not None:
-            self._pending_next_step = None
-            rec["next_step_s"] = round(time.time() - rec["detected_unix"], 4)
-
-    def summary(self) -> dict[str, Any]:
-        """For the run's summary: ``rank_failures`` (the records) and ``failed_ranks``."""
-        return {"rank_failures": self.failures,
-                "failed_ranks": sorted(r for f in self.failures for r in f["dead_ranks"]),
-                "fault_tolerance": "ulfm" if self.enabled else "none"}
-
-    def _hand_over_metrics(self) -> None:
-        """The metrics stream and the INFO log live on rank 0; if the old rank 0 died, the new
-        one appends to the stream (same file system, as the checkpoints' directory)."""
-        m = self.ctx.metrics
-        if self.ctx.topo.rank != 0 or m.enabled or not getattr(m, "requested", False):
-            return
-        m.reopen_append()
-        from .logs import setup_logging
-
-        setup_logging(self.original[0], report_rank=self.original[0])
-        log.warning("rank %d takes over the metrics stream and the log (rank 0 died)",
-                    self.original[0])
+    def settle(self, grew: dict | None) -> None:
+        """The cursor onto the world; after a grow, the ``rank_joined`` record, the stream to a
+        replacement in rank 0's place, the live state to the replacements, checked."""
+        ctx = self.ctx
+        self.adopt(bool(grew and grew["same_places"]))
+        if grew:
+            m, world, src = ctx.metrics, ctx.topo.world, sync_root()
+            m.write("rank_joined", **grew)
+            if m.enabled and ctx.topo.rank != 0:    # a replacement is rank 0: it takes the
+                m.close(complete=False)             # stream and the log over
+                m.enabled = False
+                setup_logging(ctx.topo.rank, report_rank=0)
+            world.bcast({**self.payload(), "record": grew} if world.Get_rank() == src else None,
+                        root=src)
+            join.agree(world, self.check(), src)
+        super().settle(grew)
 
 
 class EpochCursor:
@@ -305,8 +231,9 @@ class EpochCursor:
         end) starts afresh over the (new) world. The rest of a started epoch is re-sharded over
         the world; a rank that has no plan for it (it was behind, before that epoch's start)
         first makes the plan the others made, over the world of ``size_before`` ranks (the size
-        before the recovery, :attr:`SyncRecovery.size_before`). ``keep`` (the survivors' ranks
-        in the old world, :attr:`SyncRecovery.last_kept`): do not re-shard — each survivor
+        before the reset, :attr:`~.elastic.FaultTolerance.size_before`). ``keep`` (the
+        survivors' ranks in the old world, :attr:`~.elastic.FaultTolerance.last_kept`): do
+        not re-shard — each survivor
         finishes the epoch on its own shard, the dead ranks' rest is skipped (DASO, whose
         schedule needs the epoch's batch count fixed)."""
         self.started = 1
@@ -328,23 +255,13 @@ class EpochCursor:
             self.done = 0
 
 
-def _mpi_failure(exc: BaseException) -> bool:
-    """``exc`` itself reports dead processes or a revoked communicator (ULFM's classes)."""
-    from mpi4py import MPI
+def fault_tolerance(ctx, world: SyncWorld, *, enabled: bool = True) -> FaultTolerance:
+    """The core over ``world`` with the run's ``--grow-back``, ``--max-ranks`` and
+    ``--min-ranks`` (``enabled``: the runtime can recover at all, e.g. not with Horovod)."""
+    from .ft import ulfm_enabled
 
-    codes = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
-                                             "ERR_REVOKED")} - {None}
-    return isinstance(exc, ProcessFailedError) or (isinstance(exc, MPI.Exception)
-                                                   and exc.Get_error_class() in codes)
-
-
-def _kept(old, new) -> list[int]:
-    """Ranks of ``old`` that are in ``new`` (the shrink keeps their order)."""
-    return _ranks_in(new.Get_group(), old)
-
-
-def _behind(p: tuple, q: tuple) -> int:
-    """How many batches position ``p`` was behind ``q`` (0, 1, or -1 across an epoch end)."""
-    if p[0] == q[0]:
-        return int(q[1] - p[1])
-    return -1
+    o = ctx.cfg.options
+    return FaultTolerance(world, ulfm=enabled and ulfm_enabled(),
+                          grow_back=bool(o.get("grow_back")),
+                          max_ranks=o.get("max_ranks") or ctx.topo.size,
+                          min_ranks=o.get("min_ranks"))

@@ -1,6 +1,6 @@
 """``--backend horovod``: the SSGD loop driven by Horovod's own ``DistributedOptimizer``.
 
-Presents the same small surface as :class:`hpcasync.ssgd.runtime.DistributedOptimizer` (step,
+Presents the same small surface as :class:`hpcasync.ssgd.DistributedOptimizer` (step,
 zero_grad, broadcast_parameters, average_buffers, counters) so the training loop is shared and the
 two backends are compared on identical work. Horovod is initialised on the given communicator.
 """

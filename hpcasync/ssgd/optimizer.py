@@ -268,7 +268,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
 
     def set_comm(self, comm) -> None:
         """Average over ``comm`` from now on: after dead ranks were shrunk out of the world
-        (ULFM, :class:`~hpcasync.runtime.recovery.SyncRecovery`). The step in progress is dropped:
+        (ULFM, :meth:`hpcasync.runtime.elastic.FaultTolerance.reset`). The step in progress is dropped:
         call ``zero_grad()`` and redo its backward."""
         self.comm = comm
         self.reducer.set_comm(comm)

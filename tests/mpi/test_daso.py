@@ -14,7 +14,7 @@ from torch import nn
 from hpcasync.comm import FlatModel
 from hpcasync.daso import DASO, DasoComm
 from hpcasync.data import load_dataset
-from hpcasync.ssgd.runtime import DistributedOptimizer
+from hpcasync.ssgd import DistributedOptimizer
 from tests.mpi_util import need_horovod, COMM, RANK, SIZE, run_cli, run_mpi
 
 pytestmark = pytest.mark.skipif(SIZE != 4, reason="DASO tests need mpiexec -n 4 (2 nodes x 2)")

@@ -22,7 +22,7 @@ from hpcasync.models import build_model
 from hpcasync.odsgd.steps import global_step, local_step
 from hpcasync.odsgd.runtime import (GlobalState, ODSGDHyper, ODSGDWorker, WorkerState,
                                     hyper_from_config, simulate_round, validate)
-from hpcasync.ssgd.runtime import DistributedOptimizer
+from hpcasync.ssgd import DistributedOptimizer
 from tests.mpi_util import COMM, RANK, SIZE, clean_env, run_cli, run_mpi
 
 f64 = torch.float64

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hpcasync.comm import FlatModel
 from hpcasync.data import load_dataset
 from hpcasync.models import build_model
-from hpcasync.ssgd.runtime import DistributedOptimizer
+from hpcasync.ssgd import DistributedOptimizer
 from tests.mpi_util import need_horovod, COMM, RANK, SIZE
 
 B = 16

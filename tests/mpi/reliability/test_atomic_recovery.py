@@ -1,5 +1,6 @@
 """A synchronous recovery is atomic (issue 23, item 3): it completes identically on every
-survivor or starts again (:meth:`hpcasync.runtime.recovery.SyncRecovery.recover`, its final
+survivor or starts again (:meth:`hpcasync.runtime.elastic.FaultTolerance.reset` over a
+:class:`~hpcasync.runtime.recovery.SyncWorld`, its final
 ``MPI_Comm_agree``; docs/design/recovery.md).
 
 Each hole with a real job under ``mpirun --with-ft ulfm`` and real SIGKILLs

@@ -33,7 +33,8 @@ from hpcasync.daso import DASO, DasoComm
 from hpcasync.daso.schedule import CYCLING
 from hpcasync.data import load_dataset
 from hpcasync.metrics import MetricsWriter
-from hpcasync.runtime.recovery import SyncRecovery
+from hpcasync.runtime.elastic import FaultTolerance
+from hpcasync.runtime.recovery import SyncWorld
 from hpcasync.topology import Topology
 
 KILL_RANK, KILL_AT = 3, 8           # world rank, step of epoch 1 (of NB)
@@ -41,7 +42,6 @@ B, NB, EPOCHS = 32, 30, 2           # epoch 1 cycling, epoch 2 cool-down (blocki
 
 topo = Topology.build(ranks_per_node=2)
 ctx = SimpleNamespace(topo=topo, metrics=MetricsWriter(None, enabled=False), history=[])
-rec = SyncRecovery(ctx, enabled=True)
 me = topo.rank                       # this rank's data shard for the whole run
 train, test = load_dataset("fashion-mnist-mini", train_limit=6 * B * NB)
 torch.manual_seed(0)
@@ -81,6 +81,9 @@ def load(blob):
     opt.set_topology(ctx.topo, average=cycling)
 
 
+world = SyncWorld(ctx, state=state, load=load, adopt=lambda same: None, payload=dict,
+                  check=lambda: None, comms=lambda: tuple(opt.comm.group_comms()))
+ft = FaultTolerance(world, ulfm=True, grow_back=False)
 while pos[0] <= EPOCHS:
     t = ctx.topo
     try:
@@ -101,10 +104,9 @@ while pos[0] <= EPOCHS:
         records.append(t.world.gather({"rank": t.rank, **opt.epoch_end(0.0)}, root=0))
         pos[:] = [pos[0] + 1, 0]
     except Exception as exc:
-        if not rec.handles(exc):
+        if not ft.report_error(exc):
             raise
-        revoke = tuple(c for c in (t.local, t.glob, *opt.comm.group_comms()) if c is not None)
-        rec.recover(position=tuple(pos), state=state, load=load, revoke=revoke)
+        ft.reset(tuple(pos))
         n = ctx.topo
         recovered = {"position": list(pos), "node_sizes": list(n.node_sizes),
                      "uniform": n.uniform, "num_groups": opt.schedule.num_groups,
@@ -130,7 +132,7 @@ with torch.no_grad():
 if n.rank == 0:
     print("RESULT " + json.dumps({"recovered": recovered, "after": after, "records": records,
                                   "final": final, "accuracy": acc, "size": n.size,
-                                  "failures": rec.failures}), flush=True)
+                                  "failures": ft.failures}), flush=True)
 '''
 
 

@@ -213,18 +213,20 @@ ADOPT_SCRIPT = r'''
 import json, sys
 from types import SimpleNamespace
 from hpcasync.metrics import MetricsWriter
-from hpcasync.runtime.recovery import SyncRecovery
+from hpcasync.runtime.elastic import FaultTolerance
+from hpcasync.runtime.recovery import SyncWorld
 from hpcasync.topology import Topology
 
 topo = Topology.build()
 ctx = SimpleNamespace(topo=topo, metrics=MetricsWriter(None, enabled=False), history=[])
-rec = SyncRecovery(ctx, enabled=True)
 # ranks at different positions (as after a collective that failed on some ranks only): rank 2 is
 # one step ahead, rank 3 one epoch end ahead of rank 1; no one died, so the shrink keeps all
 pos = {0: (1, 7, 1), 1: (1, 8, 1), 2: (2, 0, 1), 3: (1, 8, 1)}[topo.rank]
 got = []
-adopted = rec.recover(position=pos, state=lambda: {"from": topo.rank, "pos": pos},
-                      load=got.append)
+world = SyncWorld(ctx, state=lambda: {"from": topo.rank, "pos": pos}, load=got.append,
+                  adopt=lambda same: None, payload=dict, check=lambda: None)
+FaultTolerance(world, ulfm=True, grow_back=False).reset(pos)
+adopted = world.position
 out = ctx.topo.world.gather([list(adopted), got[0], ctx.topo.size], root=0)
 if topo.rank == 0:
     print("RESULT " + json.dumps(out))
