@@ -389,7 +389,7 @@ class FaultTolerance:
 
         def attempt(new) -> int:
             m.commits = new.allgather(key if m.adopted is None else m.adopted)
-            root = max(range(len(m.commits)), key=lambda r: (m.commits[r], -r))
+            root = furthest(m.commits)
             _GROWN["root"] = root
             m.rebuild(new)
             return root
@@ -515,6 +515,11 @@ class FaultTolerance:
         self.joins.append(record)
         self.check_pending = True
         return record
+
+
+def furthest(keys: list) -> int:
+    """The rank holding the largest key, the lowest among equals: a reset's sync root."""
+    return max(range(len(keys)), key=lambda r: (keys[r], -r))
 
 
 def _behind(p, q) -> int:
