@@ -88,9 +88,13 @@ class Daso(driver.Family):
 
     refill_only = True
 
+    @property
+    def recover(self) -> bool:
+        """The Horovod backend (node-local averages) has no ULFM recovery."""
+        return self.cfg.backend != "horovod"
+
     def keywords(self) -> tuple:
         cfg, topo, ctx = self.cfg, self.ctx.topo, self.ctx
-        self.recover = cfg.backend != "horovod"
         nbatches = len(ctx.train) // topo.size // cfg.batch_size
         if nbatches < 1:
             raise ConfigError(f"DASO: {len(ctx.train)} training images over {topo.size} ranks "

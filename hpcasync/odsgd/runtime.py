@@ -151,14 +151,15 @@ class OdSgd(driver.Family):
         self.opt.set_comm(self.ctx.topo.world)
 
     def entered(self) -> None:
-        # this epoch's counters (a replacement enters mid-epoch: its own from here)
-        w = self.worker
-        self.before, self.steps_before = StepTimes(**vars(w.times)), w.steps - self.cur.done
-        self.slept, self.compute = self.delay.slept, 0.0
+        # (a replacement enters mid-epoch: its own counters from here, the epoch's steps)
+        self._count_from(self.worker.steps - self.cur.done)
 
     def begin_epoch(self) -> None:
-        w = self.worker
-        self.before, self.steps_before = StepTimes(**vars(w.times)), w.steps
+        self._count_from(self.worker.steps)
+
+    def _count_from(self, steps: int) -> None:
+        """This epoch's counters: times, steps before it, sleep and compute seconds."""
+        self.before, self.steps_before = StepTimes(**vars(self.worker.times)), steps
         self.slept, self.compute = self.delay.slept, 0.0
 
     def step(self) -> float:

@@ -50,7 +50,8 @@ import torch
 
 from .. import inject
 from . import join
-from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure, ranks_in as _ranks_in
+from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
+from ..errors import ranks_in as _ranks_in
 
 log = logging.getLogger("hpcasync")
 
@@ -418,10 +419,11 @@ class FaultTolerance:
         self.failures.append(record)
         self._pending_next_step = record
         m.shrunk(record)
-        grew = self._grow(before, before_rank, record) if self.grow_back else None
+        want = self._want(before) if self.grow_back else 0
+        grew = self._grow(want, before, before_rank, record) if want > 0 else None
         if self.grow_back:
-            self._check_min(m.size(), record["dead_ranks"], "" if grew else
-                            f" and spawning {self._want(before)} replacement(s) failed")
+            self._check_min(m.size(), record["dead_ranks"], "" if grew or want <= 0 else
+                            f" and spawning {want} replacement(s) failed")
         self.error = self._detected = None
         m.settle(grew)
         log.info("reset from %d to %d ranks in %.3f s", before, m.size(),
@@ -453,9 +455,9 @@ class FaultTolerance:
                "fault_tolerance": "ulfm" if self.ulfm else "none"}
         return {**out, "rank_joins": self.joins} if self.joins else out
 
-    def _grow(self, before: int, before_rank: int, failure: dict) -> dict | None:
+    def _grow(self, want: int, before: int, before_rank: int, failure: dict) -> dict | None:
         """The survivors' side of a grow (module doc), right after the shrink and rebuild:
-        spawn the replacements (:meth:`_want`), merge, give each a dead rank's place when the
+        spawn ``want`` replacements (:meth:`_want`), merge, give each a dead rank's place when the
         world returns to its size before the death (else the replacements come last), and
         rebuild the front end on the grown world (``membership.regrow``). A spawn that fails on
         any survivor: the run goes on shrunk, with one warning line. A death or a replacement
@@ -465,10 +467,7 @@ class FaultTolerance:
         from mpi4py import MPI
 
         m = self.membership
-        world, want = m.comm, self._want(before)
-        if want <= 0:
-            return None
-        t0 = time.perf_counter()
+        world, t0 = m.comm, time.perf_counter()
         try:
             kept = world.allgather(before_rank)
             with join._Watchdog(f"grow-back (spawning {want} replacement(s))", connect=False):

@@ -155,8 +155,12 @@ class SSGD(driver.Family):
     identical where the state is taken (every step for SSGD; where the replicas are equal for
     local SGD, which keeps each rank's own optimizer state and replica in ``local_state``)."""
 
+    @property
+    def recover(self) -> bool:
+        """The Horovod backend has no ULFM recovery."""
+        return self.cfg.backend != "horovod"
+
     def build(self):
-        self.recover = self.cfg.backend != "horovod"
         if self.recover:
             return super().build()
         from .horovod import HorovodOptimizer
@@ -179,8 +183,8 @@ class SSGD(driver.Family):
         else:
             mb, compress = o.get("ssgd_bucket_mb"), o.get("compress", "none")
             kw.update(overlap=o.get("ssgd_overlap"),
-                      compress={"none": None, "powersgd": powersgd(cfg) if compress == "powersgd"
-                                else None}.get(compress, compress),
+                      compress=(powersgd(cfg) if compress == "powersgd"
+                                else None if compress == "none" else compress),
                       bucket_bytes=None if mb is None else max(4, int(mb * 2**20)),
                       progress=o.get("ssgd_progress", DEFAULT_PROGRESS))
         return self.ctx.optimizer_for(self.model), kw
@@ -195,7 +199,7 @@ class SSGD(driver.Family):
         self.link = LinkDelay(cfg.options.get("link_delay_us_per_mb", 0.0)
                               if topo.num_nodes > 1 else 0.0)
         numel = sum(p.numel() for p in self.model.parameters())
-        compressed = cfg.options.get("compress", "none") != "none" and self.recover
+        compressed = cfg.options.get("compress", "none") != "none" and cfg.backend != "horovod"
         self.wire_bytes = numel * (2 if compressed else 4)
         self.fixed_wire = cfg.algorithm == "ssgd" and getattr(self.opt, "powersgd", None) is None
         # each rank's own state in the checkpoints (local SGD's optimizer state, PowerSGD's error
