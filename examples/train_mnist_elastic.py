@@ -1,10 +1,10 @@
-"""Your own SSGD (or OD-SGD, or DASO) loop that survives a dead rank: ``hpcasync.elastic``
-(Horovod's elastic shape).
+"""Your own loop that survives a dead rank: ``hpcasync.elastic`` (Horovod's elastic shape).
 
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --epochs 2
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm odsgd
     mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm daso \
         --ranks-per-node 2
+    mpirun --with-ft ulfm -n 4 python examples/train_mnist_elastic.py --algorithm smega2
 
 DASO (two virtual nodes of 2 ranks): the first epoch cycles (nodes drift apart between global
 merges), the last one is blocking; it counts each epoch's batches from the sampler and closes
@@ -15,6 +15,12 @@ the world, re-deal the rest of the epoch over themselves and go on; the script e
 With ``mpirun -x HPCASYNC_GROW_BACK=1 ...`` they then spawn a replacement running this script,
 which takes the dead rank's number and the survivors' state: the run goes on with 4 ranks.
 Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
+
+A parameter-server algorithm (asgd, smega2, shat, ...: rank 0 serves inside ``train``, the
+others push): a dead worker is retired by the server and the others never stop; at the end the
+survivors take the server's final model over the shrunk world (``state.ft.failures`` records the
+death, ``absorbed``). The dead worker's rest of its shard is not trained; the server's own death
+ends the job with one line, and grow-back is not built for it (one line).
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
 world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
@@ -41,11 +47,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import hpcasync
+from hpcasync import registry
 from hpcasync.data import load_dataset
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--algorithm", default="ssgd",
-                    choices=("ssgd", "localsgd", "slowmo", "diloco", "odsgd", "daso"))
+parser.add_argument("--algorithm", default="ssgd", choices=sorted(hpcasync.algorithms()))
 parser.add_argument("--ranks-per-node", type=int, default=None, help="virtual nodes (DASO)")
 parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batches between global "
                     "sends while cycling")
@@ -71,10 +77,11 @@ ctx = hpcasync.init(args.algorithm, seed=0, ranks_per_node=args.ranks_per_node)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
 if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
     os.kill(os.getpid(), signal.SIGKILL)
+ps = args.algorithm in registry.ps_names()     # a parameter server: the workers' shards
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
-sgd = torch.optim.SGD(model.parameters(), lr=args.lr * ctx.size, momentum=0.9)
-sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size, rank=ctx.rank,
-                                          num_replicas=ctx.size, seed=1)
+sgd = torch.optim.SGD(model.parameters(), lr=args.lr * (1 if ps else ctx.size), momentum=0.9)
+sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size,
+                                          rank=ctx.shard_index, num_replicas=ctx.num_shards, seed=1)
 hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
          "daso": {"epochs": args.epochs, "sampler": sampler, "warmup_epochs": 0,
                   "cooldown_epochs": 1,
@@ -84,12 +91,15 @@ hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
          "localsgd": {"period": 2, "warmup_steps": 2},
          "slowmo": {"period": 2},
          "diloco": {"sync_every": 2}}.get(args.algorithm, {})
+if ps:
+    hyper = {"epochs": args.epochs, "steps_per_epoch": len(sampler) // args.batch_size}
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0)
 
 me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
 reset_params = []                          # a digest of the parameters in each reset callback
+reset_steps = []                           # the committed step count in each reset callback
 
 
 def digest():
@@ -99,6 +109,7 @@ def digest():
 
 def on_reset():
     resets.append(state.size)
+    reset_steps.append(state.steps)        # (restored: the last commit's)
     reset_params.append(digest())
     pending.clear()                        # trained since the last commit: rolled back
     for group in opt.param_groups:         # as Horovod's examples: lr scaled with the world
@@ -127,6 +138,9 @@ def maybe_die():
 
 @hpcasync.elastic.run
 def train(state):
+    if state.roles.is_server:
+        opt.serve()                        # until every live worker finished
+        return
     before = state.sampler.processed
     for state.epoch in range(state.epoch, args.epochs):
         # the data set is in memory: the loader deals indices, the batch is sliced from tensors
@@ -158,6 +172,8 @@ def train(state):
         before = 0
         state.commit()
     maybe_die()                            # --kill-at the last step count: after training
+    if ps:
+        opt.finish()                       # the last push; every survivor takes the final model
 
 
 train(state)
@@ -169,4 +185,6 @@ if args.out:
     Path(args.out, f"rank{me}.json").write_text(json.dumps({
         "size": state.size, "resets": resets, "executed": executed[0], "steps": state.steps,
         "epoch": state.epoch, "params": digest(), "rank": state.rank,
-        "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params}))
+        "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params,
+        "failures": state.ft.failures, "reset_steps": reset_steps,
+        "served": opt.server.stats.accepted if ps and state.roles.is_server else None}))

@@ -143,7 +143,6 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         check_shards(ps_ranks, topo.size)
     topo = dataclasses.replace(topo, ps_ranks=ps_ranks if ps else 1)   # ParameterServer's default
     set_default_topology(topo)
-    servers = topo.servers if ps else []
     report = ps_rank if ps else 0
     logging.basicConfig(level=(logging.DEBUG if verbose else logging.INFO) if topo.rank == report
                         else logging.WARNING, stream=sys.stderr,
@@ -155,14 +154,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         from .train import seed_everything
 
         seed_everything(seed)
-    workers = [r for r in range(topo.size) if r not in servers]
-    serves = topo.rank in servers
-    return Roles(rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
-                 local_size=topo.local_size, node=topo.node, num_nodes=topo.num_nodes,
-                 device=topo.device, algorithm=algorithm, ps_rank=topo.ps_rank,
-                 is_server=serves, worker_index=None if serves else workers.index(topo.rank),
-                 num_workers=len(workers), topology=topo,
-                 workers_comm=_workers_comm(topo.world, serves) if ps else topo.world)
+    return roles_on(topo, algorithm)
 
 
 def _workers_comm(world, serves: bool):
@@ -248,24 +240,43 @@ def release(roles: Roles, *, free_world: bool) -> None:
     _topology.forget_default_topology(topo)
 
 
-def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None) -> Roles:
+def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None,
+                        ps_rank: int | None = None) -> Roles:
     """The front door re-initialised on ``world``, the survivors of the current topology's
     world after a death (``MPI_Comm_shrink``; collective over ``world``): the old topology's
     exit agreement and communicators are released locally (:func:`release`; its world too when
     ``free_old``), the survivors' topology (:meth:`~hpcasync.topology.Topology.shrunk`: each
     survivor stays on its node) becomes the default and gets the exit agreement if the old one
-    had it. Returns the survivors' :class:`Roles` (every rank trains: a synchronous algorithm).
+    had it; ``ps_rank``: the server's rank in ``world`` (default: the old one's, where it
+    survived). Returns the survivors' :class:`Roles` (:func:`roles_on`).
     Used by :mod:`hpcasync.elastic`."""
     from .topology import default_topology, set_default_topology
 
     old = default_topology()
     had_exit_agreement = id(old.world) in _EXIT_HOOKS
     topo = old.shrunk(world)
+    if ps_rank is not None:                 # a parameter server's takeover: the new server
+        topo = dataclasses.replace(topo, ps_rank=ps_rank)
     release(_sync_roles(old, algorithm), free_world=free_old)
     set_default_topology(topo)
     if had_exit_agreement and topo.size > 1:
         _register_exit_agreement(topo.world)
-    return _sync_roles(topo, algorithm)
+    return roles_on(topo, algorithm)
+
+
+def roles_on(topo, algorithm: str | None) -> Roles:
+    """This rank's :class:`Roles` on ``topo`` for ``algorithm``: a parameter-server algorithm's
+    server and worker numbers from ``topo.servers``, with a communicator of its workers (a
+    ``Split``: collective over ``topo.world``); every rank trains otherwise (no communication)."""
+    if algorithm not in PS_ALGORITHMS:
+        return _sync_roles(topo, algorithm)
+    servers = topo.servers
+    workers = [r for r in range(topo.size) if r not in servers]
+    serves = topo.rank in servers
+    return dataclasses.replace(
+        _sync_roles(topo, algorithm), is_server=serves,
+        worker_index=None if serves else workers.index(topo.rank), num_workers=len(workers),
+        workers_comm=_workers_comm(topo.world, serves))
 
 
 def _sync_roles(topo, algorithm: str | None) -> Roles:

@@ -35,8 +35,14 @@ SSGD (PowerSGD included: each rank keeps its own error memory), local SGD, SlowM
 (the survivors go on from the sync root's replica), OD-SGD and DASO (give DASO the sampler, ``hpcasync.optimizer("daso", ..., epochs=E,
 sampler=sampler)``, so that an epoch dealt over fewer ranks is recounted; it keeps its node
 groups, and after a death inside a cycling epoch the survivors average their restored states
-before the sync); a parameter-server algorithm's optimizer is a one-line ConfigError at
-``State(...)`` under ULFM.
+before the sync). A parameter-server algorithm (its server serves inside your function:
+``if state.roles.is_server: opt.serve(); return``, the workers end theirs with ``opt.finish()``):
+a dead worker is retired by the server and the others never stop; at the end the survivors take
+the final model over the shrunk world (``state.ft.failures`` records the death, ``absorbed``). A
+dead server is taken over: the workers roll back to their last commits, the one holding the
+newest reply serves from it (``state.roles.is_server`` there) with a fresh rule, and the others
+push to it (``ParameterServer.take_over``); its own rest of the data is not trained. Grow-back
+and a shard server's death (``ps_ranks > 1``) are refused with one line there.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -54,23 +60,24 @@ docs/design/elastic.md.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import torch
 
 from . import api
 from .data.sharding import ElasticSampler
-from .errors import ConfigError
+from .errors import ConfigError, ranks_in
+from .runtime.ft import PSFailed
 from .runtime import elastic as _core
 from .runtime.elastic import HostsUpdatedInterrupt
+
+log = logging.getLogger("hpcasync")
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "is_joiner", "run"]
 
 is_joiner = _core.is_joiner
 
-#: algorithms whose optimizer survives a reset (set_comm / DASO's set_topology over the
-#: survivors; its state_dict complete at a commit: OD-SGD completes its round in flight there,
-#: DASO its global sends in flight)
-SUPPORTED = ("ssgd", "localsgd", "slowmo", "diloco", "odsgd", "daso")
 _RESERVED = ("rank", "size", "roles", "ft")
 
 
@@ -83,7 +90,7 @@ class _FrontDoor(_core.Membership):
 
         self.state, self.algorithm = state, algorithm
         self.topo = default_topology()          # collective if init() built none
-        self.roles = api._sync_roles(self.topo, algorithm)
+        self.roles = api.roles_on(self.topo, algorithm)
         self._own_world = False                 # the world is a shrunk one of ours: freed later
 
     @property
@@ -100,6 +107,8 @@ class _FrontDoor(_core.Membership):
         return [c for c in out if c is not None]
 
     def rebuild(self, new) -> None:
+        if self.ps is not None:
+            return self._take_over(new)
         self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
                                              algorithm=self.algorithm)
         self.topo, self._own_world = self.roles.topology, True
@@ -107,6 +116,73 @@ class _FrontDoor(_core.Membership):
             self.move(opt, after_death=True)
         for sampler in self.state._samplers():
             sampler.set_world(self.topo.rank, self.topo.size)
+
+    def absorb(self, new) -> None:
+        """A parameter server's worker died and was retired (:meth:`FaultTolerance.absorb`): the
+        front door onto the survivors; every worker keeps its data shard (the dead one's rest
+        is not trained, as in the CLI without ``--grow-back``)."""
+        if self.roles.workers_comm not in (None, self.topo.world):
+            api._free(self.roles.workers_comm)      # (reinit releases the topology's own)
+        self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
+                                             algorithm=self.algorithm)
+        self.topo, self._own_world = self.roles.topology, True
+
+    @property
+    def ps(self):
+        """The state's parameter-server optimizer (None: a synchronous algorithm's state)."""
+        return next((h.value for h in self.state._handlers.values()
+                     if isinstance(h.value, torch.optim.Optimizer)
+                     and getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS), None)
+
+    def check_reset(self) -> None:
+        """A parameter server's world is reset only when its server died while serving (one
+        server rank): a worker takes over (:meth:`_take_over`). A death after the final model
+        was handed out, or of a shard server, ends the job with one line, said by the lowest
+        survivor (the others wait for its ``MPI_Abort``). Collective over the survivors."""
+        opt = self.ps
+        if opt is None:
+            return
+        survivors = self.comm.Shrink()
+        dead = sorted(set(range(self.size())) - set(ranks_in(survivors.Get_group(), self.comm)))
+        first = survivors.Get_rank() == 0
+        survivors.Free()
+        servers = [r for r in dead if r in self.topo.servers]
+        if servers and not opt.closed and self.topo.ps_ranks == 1:
+            return
+        if not first:
+            time.sleep(10)
+        what = (f"shard server(s) {', '.join(map(str, servers))} died (your own loop takes over "
+                "one server rank only; hpcasync train --ps-ranks K takes over a shard server)"
+                if servers and not opt.closed else
+                f"the parameter server (rank {servers[0]}) died after serving"
+                if servers else
+                f"rank(s) {', '.join(map(str, dead))} died after the final model was handed out")
+        raise PSFailed(f"{what}: ending the {self.algorithm} job; restart from a checkpoint")
+
+    def _take_over(self, new) -> None:
+        """The parameter server died: the survivor holding the newest reply serves from its θ
+        (the lowest rank among equals), the others go on pushing to it from their restored
+        commits (:meth:`ParameterServer.take_over`). Collective over ``new``."""
+        opt = self.ps
+        votes = new.allgather((-1 if opt.is_server else opt.version, opt.steps))
+        server = max(range(len(votes)), key=lambda r: (votes[r][0], -r))
+        self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
+                                             algorithm=self.algorithm, ps_rank=server)
+        self.topo, self._own_world = self.roles.topology, True
+        opt.take_over(self.topo.world, server,
+                      positions=[steps for r, (_, steps) in enumerate(votes) if r != server])
+        self._new_server = (server, votes[server][0])
+
+    def shrunk(self, record: dict) -> None:
+        if self.ps is None or record.get("absorbed"):
+            return super().shrunk(record)
+        server, version = self._new_server
+        record.update(server=record["survivors"][server], server_version=version)
+        if self.rank() == server:
+            log.warning("rank(s) %s died, the parameter server among them; rank %d serves from "
+                        "its reply of version %d, %d worker(s) go on from their last commits",
+                        ", ".join(map(str, record["dead_ranks"])), record["server"], version,
+                        self.roles.num_workers)
 
     def move(self, opt, *, after_death: bool) -> None:
         """``opt`` onto the current topology. DASO (``set_topology``) keeps its node groups;
@@ -131,7 +207,7 @@ class _FrontDoor(_core.Membership):
         api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(),
                  **api.INIT_OPTIONS)
         self.topo, self._own_world = default_topology(), True
-        self.roles = api._sync_roles(self.topo, self.algorithm)
+        self.roles = api.roles_on(self.topo, self.algorithm)
         for opt in self.state._optimizers():
             self.move(opt, after_death=False)
         for sampler in self.state._samplers():
@@ -160,18 +236,24 @@ class State(_core.TorchState):
                         if isinstance(v, torch.optim.Optimizer)} - {None})
         membership = _FrontDoor(self, algos[0] if algos else None)
         ft = _core.FaultTolerance(membership)
-        unsupported = [a for a in algos if a not in SUPPORTED]
-        if ft.ulfm and unsupported:
-            raise ConfigError(f"hpcasync.elastic survives a death with {', '.join(SUPPORTED)} "
-                              f"only; this state's optimizer runs {', '.join(unsupported)} (run "
-                              "it without --with-ft: a death then ends the job, restart from a "
-                              "checkpoint)")
         object.__setattr__(self, "ft", ft)
         object.__setattr__(self, "_membership", membership)
+        self._check_growth()
+        for opt in values.values():     # a PS worker's death: retired, absorbed at the close
+            if ft.ulfm and getattr(opt, "algorithm", None) in api.PS_ALGORITHMS:
+                opt.on_survivors = ft.absorb
         super().__init__(**values)
         if _core.is_joiner():   # a replacement: its optimizers onto the grown world (built on
             for opt in self._optimizers():  # its own launch's: local), as the survivors' regrow
                 membership.move(opt, after_death=False)
+
+    def _check_growth(self) -> None:
+        m = self._membership
+        if self.ft.ulfm and self.ft.grow_back and m.algorithm in api.PS_ALGORITHMS:
+            raise ConfigError(f"grow-back of {m.algorithm} in your own loop is not built: a dead "
+                              "worker is retired and the others train on (leave "
+                              "HPCASYNC_GROW_BACK / grow_back out); hpcasync train --grow-back "
+                              "replaces it")
 
     # -- the core's hooks ------------------------------------------------------------------------
     def default_bcast_object(self, obj):
@@ -193,10 +275,17 @@ class State(_core.TorchState):
                 m.bcast_object(v.state_dict() if m.is_root() else None)))
         return None
 
+    def sync(self) -> None:
+        """Rank 0's state (after a reset, the sync root's) on every rank; a parameter server's
+        state is each rank's own (the optimizer started every rank from the server's θ; after a
+        takeover each worker goes on from its own commit): nothing is sent."""
+        if self._membership.ps is None:
+            super().sync()
+
     def _sync_sampler(self, sampler: ElasticSampler) -> None:
         m = self._membership
         sampler.load_state_dict(m.bcast_object(sampler.state_dict() if m.is_root() else None))
-        sampler.set_world(m.rank(), m.size())
+        sampler.set_world(m.roles.shard_index, m.roles.num_shards)
 
     def _optimizers(self) -> list:
         return [h.value for h in self._handlers.values()
@@ -238,6 +327,7 @@ def run(func=None, *, grow_back: bool | None = None, max_ranks: int | None = Non
                               f"hpcasync.elastic.State, got {type(state).__name__}")
         if grow_back is not None or max_ranks is not None:
             state.ft.set_growth(grow_back, max_ranks)
+            state._check_growth()
         return state.ft
     return _core.elastic_run(tolerance)(func)
 

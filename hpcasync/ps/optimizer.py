@@ -32,13 +32,14 @@ from typing import Any, Callable
 
 import torch
 
-from .. import registry
+from .. import inject, registry
 from ..comm.broadcast import broadcast
 from ..errors import CheckpointError, ConfigError, TopologyError, fail_fast
 from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..rules import MOMENTUM_RULES, RULES, Reply, make_rule, ps_lr_factor
 from ..rules.base import STOP_IN_SIM_ONLY
 from ..rules.base import check_real
+from ..runtime import ft
 from ..topology import default_topology
 from .loop_checkpoint import LoopCheckpoints
 from .ordering import ordered
@@ -100,6 +101,10 @@ class ParameterServer(AlgorithmOptimizer):
     worker is left untouched by that push, one unfrozen is trained from its next push on.
     """
 
+    #: ``on_survivors(comm)``: the final close goes over the survivors and hands them on
+    #: (:meth:`close`; set by :class:`hpcasync.elastic.State` under ULFM)
+    on_survivors: Callable[[Any], None] | None = None
+
     def __init__(self, model, algorithm: str = "asgd", *, lr: float, comm=None,
                  ps_rank: int | None = None, transport: str = "rma", ps_ranks: int | None = None,
                  steps_per_epoch: int | None = None, epochs: int | None = None,
@@ -139,14 +144,26 @@ class ParameterServer(AlgorithmOptimizer):
                                 f"{comm.Get_size()} ranks")
         ps_ranks = check_shards(1 if ps_ranks is None else ps_ranks, comm.Get_size(), flat.numel)
         self._own_groups(flat, param_groups, probe, optimizer)
-        others = [o for o in (ref() for ref in _LIVE) if o is not None and not o._closed]
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.warmup_epochs = warmup_epochs
+        self.sync_buffers = bool(average_buffers) and flat.buffer_numel > 0
+        self._transport_name, self._start = transport, start
+        self.steps = 0
+        self._attach(comm, ps_rank, ps_ranks, probe)
+        _LIVE.append(weakref.ref(self))
+        atexit.register(ParameterServer._at_exit, weakref.ref(self))
+
+    def _attach(self, comm, ps_rank: int, ps_ranks: int, probe) -> None:
+        """Collective over ``comm``: every rank takes the server's parameters and buffers, the
+        shards, transports and rules are built, the role's state starts fresh (the
+        constructor's; a takeover's on the survivors, :meth:`take_over`)."""
+        flat, algorithm = self.flat, self.algorithm
+        others = [o for o in (ref() for ref in _LIVE) if o is not None and not o._closed
+                  and o is not self]
         self._own_comm = bool(others)   # its messages apart from the other optimizers' (same tags)
         if self._own_comm:
             comm = comm.Dup()
         self.comm, self.ps_rank = comm, ps_rank
-        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
-        self.warmup_epochs = warmup_epochs
-        self.sync_buffers = bool(average_buffers) and flat.buffer_numel > 0
         for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
             if tensor.numel():
                 broadcast(comm, tensor, root=ps_rank)
@@ -162,7 +179,7 @@ class ParameterServer(AlgorithmOptimizer):
         self.shard, self.worker_ranks = L.shard, L.workers
         # one transport per shard this rank is in (a server: its own; a worker: all K)
         self.transports = [make_transport(
-            transport, c, ps_rank if L.K == 1 else 0, L.slice(flat.params, s).numel(),
+            self._transport_name, c, ps_rank if L.K == 1 else 0, L.slice(flat.params, s).numel(),
             extra=flat.buffer_numel if s == 0 else 0,
             reply_scalars=probe.reply_scalars, groups=len(self.param_groups),
             params=len(flat.parameters))
@@ -186,8 +203,7 @@ class ParameterServer(AlgorithmOptimizer):
         # SHAT/ENSEMBLE: a worker's model is its own, not a copy of a reply (checkpoints carry it)
         self.keeps_local = bool(getattr(self.rule, "keeps_local", False))
         # worker side
-        self.version = 0
-        self.steps = self.rejected = 0
+        self.version = self.rejected = 0
         self._resume_local: torch.Tensor | None = None
         self.started = self.finished = self.stopped = False
         self._finish_at: int | None = None            # finish_after()
@@ -197,6 +213,7 @@ class ParameterServer(AlgorithmOptimizer):
         self._buffers = torch.zeros(W, flat.buffer_numel) if self.is_server else None
         self._seen = [False] * W
         self.server: PSServer | None = None          # serve()'s loop
+        self._clock: list | None = None               # take_over(): where the epoch clock starts
         self._ordered = None                          # make_server(): the transport in push order
         self._epoch_exchange: EpochExchange | None = None   # make_server(), K > 1
         self._closed = False
@@ -206,13 +223,37 @@ class ParameterServer(AlgorithmOptimizer):
         self._frozen_index: dict[tuple, torch.Tensor | None] = {}
         if self.is_server:
             log.info("%s", self.describe())
-        _LIVE.append(weakref.ref(self))
-        atexit.register(ParameterServer._at_exit, weakref.ref(self))
         self._hook = None
-        if not self.is_server and start:
+        if not self.is_server and self._start:
             ref = weakref.ref(self)
             self._hook = flat.module.register_forward_pre_hook(
                 lambda module, args: ref() is not None and ref().start())
+
+    def take_over(self, comm, ps_rank: int, *, positions: list[int] | None = None) -> None:
+        """Collective over ``comm``, the survivors of a dead server (ULFM, one server rank): rank
+        ``ps_rank`` of ``comm`` serves from now on, from the last reply it holds (the freshest θ
+        when it is the survivor with the newest version), with a fresh rule whose epoch clock
+        starts at each worker's ``positions[w]`` (its pushes so far); each worker keeps its own
+        buffers (and SHAT's and ENSEMBLE's workers their own models) and takes its first reply
+        from the new server at its next step. The old windows are left to ``MPI_Finalize``."""
+        if self.layout.K > 1:
+            raise ConfigError("a shard server's death in your own loop (ps_ranks > 1) is not "
+                              "taken over; hpcasync train --ps-ranks K does it")
+        theta, buffers = self.last_reply(), self.flat.buffers.detach().clone()
+        local = self.local_model() if self.keeps_local and not self.is_server else None
+        for t in self.transports:
+            t.close(collective=False)
+        if self._hook is not None:
+            self._hook.remove()
+        if comm.Get_rank() == ps_rank:
+            self.flat.params.copy_(theta)
+        steps = self.steps
+        self._attach(comm, ps_rank, 1, make_rule(self.algorithm, torch.zeros(1), 1, **self.hyper))
+        self.steps, self._clock = steps, positions
+        if not self.is_server:
+            self.flat.buffers.copy_(buffers)
+            if local is not None:
+                self.resume_local(local)
 
     # -- param groups ---------------------------------------------------------------------------
     def _own_groups(self, flat, param_groups, probe, optimizer) -> None:
@@ -566,7 +607,10 @@ class ParameterServer(AlgorithmOptimizer):
                      record.get("rejected_pushes", 0))
             if on_epoch is not None:
                 on_epoch(epoch, self.flat.module)
+        callbacks.setdefault("on_push", lambda w, staleness, loss: inject.point("served"))
         server = self.make_server(on_epoch=crossed, **callbacks)
+        if self._clock:
+            server.start_at(self._clock)
         self.server = server
         collector = self.checkpoints.attach(server)     # a loaded clock; the workers' requests
         return server, collector
@@ -620,9 +664,27 @@ class ParameterServer(AlgorithmOptimizer):
               broadcast_model: bool = True) -> None:
         """Collective: free the transport and give every rank of ``comm`` (default the job's) the
         server's final parameters and buffers (``root``: the server's rank in ``comm``).
-        ``collective=False``: a rank died, the windows are left to MPI_Finalize."""
+        ``collective=False``: a rank died, the windows are left to MPI_Finalize.
+
+        With :attr:`on_survivors` (set by :class:`hpcasync.elastic.State` under ULFM) the
+        default ``comm`` is the survivors' (``MPI_Comm_shrink``, also when nobody died: every
+        rank takes the same branch): after a worker's death they take the final model over it
+        and ``on_survivors(comm)`` moves the front door onto them."""
         if self._closed:
             return
+        servers, survivors = list(self.layout.servers), None
+        if comm is None and collective and self.on_survivors is not None:
+            survivors, lost = ft.survivors(self.comm, True)
+            if lost:
+                servers = [ft.translate(r, self.comm, survivors) for r in servers]
+                if min(servers) < 0:
+                    raise ft.PSFailed(f"the parameter server (rank {self.ps_rank}) died after "
+                                      "serving; the final model is lost: restart from a "
+                                      "checkpoint")
+                comm, root, collective = survivors, servers[0], False
+            else:
+                survivors.Free()
+                survivors = None
         self._closed = True
         if self._ordered is not None and self._ordered is not self.transport:
             self._ordered.finish(collective=collective)  # :mod:`.ordering`'s messages
@@ -636,7 +698,7 @@ class ParameterServer(AlgorithmOptimizer):
             comm = self.comm if comm is None else comm
             root = self.ps_rank if root is None else root
             if self.layout.K > 1:           # each server's slice from it (root: shard 0's server)
-                for s, server in enumerate(self.layout.servers):
+                for s, server in enumerate(servers):
                     broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
                               else server)
                 if self.flat.buffers.numel():
@@ -648,6 +710,8 @@ class ParameterServer(AlgorithmOptimizer):
             mean_int_buffers(comm, self.flat.module, self.is_server)
         if self._own_comm and collective:
             self.comm.Free()
+        if survivors is not None:
+            self.on_survivors(survivors)
 
     @property
     def closed(self) -> bool:
@@ -711,6 +775,8 @@ class ParameterServer(AlgorithmOptimizer):
         self.optimizer.state.clear()
 
     def _load_extra(self, extra: dict) -> None:
+        if not self.is_server and "steps" in extra:    # its pushes, as the server counts them
+            self.steps = int(extra["steps"])
         if self.is_server and "rule" in extra:
             self.rule.load_state_dict(extra["rule"])
             self.load_buffer_state(extra)

@@ -213,12 +213,13 @@ class PSServer:
             self.on_served()
         return self.stats
 
-    def start_at(self, position: int) -> None:
-        """Start the epoch clock where every worker resumes, at its ``position``-th push (a
-        worker took over from a dead server, :mod:`.takeover`): positions, accepted pushes and
-        the next epoch to cross as if the ``W × position`` pushes before had been served here."""
-        self.positions = [int(position)] * self.transport.num_workers
+    def start_at(self, position) -> None:
+        """Start the epoch clock where every worker resumes, at its ``position``-th push (or
+        worker w at its ``position[w]``-th; a worker took over from a dead server): positions,
+        accepted pushes and the next epoch to cross as if the pushes before had been served
+        here."""
         self.stats.start_at(position, self.pushes_per_epoch)
+        self.positions = list(self.stats.per_worker)
         if self.pushes_per_epoch:
             self.next_epoch = self.stats.accepted // self.pushes_per_epoch + 1
 

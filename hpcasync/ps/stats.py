@@ -49,12 +49,13 @@ class PushStats:
         self.reasons: Counter[str] = Counter()
         self._reset_epoch()
 
-    def start_at(self, position: int, pushes_per_epoch: int | None = None) -> None:
-        """Count ``position`` accepted pushes of every worker as served before (a server that
-        took over from a dead one, :mod:`.takeover`); with ``pushes_per_epoch``, the current
-        epoch holds the pushes past its last crossing."""
-        self.accepted = self.num_workers * int(position)
-        self.per_worker = [int(position)] * self.num_workers
+    def start_at(self, position, pushes_per_epoch: int | None = None) -> None:
+        """Count ``position`` accepted pushes of every worker (or ``position[w]`` of worker w) as
+        served before (a server that took over from a dead one, :mod:`.takeover`); with
+        ``pushes_per_epoch``, the current epoch holds the pushes past its last crossing."""
+        self.per_worker = ([int(p) for p in position] if isinstance(position, (list, tuple))
+                           else [int(position)] * self.num_workers)
+        self.accepted = sum(self.per_worker)
         if pushes_per_epoch:
             self._accepted = self.accepted % pushes_per_epoch
 

@@ -94,6 +94,9 @@ class Membership:
     ``rebuild(new)``    collective over ``new``, the shrunk ``comm``: re-initialise topology and
                         optimizers on the survivors (``new`` stays valid: the reset agrees on it);
     ``done_with(new)``  after the reset was agreed on: free ``new`` if the rebuild copied it;
+    ``absorb(new)``     collective over ``new``, the survivors: move onto them with nothing to
+                        roll back or sync (:meth:`FaultTolerance.absorb`; ``new`` is the front
+                        end's from then on);
     ``shrunk(record)``  after the shrink (the ``rank_failed`` record): say it;
     ``settle(grew)``    last, on every rank of the world the reset ends on (``grew``: the
                         ``rank_joined`` record, None if the world did not grow);
@@ -125,6 +128,9 @@ class Membership:
     def done_with(self, new) -> None:
         pass
 
+    def absorb(self, new) -> None:
+        raise NotImplementedError
+
     def regrow(self, grown) -> None:
         """Collective over ``grown`` (the survivors and their replacements, each replacement in a
         dead rank's place): rebuild the front end on it with exactly the collectives a
@@ -132,7 +138,12 @@ class Membership:
         raise NotImplementedError
 
     def shrunk(self, record: dict) -> None:
-        if self.rank() == sync_root():
+        if record.get("absorbed"):
+            if self.rank() == 0:
+                log.warning("rank(s) %s died and were retired; the others trained on, and end "
+                            "with %d ranks", ", ".join(map(str, record["dead_ranks"])),
+                            record["world_size"])
+        elif self.rank() == sync_root():
             log.warning("rank(s) %s died; going on with %d ranks (recovered in %.3f s, from the "
                         "state of rank %d at %s)", ", ".join(map(str, record["dead_ranks"])),
                         record["world_size"], record["recovery_s"], record["adopted_from"],
@@ -428,6 +439,31 @@ class FaultTolerance:
         m.settle(grew)
         log.info("reset from %d to %d ranks in %.3f s", before, m.size(),
                  time.perf_counter() - t0)
+
+    def absorb(self, new) -> None:
+        """A death the algorithm went on through, with nothing to roll back: a parameter server
+        retired the dead worker and served the others to their end, and its ``close`` shrank its
+        communicator to ``new`` (the survivors of this world, in its order). The front end moves
+        onto ``new`` (``membership.absorb``) and the death is recorded as a reset's is
+        (``failures``; ``absorbed``, no sync root). Collective over ``new``."""
+        m = self.membership
+        t0, before = time.perf_counter(), m.size()
+        detected = self._detected or time.time()
+        kept = _ranks_in(new.Get_group(), m.comm)
+        lost = [self.original[r] for r in range(before) if r not in kept]
+        self._check_min(new.Get_size(), lost)
+        m.absorb(new)
+        self.original, self.last_kept, self.size_before = ([self.original[r] for r in kept],
+                                                           kept, before)
+        record = {"dead_ranks": lost, "world_size": m.size(), "survivors": list(self.original),
+                  "detected_at_s": round(detected - self._t0, 4),
+                  "detected_unix": round(detected, 4),
+                  "recovery_s": round(time.perf_counter() - t0, 4), "position": None,
+                  "adopted_from": None, "steps_behind": [0] * m.size(), "attempts": 1,
+                  "next_step_s": None, "size_before": before, "absorbed": True}
+        self.failures.append(record)
+        m.shrunk(record)
+        self.error = self._detected = None
 
     def _want(self, before: int) -> int:
         """Replacements to spawn: up to ``max_ranks`` (``membership.refill_only``: no more than

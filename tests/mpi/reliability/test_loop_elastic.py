@@ -235,6 +235,59 @@ def test_own_loop_without_ulfm_ends_fast_on_a_death(tmp_path):
     assert out.stderr.count("hpcasync: error") <= 1, out.stderr[-3000:]
 
 
+PS_BUDGET = 16          # pushes per worker: 2 epochs of 384 / 3 workers / batches of 16
+
+
+def _ps_results(tmp_path, out, survivors):
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == survivors, out.stderr[-3000:]
+    assert len({r["params"] for r in results.values()}) == 1, results   # the server's final θ
+    assert all(r["size"] == 3 and len(r["failures"]) == 1 for r in results.values()), results
+    return results
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
+def test_own_ps_loop_survives_a_worker_death_under_ulfm(tmp_path, algorithm):
+    """A parameter-server rule in your own loop (rank 0 serves inside ``train``): rank 2 (worker
+    1) dies before its step 5. The server retires it and the others never stop; at the end the
+    survivors take the final model over the shrunk world (``ParameterServer.close``) and the
+    front door moves onto them (``FaultTolerance.absorb``): exit 0, the server's θ on every
+    survivor, every push of the surviving workers' budget served and the dead worker's 5, one
+    ``absorbed`` failure record, nothing rolled back."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank=2, kill_at=5, extra=["--algorithm", algorithm])
+    results = _ps_results(tmp_path, out, [0, 1, 3])
+    record = results[0]["failures"][0]
+    assert (record["dead_ranks"], record["survivors"], record["absorbed"]) == \
+        ([2], [0, 1, 3], True), record
+    assert results[0]["served"] == 2 * PS_BUDGET + 5, results[0]
+    assert [results[r]["steps"] for r in (1, 3)] == [PS_BUDGET] * 2, results
+    assert all(r["resets"] == [] for r in results.values()), results
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
+def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
+    """The server (rank 0) dies after its 20th served push: every worker's step fails, the
+    workers roll back to their last commits and reset; the survivor holding the newest reply
+    (version 20: the last one the dead server sent) serves from it with a fresh rule whose clock
+    starts at each worker's committed pushes (``ParameterServer.take_over``); the other two go
+    on from their commits. Exit 0, the new server's θ on every survivor, each remaining worker's
+    whole budget served (the pushes before its commit counted, the ones after redone)."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank="", kill_at="", extra=["--algorithm", algorithm],
+               env={"HPCASYNC_INJECT_KILL": "0:20"})
+    results = _ps_results(tmp_path, out, [1, 2, 3])
+    record = results[1]["failures"][0]
+    assert record["dead_ranks"] == [0] and record["server_version"] == 20, record
+    server = record["server"]
+    assert results[server]["served"] == 2 * PS_BUDGET, results[server]
+    assert all(r["steps"] == PS_BUDGET and r["resets"] == [3]
+               for rank, r in results.items() if rank != server), results
+
+
 REFUSE = """
 import torch, hpcasync
 ctx = hpcasync.init("asgd")
@@ -246,15 +299,16 @@ print("unreachable", flush=True)
 
 
 @pytest.mark.rank0
-def test_an_unsupported_algorithm_is_refused_at_state_construction_under_ulfm(tmp_path):
+def test_grow_back_of_a_ps_rule_in_the_own_loop_is_refused_at_state_construction(tmp_path):
     need_ulfm()
     script = tmp_path / "refuse.py"
     script.write_text(REFUSE)
-    out = subprocess.run([*mpiexec(2, ft=True), sys.executable, str(script)], env=clean_env(),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*mpiexec(2, ft=True), sys.executable, str(script)],
+                         env=clean_env(HPCASYNC_GROW_BACK="1"), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode != 0 and "unreachable" not in out.stdout
     lines = [ln for ln in out.stderr.splitlines() if "hpcasync: error" in ln]
-    assert len(lines) == 1 and "only; this state's optimizer runs asgd" in lines[0], \
+    assert len(lines) == 1 and "grow-back of asgd in your own loop is not built" in lines[0], \
         out.stderr[-2000:]
 
 
