@@ -22,6 +22,7 @@ be run beside it here). The paper's 4-bit E3M0 is not offered.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..comm.shm import partition
@@ -50,23 +51,24 @@ def quantized_mean(comm, flat: torch.Tensor) -> int:
     bounds = partition(flat.numel(), n)
     counts, displs = [hi - lo for lo, hi in bounds], [lo for lo, _ in bounds]
     q = torch.empty(flat.numel(), dtype=torch.uint8)
-    scales = []
-    for lo, hi in bounds:
-        q[lo:hi], s = quantize(flat[lo:hi])
-        scales.append(s)
+    scales = np.empty(n)                             # float64: a Python float's bits
+    for i, (lo, hi) in enumerate(bounds):
+        q[lo:hi], scales[i] = quantize(flat[lo:hi])
     mine = counts[rank]
     got = torch.empty(n * mine, dtype=torch.uint8)
     comm.Alltoallv([q.numpy(), counts, displs, MPI.BYTE],
                    [got.numpy(), [mine] * n, [i * mine for i in range(n)], MPI.BYTE])
-    their = comm.alltoall(scales)                    # the scale of my chunk on each rank
+    their = np.empty(n)                              # the scale of my chunk on each rank
+    comm.Alltoall([scales, MPI.DOUBLE], [their, MPI.DOUBLE])
     acc = torch.zeros(mine, dtype=torch.float32)
     for i in range(n):                               # float32, in rank order
-        acc += dequantize(got[i * mine:(i + 1) * mine], their[i])
+        acc += dequantize(got[i * mine:(i + 1) * mine], float(their[i]))
     acc /= n
     reduced, scale = quantize(acc)
     out = torch.empty(flat.numel(), dtype=torch.uint8)
     comm.Allgatherv([reduced.numpy(), MPI.BYTE], [out.numpy(), counts, displs, MPI.BYTE])
-    every = comm.allgather(scale)
+    every = np.empty(n)
+    comm.Allgather([np.array([scale]), MPI.DOUBLE], [every, MPI.DOUBLE])
     for (lo, hi), s in zip(bounds, every):
-        flat[lo:hi] = dequantize(out[lo:hi], s)
+        flat[lo:hi] = dequantize(out[lo:hi], float(s))
     return flat.numel() + mine + 8 * n + 8
