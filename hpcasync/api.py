@@ -264,10 +264,11 @@ def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None,
     return roles_on(topo, algorithm)
 
 
-def roles_on(topo, algorithm: str | None) -> Roles:
+def roles_on(topo, algorithm: str | None, *, split: bool = True) -> Roles:
     """This rank's :class:`Roles` on ``topo`` for ``algorithm``: a parameter-server algorithm's
     server and worker numbers from ``topo.servers``, with a communicator of its workers (a
-    ``Split``: collective over ``topo.world``); every rank trains otherwise (no communication)."""
+    ``Split``: collective over ``topo.world``; ``split=False``: None); every rank trains
+    otherwise (no communication)."""
     if algorithm not in PS_ALGORITHMS:
         return _sync_roles(topo, algorithm)
     servers = topo.servers
@@ -276,7 +277,7 @@ def roles_on(topo, algorithm: str | None) -> Roles:
     return dataclasses.replace(
         _sync_roles(topo, algorithm), is_server=serves,
         worker_index=None if serves else workers.index(topo.rank), num_workers=len(workers),
-        workers_comm=_workers_comm(topo.world, serves))
+        workers_comm=_workers_comm(topo.world, serves) if split else None)
 
 
 def _sync_roles(topo, algorithm: str | None) -> Roles:

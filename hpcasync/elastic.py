@@ -41,8 +41,10 @@ a dead worker is retired by the server and the others never stop; at the end the
 the final model over the shrunk world (``state.ft.failures`` records the death, ``absorbed``). A
 dead server is taken over: the workers roll back to their last commits, the one holding the
 newest reply serves from it (``state.roles.is_server`` there) with a fresh rule, and the others
-push to it (``ParameterServer.take_over``); its own rest of the data is not trained. Grow-back
-and a shard server's death (``ps_ranks > 1``) are refused with one line there.
+push to it (``ParameterServer.take_over``); its own rest of the data is not trained. A death
+while the server was set up (its constructor's collectives) sets it up again on the survivors at
+the first sync. Grow-back and a shard server's death (``ps_ranks > 1``) are refused with one line
+there.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -67,7 +69,7 @@ import torch
 
 from . import api
 from .data.sharding import ElasticSampler
-from .errors import ConfigError, ranks_in
+from .errors import ConfigError, ProcessFailedError, ranks_in
 from .runtime.ft import PSFailed
 from .runtime import elastic as _core
 from .runtime.elastic import HostsUpdatedInterrupt
@@ -90,7 +92,12 @@ class _FrontDoor(_core.Membership):
 
         self.state, self.algorithm = state, algorithm
         self.topo = default_topology()          # collective if init() built none
-        self.roles = api.roles_on(self.topo, algorithm)
+        try:
+            self.roles = api.roles_on(self.topo, algorithm)
+        except Exception as exc:                # noqa: BLE001 - ULFM: a rank died at start-up
+            if not _core.defer_startup_failure(exc, [self.topo.world]):
+                raise
+            self.roles = api.roles_on(self.topo, algorithm, split=False)   # (reset rebuilds it)
         self._own_world = False                 # the world is a shrunk one of ours: freed later
 
     @property
@@ -142,16 +149,24 @@ class _FrontDoor(_core.Membership):
         opt = self.ps
         if opt is None:
             return
+        several = sum(getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS
+                      for h in self.state._handlers.values()) > 1
+        from mpi4py import MPI
+
         survivors = self.comm.Shrink()
         dead = sorted(set(range(self.size())) - set(ranks_in(survivors.Get_group(), self.comm)))
         first = survivors.Get_rank() == 0
+        self._set_up = survivors.allreduce(opt.attached, op=MPI.LAND)   # (set up everywhere)
         survivors.Free()
         servers = [r for r in dead if r in self.topo.servers]
-        if servers and not opt.closed and self.topo.ps_ranks == 1:
+        if (servers or not self._set_up) and not opt.closed and self.topo.ps_ranks == 1 \
+                and not several:
             return
         if not first:
             time.sleep(10)
-        what = (f"shard server(s) {', '.join(map(str, servers))} died (your own loop takes over "
+        what = (f"the parameter server (rank {servers[0]}) of several parameter-server "
+                "optimizers in one State died (one is taken over)" if servers and several else
+                f"shard server(s) {', '.join(map(str, servers))} died (your own loop takes over "
                 "one server rank only; hpcasync train --ps-ranks K takes over a shard server)"
                 if servers and not opt.closed else
                 f"the parameter server (rank {servers[0]}) died after serving"
@@ -162,23 +177,31 @@ class _FrontDoor(_core.Membership):
     def _take_over(self, new) -> None:
         """The parameter server died: the survivor holding the newest reply serves from its θ
         (the lowest rank among equals), the others go on pushing to it from their restored
-        commits (:meth:`ParameterServer.take_over`). Collective over ``new``."""
+        commits (:meth:`ParameterServer.take_over`). A rank died while it was set up (it is not
+        :attr:`~ParameterServer.attached`): set up again on the survivors, the server where it
+        was if it survived. Collective over ``new``."""
         opt = self.ps
-        votes = new.allgather((-1 if opt.is_server else opt.version, opt.steps))
-        server = max(range(len(votes)), key=lambda r: (votes[r][0], -r))
+        serving = self.rank() in self.topo.servers
+        votes = new.allgather((-1 if serving else getattr(opt, "version", 0), opt.steps, serving))
+        server = max(range(len(votes)), key=lambda r: (votes[r][2] and not self._set_up,
+                                                       votes[r][0], -r))
         self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
                                              algorithm=self.algorithm, ps_rank=server)
         self.topo, self._own_world = self.roles.topology, True
         opt.take_over(self.topo.world, server,
-                      positions=[steps for r, (_, steps) in enumerate(votes) if r != server])
-        self._new_server = (server, votes[server][0])
+                      positions=[steps for r, (_, steps, _) in enumerate(votes) if r != server])
+        self._new_server = (server, votes[server][0], not self._set_up)
 
     def shrunk(self, record: dict) -> None:
         if self.ps is None or record.get("absorbed"):
             return super().shrunk(record)
-        server, version = self._new_server
-        record.update(server=record["survivors"][server], server_version=version)
-        if self.rank() == server:
+        server, version, kept = self._new_server
+        record.update(server=record["survivors"][server], server_version=version,
+                      set_up_again=kept)
+        if self.rank() == server and kept:
+            log.warning("rank(s) %s died while the parameter server was set up; set up again on "
+                        "%d ranks", ", ".join(map(str, record["dead_ranks"])), record["world_size"])
+        elif self.rank() == server:
             log.warning("rank(s) %s died, the parameter server among them; rank %d serves from "
                         "its reply of version %d, %d worker(s) go on from their last commits",
                         ", ".join(map(str, record["dead_ranks"])), record["server"], version,
@@ -278,9 +301,14 @@ class State(_core.TorchState):
     def sync(self) -> None:
         """Rank 0's state (after a reset, the sync root's) on every rank; a parameter server's
         state is each rank's own (the optimizer started every rank from the server's θ; after a
-        takeover each worker goes on from its own commit): nothing is sent."""
-        if self._membership.ps is None:
+        takeover each worker goes on from its own commit): nothing is sent, unless a rank died
+        while it was set up (the reset sets it up again on the survivors)."""
+        ps = self._membership.ps
+        if ps is None:
             super().sync()
+        elif not ps.attached:
+            raise ProcessFailedError(f"a rank died while the {ps.algorithm} parameter server was "
+                                     "set up")
 
     def _sync_sampler(self, sampler: ElasticSampler) -> None:
         m = self._membership

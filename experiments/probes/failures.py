@@ -216,6 +216,11 @@ ROUTES = {
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
     "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
     "own-loop-elastic-daso": ("elastic", "daso", (0, 1, 2, 3)),
+    # a parameter-server rule in hpcasync.elastic: a worker's death absorbed, the server's taken
+    # over (rank 0 serves)
+    "own-loop-elastic-asgd": ("elastic", "asgd", (0, 1, 2, 3)),
+    "own-loop-elastic-smega2": ("elastic", "smega2", (0, 1, 2, 3)),
+    "own-loop-elastic-shat": ("elastic", "shat", (0, 1, 2, 3)),
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -271,6 +276,8 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
     script = {"own-loop-elastic": LOOP_ELASTIC,
               "own-loop-elastic-daso": [*LOOP_ELASTIC, "--algorithm", "daso", "--ranks-per-node",
                                         "2"]}.get(route, ELASTIC)
+    if route.startswith("own-loop-elastic-") and algorithm != "daso":
+        script = [*LOOP_ELASTIC, "--algorithm", algorithm]
     return [*launch, *script, "--out", str(outdir)], runs / f"{rid}.out"
 
 
@@ -403,6 +410,13 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
                    for p in outdir.glob("rank*.json")}
         if f"rank{row['rank']}" in results and results[f"rank{row['rank']}"][0] <= killed_unix:
             return "end (the killed rank had written its result)"
+        records = [f for _, r in results.values() for f in r.get("failures", [])]
+        if any(f.get("set_up_again") for f in records):
+            return "set-up (a rank died before the server was set up; set up again)"
+        if any(f.get("server") is not None for f in records):
+            return "training (the server died; a worker took over)"
+        if any(f.get("absorbed") for f in records):
+            return "training (a worker died; retired, absorbed at the end)"
         if any(r["resets"] for _, r in results.values()):
             return "training (the survivors reset to a smaller world)"
     return row.get("phase", "–")

@@ -34,7 +34,7 @@ import torch
 
 from .. import inject, registry
 from ..comm.broadcast import broadcast
-from ..errors import CheckpointError, ConfigError, TopologyError, fail_fast
+from ..errors import CheckpointError, ConfigError, ProcessFailedError, TopologyError, fail_fast
 from ..optim import AlgorithmOptimizer, as_flat, group_index
 from ..rules import MOMENTUM_RULES, RULES, Reply, make_rule, ps_lr_factor
 from ..rules.base import STOP_IN_SIM_ONLY
@@ -148,10 +148,34 @@ class ParameterServer(AlgorithmOptimizer):
         self.warmup_epochs = warmup_epochs
         self.sync_buffers = bool(average_buffers) and flat.buffer_numel > 0
         self._transport_name, self._start = transport, start
-        self.steps = 0
-        self._attach(comm, ps_rank, ps_ranks, probe)
+        self.steps, self.comm, self.ps_rank, self.attached = 0, comm, ps_rank, False
+        self._closed = False
+        try:
+            self._attach(comm, ps_rank, ps_ranks, probe)
+        except Exception as exc:       # noqa: BLE001 - ULFM: a rank died while setting up
+            if not self._died_while_attaching(exc, comm):
+                raise
         _LIVE.append(weakref.ref(self))
         atexit.register(ParameterServer._at_exit, weakref.ref(self))
+
+    def _died_while_attaching(self, exc: BaseException, comm) -> bool:
+        """Under ULFM, an MPI error of the set-up's collectives where a rank of ``comm`` died
+        (found by a barrier: a collective over a duplicate reports a death with its own error
+        class): ``comm`` is revoked and the object stays unattached (:attr:`attached` False:
+        each call says the death in one line; :class:`hpcasync.elastic.State`'s first sync
+        resets, and the reset attaches it on the survivors)."""
+        from mpi4py import MPI
+
+        from .takeover import known_dead
+
+        if not (ft.ulfm_enabled() and isinstance(exc, MPI.Exception) and known_dead(comm)):
+            return False
+        from ..runtime.elastic import revoke_all
+
+        revoke_all([comm])
+        log.info("a rank died while the %s parameter server was set up (%s); the elastic loop "
+                 "sets it up again on the survivors", self.algorithm, exc)
+        return True
 
     def _attach(self, comm, ps_rank: int, ps_ranks: int, probe) -> None:
         """Collective over ``comm``: every rank takes the server's parameters and buffers, the
@@ -223,7 +247,7 @@ class ParameterServer(AlgorithmOptimizer):
         self._frozen_index: dict[tuple, torch.Tensor | None] = {}
         if self.is_server:
             log.info("%s", self.describe())
-        self._hook = None
+        self._hook, self.attached = None, True
         if not self.is_server and self._start:
             ref = weakref.ref(self)
             self._hook = flat.module.register_forward_pre_hook(
@@ -236,14 +260,16 @@ class ParameterServer(AlgorithmOptimizer):
         starts at each worker's ``positions[w]`` (its pushes so far); each worker keeps its own
         buffers (and SHAT's and ENSEMBLE's workers their own models) and takes its first reply
         from the new server at its next step. The old windows are left to ``MPI_Finalize``."""
-        if self.layout.K > 1:
+        if self.attached and self.layout.K > 1:
             raise ConfigError("a shard server's death in your own loop (ps_ranks > 1) is not "
                               "taken over; hpcasync train --ps-ranks K does it")
-        theta, buffers = self.last_reply(), self.flat.buffers.detach().clone()
-        local = self.local_model() if self.keeps_local and not self.is_server else None
-        for t in self.transports:
+        buffers = self.flat.buffers.detach().clone()
+        theta = self.last_reply() if self.attached else self.flat.params.detach().cpu().clone()
+        local = (self.local_model() if self.attached and self.keeps_local and not self.is_server
+                 else None)
+        for t in getattr(self, "transports", []):
             t.close(collective=False)
-        if self._hook is not None:
+        if getattr(self, "_hook", None) is not None:
             self._hook.remove()
         if comm.Get_rank() == ps_rank:
             self.flat.params.copy_(theta)
@@ -726,7 +752,7 @@ class ParameterServer(AlgorithmOptimizer):
     def _at_exit_check(self) -> None:
         """Interpreter exit: a worker that never called finish() finishes now (so the server can
         end); a server that never served ends the job, saying so (the workers wait for it)."""
-        if self._closed:
+        if self._closed or not self.attached:
             return
         try:
             if self.is_server and not self.served:
@@ -747,13 +773,21 @@ class ParameterServer(AlgorithmOptimizer):
         if opt is not None:
             opt._at_exit_check()
 
+    def _check_attached(self) -> None:
+        if not self.attached:
+            raise ProcessFailedError(f"a rank died while the {self.algorithm} parameter server was "
+                                     "set up; this loop cannot go on without it (under "
+                                     "hpcasync.elastic.run it is set up again on the survivors)")
+
     def _worker_only(self, what: str) -> None:
+        self._check_attached()
         if self.is_server:
             raise ConfigError(f"rank {self.comm.Get_rank()} is the parameter server of "
                               f"{self.algorithm}: call opt.serve() there, not {what}() "
                               "(hpcasync.init() tells each rank its role: ctx.is_server)")
 
     def _server_only(self, what: str) -> None:
+        self._check_attached()
         if not self.is_server:
             raise ConfigError(f"rank {self.comm.Get_rank()} is a worker of {self.algorithm}: "
                               f"{what}() runs on the parameter server (rank {self.ps_rank}); "
@@ -761,7 +795,9 @@ class ParameterServer(AlgorithmOptimizer):
 
     def _extra_state(self) -> dict:
         state = {"hyper": {k: v for k, v in self.hyper.items() if k != "lr"}}
-        if self.is_server:
+        if not self.attached:
+            state.update(steps=self.steps)
+        elif self.is_server:
             state.update(rule=self.rule.state_dict(), **self.buffer_state())
         else:
             state.update(version=self.version, steps=self.steps)
@@ -775,6 +811,8 @@ class ParameterServer(AlgorithmOptimizer):
         self.optimizer.state.clear()
 
     def _load_extra(self, extra: dict) -> None:
+        if not self.attached:
+            return
         if not self.is_server and "steps" in extra:    # its pushes, as the server counts them
             self.steps = int(extra["steps"])
         if self.is_server and "rule" in extra:

@@ -450,6 +450,9 @@ class FaultTolerance:
         t0, before = time.perf_counter(), m.size()
         detected = self._detected or time.time()
         kept = _ranks_in(new.Get_group(), m.comm)
+        if len(kept) == before:         # (a second optimizer's close: absorbed already)
+            new.Free()
+            return
         lost = [self.original[r] for r in range(before) if r not in kept]
         self._check_min(new.Get_size(), lost)
         m.absorb(new)

@@ -288,6 +288,26 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
                for rank, r in results.items() if rank != server), results
 
 
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm,kill_rank", [("asgd", 2), ("smega2", 0)],
+                         ids=["asgd-worker", "smega2-server"])
+def test_own_ps_loop_sets_the_server_up_again_after_a_death_at_start_up(tmp_path, algorithm,
+                                                                        kill_rank):
+    """A rank dies after loading its data, before the parameter server's set-up (its first
+    broadcast): the survivors' set-up fails, the optimizer stays unattached
+    (``ParameterServer.attached``), the first ``state.sync()`` inside ``@run`` resets, and the
+    reset sets it up again on the survivors (the server where it was, or the lowest survivor).
+    Exit 0, the server's θ on every survivor, 2 × 16 pushes served."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank=kill_rank, kill_at=-1,
+               extra=["--algorithm", algorithm])
+    results = _ps_results(tmp_path, out, sorted({0, 1, 2, 3} - {kill_rank}))
+    record = next(iter(results.values()))["failures"][0]
+    server = record["server"]
+    assert record["dead_ranks"] == [kill_rank] and server == (1 if kill_rank == 0 else 0), record
+    assert results[server]["served"] == 2 * PS_BUDGET, results[server]
+
+
 REFUSE = """
 import torch, hpcasync
 ctx = hpcasync.init("asgd")
