@@ -20,11 +20,17 @@ ARGS = ["train", "--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--tr
 
 @pytest.mark.rank0
 @pytest.mark.timeout(150)
-def test_a_death_at_the_final_gathers_is_survived(tmp_path):
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])
+def test_a_death_at_the_final_gathers_is_survived(tmp_path, algorithm):
+    """OD-SGD: its ``finish()`` (the round in flight completed, the global model everywhere)
+    runs inside the loop's ``try`` after the final gathers: the death at the gathers is reset,
+    and the final step (gathers, then ``finish()``) runs again on the survivors."""
     need_ulfm()
     metrics = tmp_path / "m.jsonl"
+    args = [*ARGS]
+    args[args.index("ssgd")] = algorithm
     try:
-        r = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync", *ARGS,
+        r = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync", *args,
                             "--metrics", str(metrics)], cwd=REPO, capture_output=True, text=True,
                            env=clean_env(HPCASYNC_INJECT_KILL_AT="3:final:1"), timeout=90)
     except subprocess.TimeoutExpired as exc:

@@ -33,7 +33,7 @@ def _run(tmp_path, *, ft: bool, n: int = 4, timeout: float = 240, kill_at=3, kil
          env=None, extra=()):
     kill_rank = n - 1 if kill_rank is None else kill_rank
     cmd = [*mpiexec(n, ft=ft), sys.executable, SCRIPT, "--out", str(tmp_path),
-           "--kill-rank", str(kill_rank), "--kill-at", str(kill_at), "--commit-every", "2",
+           f"--kill-rank={kill_rank}", f"--kill-at={kill_at}", "--commit-every", "2",
            "--limit", str(LENGTH), "--batch-size", str(BATCH), *extra]
     out = subprocess.run(cmd, env=clean_env(**(env or {})), cwd=REPO, capture_output=True, text=True,
                          timeout=timeout)
@@ -238,33 +238,39 @@ def test_own_loop_without_ulfm_ends_fast_on_a_death(tmp_path):
 PS_BUDGET = 16          # pushes per worker: 2 epochs of 384 / 3 workers / batches of 16
 
 
-def _ps_results(tmp_path, out, survivors):
+def _ps_results(tmp_path, out, survivors, deaths=1):
     assert out.returncode == 0, out.stderr[-3000:]
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(results) == survivors, out.stderr[-3000:]
     assert len({r["params"] for r in results.values()}) == 1, results   # the server's final θ
-    assert all(r["size"] == 3 and len(r["failures"]) == 1 for r in results.values()), results
+    assert all(r["size"] == 4 - deaths and len(r["failures"]) == deaths
+               for r in results.values()), results
     return results
 
 
 @pytest.mark.rank0
 @pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
-def test_own_ps_loop_survives_a_worker_death_under_ulfm(tmp_path, algorithm):
-    """A parameter-server rule in your own loop (rank 0 serves inside ``train``): rank 2 (worker
-    1) dies before its step 5. The server retires it and the others never stop; at the end the
-    survivors take the final model over the shrunk world (``ParameterServer.close``) and the
-    front door moves onto them (``FaultTolerance.absorb``): exit 0, the server's θ on every
-    survivor, every push of the surviving workers' budget served and the dead worker's 5, one
-    ``absorbed`` failure record, nothing rolled back."""
+def test_own_ps_loop_survives_worker_deaths_at_set_up_and_in_training_under_ulfm(tmp_path,
+                                                                                 algorithm):
+    """A parameter-server rule in your own loop (rank 0 serves inside ``train``). Rank 2 dies
+    after loading its data, before the server's set-up: the survivors' set-up fails, the
+    optimizer stays unattached (``ParameterServer.attached``), the first ``state.sync()`` inside
+    ``@run`` resets and the reset sets it up again on 3 ranks, rank 0 still serving. Then rank 3
+    (a worker of the 3-rank world) dies before its step 5: the server retires it and the other
+    worker never stops; at the end the survivors take the final model over the shrunk world
+    (``ParameterServer.close``) and the front door moves onto them (``FaultTolerance.absorb``).
+    Exit 0, the server's θ on both survivors, rank 1's whole budget and rank 3's 5 pushes
+    served, one set-up record and one ``absorbed`` record, nothing rolled back after the set-up."""
     need_ulfm()
-    out = _run(tmp_path, ft=True, kill_rank=2, kill_at=5, extra=["--algorithm", algorithm])
-    results = _ps_results(tmp_path, out, [0, 1, 3])
-    record = results[0]["failures"][0]
-    assert (record["dead_ranks"], record["survivors"], record["absorbed"]) == \
-        ([2], [0, 1, 3], True), record
-    assert results[0]["served"] == 2 * PS_BUDGET + 5, results[0]
-    assert [results[r]["steps"] for r in (1, 3)] == [PS_BUDGET] * 2, results
-    assert all(r["resets"] == [] for r in results.values()), results
+    out = _run(tmp_path, ft=True, kill_rank="2,3", kill_at="-1,5",
+               extra=["--algorithm", algorithm])
+    results = _ps_results(tmp_path, out, [0, 1], deaths=2)
+    setup, absorbed = results[0]["failures"]
+    assert (setup["dead_ranks"], setup["server"], setup["set_up_again"]) == ([2], 0, True), setup
+    assert (absorbed["dead_ranks"], absorbed["survivors"], absorbed["absorbed"]) == \
+        ([3], [0, 1], True), absorbed
+    assert results[0]["served"] == PS_BUDGET + 5, results[0]
+    assert results[1]["steps"] == PS_BUDGET and results[1]["resets"] == [3], results
 
 
 @pytest.mark.rank0
@@ -289,23 +295,17 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm,kill_rank", [("asgd", 2), ("smega2", 0)],
-                         ids=["asgd-worker", "smega2-server"])
-def test_own_ps_loop_sets_the_server_up_again_after_a_death_at_start_up(tmp_path, algorithm,
-                                                                        kill_rank):
-    """A rank dies after loading its data, before the parameter server's set-up (its first
-    broadcast): the survivors' set-up fails, the optimizer stays unattached
-    (``ParameterServer.attached``), the first ``state.sync()`` inside ``@run`` resets, and the
-    reset sets it up again on the survivors (the server where it was, or the lowest survivor).
-    Exit 0, the server's θ on every survivor, 2 × 16 pushes served."""
+def test_own_ps_loop_sets_the_server_up_on_the_lowest_survivor_after_its_death_at_set_up(
+        tmp_path):
+    """The server (rank 0) dies before the set-up: the reset sets it up on the lowest survivor
+    (every copy of θ is the initial one). Exit 0, its θ everywhere, 2 × 16 pushes served."""
     need_ulfm()
-    out = _run(tmp_path, ft=True, kill_rank=kill_rank, kill_at=-1,
-               extra=["--algorithm", algorithm])
-    results = _ps_results(tmp_path, out, sorted({0, 1, 2, 3} - {kill_rank}))
-    record = next(iter(results.values()))["failures"][0]
-    server = record["server"]
-    assert record["dead_ranks"] == [kill_rank] and server == (1 if kill_rank == 0 else 0), record
-    assert results[server]["served"] == 2 * PS_BUDGET, results[server]
+    out = _run(tmp_path, ft=True, kill_rank=0, kill_at=-1, extra=["--algorithm", "smega2"])
+    results = _ps_results(tmp_path, out, [1, 2, 3])
+    record = results[1]["failures"][0]
+    assert (record["dead_ranks"], record["server"], record["set_up_again"]) == ([0], 1, True), \
+        record
+    assert results[1]["served"] == 2 * PS_BUDGET, results[1]
 
 
 REFUSE = """
