@@ -116,9 +116,7 @@ class _FrontDoor(_core.Membership):
     def rebuild(self, new) -> None:
         if self.ps is not None:
             return self._take_over(new)
-        self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
-                                             algorithm=self.algorithm)
-        self.topo, self._own_world = self.roles.topology, True
+        self._reinit(new)
         for opt in self.state._optimizers():
             self.move(opt, after_death=True)
         for sampler in self.state._samplers():
@@ -128,10 +126,16 @@ class _FrontDoor(_core.Membership):
         """A parameter server's worker died and was retired (:meth:`FaultTolerance.absorb`): the
         front door onto the survivors; every worker keeps its data shard (the dead one's rest
         is not trained, as in the CLI without ``--grow-back``)."""
+        self._reinit(new)
+
+    def _reinit(self, new, ps_rank: int | None = None) -> None:
+        """The front door re-initialised on ``new``, the survivors (collective over them); a
+        parameter server's workers' communicator is freed here (``reinit_on_survivors``
+        releases the topology's own)."""
         if self.roles.workers_comm not in (None, self.topo.world):
-            api._free(self.roles.workers_comm)      # (reinit releases the topology's own)
+            api._free(self.roles.workers_comm)
         self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
-                                             algorithm=self.algorithm)
+                                             algorithm=self.algorithm, ps_rank=ps_rank)
         self.topo, self._own_world = self.roles.topology, True
 
     @property
@@ -185,9 +189,7 @@ class _FrontDoor(_core.Membership):
         votes = new.allgather((-1 if serving else getattr(opt, "version", 0), opt.steps, serving))
         server = max(range(len(votes)), key=lambda r: (votes[r][2] and not self._set_up,
                                                        votes[r][0], -r))
-        self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
-                                             algorithm=self.algorithm, ps_rank=server)
-        self.topo, self._own_world = self.roles.topology, True
+        self._reinit(new, ps_rank=server)
         opt.take_over(self.topo.world, server,
                       positions=[steps for r, (_, steps, _) in enumerate(votes) if r != server])
         self._new_server = (server, votes[server][0], not self._set_up)

@@ -235,7 +235,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         if not (ft.ulfm_enabled() and known_dead(topo.world)):
             raise
         raise StartupLost() from None
-    if not opt.attached:                # (the same, found by the constructor: ParameterServer)
+    if not opt.attached:                # the constructor met the death and stayed unattached
         raise StartupLost()
     flat = opt.flat
     if takeover is not None:       # the survivors' BatchNorm state, not the fresh model's

@@ -418,16 +418,11 @@ class FaultTolerance:
                                                            before)
         m.done_with(new)
         keys = m.commits
-        record = {"dead_ranks": sorted(lost), "world_size": m.size(),
-                  "survivors": list(self.original),
-                  "detected_at_s": round(detected - self._t0, 4),
-                  "detected_unix": round(detected, 4),
-                  "recovery_s": round(time.perf_counter() - t0, 4),
-                  "position": list(keys[root]) if isinstance(keys[root], tuple) else keys[root],
-                  "adopted_from": self.original[root],
-                  "steps_behind": [_behind(k, keys[root]) for k in keys],
-                  "attempts": attempts, "next_step_s": None, "size_before": before}
-        self.failures.append(record)
+        record = self._failure(
+            sorted(lost), detected, t0, before, attempts=attempts,
+            position=list(keys[root]) if isinstance(keys[root], tuple) else keys[root],
+            adopted_from=self.original[root],
+            steps_behind=[_behind(k, keys[root]) for k in keys])
         self._pending_next_step = record
         m.shrunk(record)
         want = self._want(before) if self.grow_back else 0
@@ -458,15 +453,23 @@ class FaultTolerance:
         m.absorb(new)
         self.original, self.last_kept, self.size_before = ([self.original[r] for r in kept],
                                                            kept, before)
-        record = {"dead_ranks": lost, "world_size": m.size(), "survivors": list(self.original),
-                  "detected_at_s": round(detected - self._t0, 4),
-                  "detected_unix": round(detected, 4),
-                  "recovery_s": round(time.perf_counter() - t0, 4), "position": None,
-                  "adopted_from": None, "steps_behind": [0] * m.size(), "attempts": 1,
-                  "next_step_s": None, "size_before": before, "absorbed": True}
-        self.failures.append(record)
+        record = self._failure(lost, detected, t0, before, attempts=1, position=None,
+                               adopted_from=None, steps_behind=[0] * m.size(), absorbed=True)
         m.shrunk(record)
         self.error = self._detected = None
+
+    def _failure(self, lost: list, detected: float, t0: float, before: int, **fields) -> dict:
+        """The ``failures`` record of a death (the CLI's ``rank_failed``), appended: the dead
+        and the survivors in first-launch numbers, when it was detected, the seconds since
+        ``t0``, the world's size before and after, and a reset's or an absorption's ``fields``."""
+        record = {"dead_ranks": lost, "world_size": self.membership.size(),
+                  "survivors": list(self.original),
+                  "detected_at_s": round(detected - self._t0, 4),
+                  "detected_unix": round(detected, 4),
+                  "recovery_s": round(time.perf_counter() - t0, 4), **fields,
+                  "next_step_s": None, "size_before": before}
+        self.failures.append(record)
+        return record
 
     def _want(self, before: int) -> int:
         """Replacements to spawn: up to ``max_ranks`` (``membership.refill_only``: no more than
