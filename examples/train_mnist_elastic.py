@@ -19,19 +19,21 @@ Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 A parameter-server algorithm (asgd, smega2, shat, ...: rank 0 serves inside ``train``, the
 others push): a dead worker is retired by the server and the others never stop; at the end the
 survivors take the server's final model over the shrunk world (``state.ft.failures`` records the
-death, ``absorbed``). The dead worker's rest of its shard is not trained; the server's own death
-ends the job with one line, and grow-back is not built for it (one line).
+death, ``absorbed``). The dead worker's rest of its shard is not trained. A dead server (or, with
+``--ps-ranks 2``, a dead shard server) is taken over by the worker holding the newest reply;
+grow-back is not built for a parameter server here (one line).
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
 world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
 N-th step (counted from 0; N = the steps of the whole run: after its last step, before ``train``
 returns; N = -1: after loading the data, before the optimizer's first broadcast); ``--out DIR``
 writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and
-committed, a digest of the parameters, and one in each reset callback, before the sync;
-``joined``: a replacement; written by a replacement too, under the dead rank's number, which it
-took) and on every rank ``DIR/windows<R>.jsonl``: at each commit, the data
-indices this rank trained on since the previous commit, with the sampler's position before and
-after. A replacement ignores ``--kill-rank``.
+committed, a digest of the parameters, and one in each reset callback, before the sync, with
+one of the local model a SHAT/ENSEMBLE worker goes on from; ``joined``: a replacement; written by
+a replacement too, under the dead rank's number, which it took) and on every rank
+``DIR/windows<R>.jsonl``: at each commit, the data indices this rank trained on since the
+previous commit, with the sampler's position before and after, the resets so far and a digest of
+the parameters. A replacement ignores ``--kill-rank``.
 """
 import argparse
 import hashlib
@@ -58,6 +60,7 @@ parser.add_argument("--daso-global-skip", type=int, default=1, help="DASO: batch
 parser.add_argument("--odsgd-warmup", type=int, default=4, help="OD-SGD's SSGD warm-up steps")
 parser.add_argument("--powersgd-rank", type=int, default=0, help="SSGD: PowerSGD of this rank "
                     "after 2 plain steps (0: no compression)")
+parser.add_argument("--ps-ranks", type=int, default=1, help="a parameter server's shard servers")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=0.01)
@@ -73,7 +76,8 @@ kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
 if hpcasync.elastic.is_joiner():           # a replacement takes a dead rank's number: the kills
     kills = {}                             # name ranks of the first launch
 
-ctx = hpcasync.init(args.algorithm, seed=0, ranks_per_node=args.ranks_per_node)
+ctx = hpcasync.init(args.algorithm, seed=0, ranks_per_node=args.ranks_per_node,
+                    ps_ranks=args.ps_ranks)
 train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
 if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
     os.kill(os.getpid(), signal.SIGKILL)
@@ -99,18 +103,22 @@ state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoc
 
 me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
 reset_params = []                          # a digest of the parameters in each reset callback
+reset_local = []                           # SHAT/ENSEMBLE workers: of their local model
 reset_steps = []                           # the committed step count in each reset callback
 
 
-def digest():
+def digest(flat=None):
+    tensors = model.parameters() if flat is None else [flat]
     return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
-                                   for p in model.parameters())).hexdigest()
+                                   for p in tensors)).hexdigest()
 
 
 def on_reset():
     resets.append(state.size)
     reset_steps.append(state.steps)        # (restored: the last commit's)
     reset_params.append(digest())
+    keeps = ps and not state.roles.is_server and getattr(opt, "keeps_local", False)
+    reset_local.append(digest(opt.local_model()) if keeps else None)
     pending.clear()                        # trained since the last commit: rolled back
     for group in opt.param_groups:         # as Horovod's examples: lr scaled with the world
         group["lr"] = args.lr * state.size
@@ -125,7 +133,8 @@ def commit(before):
         with open(Path(args.out, f"windows{me}.jsonl"), "a") as f:
             f.write(json.dumps({"epoch": state.sampler.epoch, "start": before,
                                 "end": state.sampler.processed, "size": state.size,
-                                "indices": pending}) + "\n")
+                                "indices": pending, "resets": len(resets),
+                                "params": digest()}) + "\n")
     pending.clear()
     return state.sampler.processed
 
@@ -186,5 +195,6 @@ if args.out:
         "size": state.size, "resets": resets, "executed": executed[0], "steps": state.steps,
         "epoch": state.epoch, "params": digest(), "rank": state.rank,
         "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params,
+        "reset_local": reset_local,
         "failures": state.ft.failures, "reset_steps": reset_steps,
         "served": opt.server.stats.accepted if ps and state.roles.is_server else None}))

@@ -41,10 +41,11 @@ a dead worker is retired by the server and the others never stop; at the end the
 the final model over the shrunk world (``state.ft.failures`` records the death, ``absorbed``). A
 dead server is taken over: the workers roll back to their last commits, the one holding the
 newest reply serves from it (``state.roles.is_server`` there) with a fresh rule, and the others
-push to it (``ParameterServer.take_over``); its own rest of the data is not trained. A death
-while the server was set up (its constructor's collectives) sets it up again on the survivors at
-the first sync. Grow-back and a shard server's death (``ps_ranks > 1``) are refused with one line
-there.
+push to it (``ParameterServer.take_over``); its own rest of the data is not trained. With shard
+servers (``ps_ranks > 1``) a dead one's place is taken the same way, each shard's slice from its
+surviving server or from the newest reply for it. A death while the server was set up (its
+constructor's collectives) sets it up again on the survivors at the first sync. Grow-back is
+refused with one line there.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -106,11 +107,14 @@ class _FrontDoor(_core.Membership):
 
     def comms(self) -> list:
         out = [self.topo.world, self.topo.local, self.topo.glob]
-        for opt in self.state._optimizers():
+        ps = [self.ps] if self.ps is not None else []
+        for opt in self.state._optimizers() + ps:
             comm = getattr(opt, "comm", None)
             out += [comm, getattr(getattr(opt, "reducer", None), "comm", None)]
             if hasattr(comm, "group_comms"):          # DASO's global groups
                 out += list(comm.group_comms())
+            layout = getattr(opt, "layout", None)     # a parameter server's per-shard ones
+            out += list(getattr(layout, "comms", ()))
         return [c for c in out if c is not None]
 
     def rebuild(self, new) -> None:
@@ -146,10 +150,10 @@ class _FrontDoor(_core.Membership):
                      and getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS), None)
 
     def check_reset(self) -> None:
-        """A parameter server's world is reset only when its server died while serving (one
-        server rank): a worker takes over (:meth:`_take_over`). A death after the final model
-        was handed out, or of a shard server, ends the job with one line, said by the lowest
-        survivor (the others wait for its ``MPI_Abort``). Collective over the survivors."""
+        """A parameter server's world is reset only when a server died while serving, or a rank
+        while it was set up: a worker takes over (:meth:`_take_over`). A death after the final
+        model was handed out ends the job with one line, said by the lowest survivor (the others
+        wait for its ``MPI_Abort``). Collective over the survivors."""
         opt = self.ps
         if opt is None:
             return
@@ -163,49 +167,63 @@ class _FrontDoor(_core.Membership):
         self._set_up = survivors.allreduce(opt.attached, op=MPI.LAND)   # (set up everywhere)
         survivors.Free()
         servers = [r for r in dead if r in self.topo.servers]
-        if (servers or not self._set_up) and not opt.closed and self.topo.ps_ranks == 1 \
-                and not several:
+        if (servers or not self._set_up) and not opt.closed and not several:
+            mine = self.topo.servers
+            self._held = opt.holding(mine.index(self.rank()) if self.rank() in mine else -1,
+                                     self.topo.ps_ranks)       # (once: an attempt may redo it)
             return
         if not first:
             time.sleep(10)
         what = (f"the parameter server (rank {servers[0]}) of several parameter-server "
                 "optimizers in one State died (one is taken over)" if servers and several else
-                f"shard server(s) {', '.join(map(str, servers))} died (your own loop takes over "
-                "one server rank only; hpcasync train --ps-ranks K takes over a shard server)"
-                if servers and not opt.closed else
                 f"the parameter server (rank {servers[0]}) died after serving"
                 if servers else
                 f"rank(s) {', '.join(map(str, dead))} died after the final model was handed out")
         raise PSFailed(f"{what}: ending the {self.algorithm} job; restart from a checkpoint")
 
     def _take_over(self, new) -> None:
-        """The parameter server died: the survivor holding the newest reply serves from its θ
-        (the lowest rank among equals), the others go on pushing to it from their restored
-        commits (:meth:`ParameterServer.take_over`). A rank died while it was set up (it is not
+        """A parameter server died: the surviving server of the lowest shard serves, else the
+        survivor holding the newest reply, from its θ (``ps_ranks > 1``: each shard's slice from
+        its surviving server, else from the worker with the newest reply for it); the others go
+        on pushing to it from their restored commits, a worker in a dead shard server's place
+        serving its shard (:meth:`ParameterServer.take_over`, the CLI's election:
+        :func:`~hpcasync.ps.takeover.elect`). A rank died while it was set up (it is not
         :attr:`~ParameterServer.attached`): set up again on the survivors, the server where it
         was if it survived. Collective over ``new``."""
-        opt = self.ps
-        serving = self.rank() in self.topo.servers
-        votes = new.allgather((-1 if serving else getattr(opt, "version", 0), opt.steps, serving))
-        server = max(range(len(votes)), key=lambda r: (votes[r][2] and not self._set_up,
-                                                       votes[r][0], -r))
+        from . import inject
+        from .ps.takeover import elect, gather_shards
+
+        opt, held, K = self.ps, self._held, self.topo.ps_ranks
+        every = new.allgather(held["vote"])
+        inject.point("takeover")
+        server, sources = elect(every, K)
+        theta = None
+        if K > 1 and self._set_up:
+            theta = gather_shards(new, sources, server,
+                                  lambda s: held["layout"].slice(held["theta"], s))
         self._reinit(new, ps_rank=server)
-        opt.take_over(self.topo.world, server,
-                      positions=[steps for r, (_, steps, _) in enumerate(votes) if r != server])
-        self._new_server = (server, votes[server][0], not self._set_up)
+        servers = self.topo.servers
+        opt.take_over(self.topo.world, server, held, ps_ranks=K, theta=theta,
+                      positions=[e[1] for r, e in enumerate(every) if r not in servers])
+        version = every[server][0] if sources is None else min(v for _, v in sources)
+        self._new_server = (server, version, not self._set_up, sources and [
+            (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources])
 
     def shrunk(self, record: dict) -> None:
         if self.ps is None or record.get("absorbed"):
             return super().shrunk(record)
-        server, version, kept = self._new_server
-        record.update(server=record["survivors"][server], server_version=version,
-                      set_up_again=kept)
+        server, version, kept, sources = self._new_server
+        survivors = record["survivors"]
+        record.update(server=survivors[server], server_version=version, set_up_again=kept)
+        if sources and not kept:        # ps_ranks > 1: where each shard's slice came from
+            record["shard_sources"] = [{"rank": survivors[r], "version": v, "from": where}
+                                       for r, v, where in sources]
         if self.rank() == server and kept:
             log.warning("rank(s) %s died while the parameter server was set up; set up again on "
                         "%d ranks", ", ".join(map(str, record["dead_ranks"])), record["world_size"])
         elif self.rank() == server:
-            log.warning("rank(s) %s died, the parameter server among them; rank %d serves from "
-                        "its reply of version %d, %d worker(s) go on from their last commits",
+            log.warning("rank(s) %s died, a parameter server among them; rank %d serves from "
+                        "θ of version %d, %d worker(s) go on from their last commits",
                         ", ".join(map(str, record["dead_ranks"])), record["server"], version,
                         self.roles.num_workers)
 
@@ -279,6 +297,15 @@ class State(_core.TorchState):
                               "worker is retired and the others train on (leave "
                               "HPCASYNC_GROW_BACK / grow_back out); hpcasync train --grow-back "
                               "replaces it")
+
+    def restore(self) -> None:
+        """The last commit back; a serving parameter server (a shard server that survived
+        another's death) keeps what it served: its rule holds every push it answered, and the
+        takeover starts from it."""
+        ps = self._membership.ps
+        if ps is not None and ps.attached and ps.is_server and not ps.closed:
+            return _core.ObjectState.restore(self)          # the plain values only
+        super().restore()
 
     # -- the core's hooks ------------------------------------------------------------------------
     def default_bcast_object(self, obj):

@@ -221,6 +221,9 @@ ROUTES = {
     "own-loop-elastic-asgd": ("elastic", "asgd", (0, 1, 2, 3)),
     "own-loop-elastic-smega2": ("elastic", "smega2", (0, 1, 2, 3)),
     "own-loop-elastic-shat": ("elastic", "shat", (0, 1, 2, 3)),
+    # two shard servers (ranks 0 and 1, ps_ranks=2), two workers: a dead shard server taken over
+    "own-loop-elastic-asgd-shards": ("elastic", "asgd", (0, 1, 2, 3)),
+    "own-loop-elastic-asgd-shard-servers": ("elastic", "asgd", (0, 1)),    # a server killed
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -277,7 +280,8 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
               "own-loop-elastic-daso": [*LOOP_ELASTIC, "--algorithm", "daso", "--ranks-per-node",
                                         "2"]}.get(route, ELASTIC)
     if route.startswith("own-loop-elastic-") and algorithm != "daso":
-        script = [*LOOP_ELASTIC, "--algorithm", algorithm]
+        script = [*LOOP_ELASTIC, "--algorithm", algorithm,
+                  *(["--ps-ranks", "2"] if "-shard" in route else [])]
     return [*launch, *script, "--out", str(outdir)], runs / f"{rid}.out"
 
 
@@ -357,7 +361,7 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
     errors = ([ln for ln in err.splitlines() if "hpcasync: error" in ln or "died" in ln]
               or [ln for ln in err.splitlines() if "error" in ln.lower() or "noticed" in ln])
     row["error_lines"] = len([ln for ln in err.splitlines() if "hpcasync: error" in ln])
-    row["first_error"] = errors[0][:240] if errors else None
+    row["first_error"] = errors[0].replace("\x00", "")[:240] if errors else None
     metrics = runs / f"{rid}.jsonl"
     result = _result(kind, metrics, runs / f"{rid}.elastic", stdout)
     row.update(result)
@@ -413,6 +417,8 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
         records = [f for _, r in results.values() for f in r.get("failures", [])]
         if any(f.get("set_up_again") for f in records):
             return "set-up (a rank died before the server was set up; set up again)"
+        if any(f.get("shard_sources") for f in records):
+            return "training (a shard server died; a worker took its place)"
         if any(f.get("server") is not None for f in records):
             return "training (the server died; a worker took over)"
         if any(f.get("absorbed") for f in records):
@@ -438,7 +444,8 @@ def _result(kind: str, progress: Path, outdir: Path, stdout: Path) -> dict:
         if outdir.exists() else []
     if not results:
         return {"done": False}
-    return {"done": True, "survivors": len(results), "state_steps": results[0]["steps"],
+    return {"done": True, "survivors": len(results),
+            "state_steps": max(r["steps"] for r in results),    # (a PS: a worker's, not 0)
             "replicas_equal": len({r["params"] for r in results}) == 1}
 
 
@@ -535,7 +542,7 @@ def refresh_report(out: Path) -> None:
         err = (out / "runs_random" / f"{r['run']}.err").read_text(errors="replace").splitlines()
         errors = ([ln for ln in err if "hpcasync: error" in ln or "died" in ln]
                   or [ln for ln in err if "error" in ln.lower() or "noticed" in ln])
-        r["first_error"] = errors[0][:240] if errors else None
+        r["first_error"] = errors[0].replace("\x00", "")[:240] if errors else None
         if r.get("killed_s") is not None:
             kind = ROUTES[r["route"]][0]
             r["phase"] = _refine_phase(r, kind, out / "runs_random" / f"{r['run']}.jsonl",
@@ -565,9 +572,11 @@ if __name__ == "__main__":
             f"Command: `python experiments/probes/failures.py {shlex.join(sys.argv[1:])}` on "
             f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M', time.gmtime(t_start))} "
             f"UTC, {(time.time() - t_start) / 60:.1f} min in all. `uptime` before: `{up0}`; "
-            f"after: `{up1}`. The machine was shared with other work (other engineers' builds "
-            "and tests) during the study, so every time here is an upper bound.\n\n"
-            "Each route: one undisturbed run (its length is T), then runs in which one rank "
+            f"after: `{up1}`. "
+            + ("Nothing else ran on the machine during the study.\n\n" if load0[0] < 1.0 else
+               "The machine was shared with other work (other engineers' builds and tests) "
+               "during the study, so every time here is an upper bound.\n\n")
+            + "Each route: one undisturbed run (its length is T), then runs in which one rank "
             "(chosen at random among the route's ranks) is SIGKILLed from outside at a "
             "uniformly random time in [0, T] after launch (seeded; a rank not forked yet is "
             "killed as soon as it is). All under `mpiexec --oversubscribe --with-ft ulfm -n 4`. "

@@ -253,33 +253,54 @@ class ParameterServer(AlgorithmOptimizer):
             self._hook = flat.module.register_forward_pre_hook(
                 lambda module, args: ref() is not None and ref().start())
 
-    def take_over(self, comm, ps_rank: int, *, positions: list[int] | None = None) -> None:
-        """Collective over ``comm``, the survivors of a dead server (ULFM, one server rank): rank
-        ``ps_rank`` of ``comm`` serves from now on, from the last reply it holds (the freshest θ
-        when it is the survivor with the newest version), with a fresh rule whose epoch clock
-        starts at each worker's ``positions[w]`` (its pushes so far); each worker keeps its own
-        buffers (and SHAT's and ENSEMBLE's workers their own models) and takes its first reply
-        from the new server at its next step. The old windows are left to ``MPI_Finalize``."""
-        if self.attached and self.layout.K > 1:
-            raise ConfigError("a shard server's death in your own loop (ps_ranks > 1) is not "
-                              "taken over; hpcasync train --ps-ranks K does it")
-        buffers = self.flat.buffers.detach().clone()
-        theta = self.last_reply() if self.attached else self.flat.params.detach().cpu().clone()
+    def holding(self, shard: int = -1, shards: int = 1) -> dict:
+        """What this rank brings to a takeover (:meth:`take_over`), taken once before its
+        collectives, so that a death inside them runs it again from the same: ``vote``
+        (:func:`.takeover.elect`'s ``(version, steps, shard, versions)``; ``shard``: the one
+        this rank serves, -1 on a worker; ``shards``: how many), ``theta`` (a worker's last
+        reply, a server's θ in the model, the model itself before the set-up completed), the
+        float ``buffers`` and a SHAT/ENSEMBLE worker's ``local`` model."""
+        if not self.attached:           # a death while it was set up: every θ is the initial one
+            theta, version, versions = self.flat.params.detach().cpu().clone(), 0, None
+        elif self.is_server:
+            self.load_theta()
+            theta, version, versions = self.flat.params.detach().cpu().clone(), \
+                int(self.rule.version), None
+        else:
+            theta, version, versions = self.last_reply(), int(self.version), list(self.versions)
         local = (self.local_model() if self.attached and self.keeps_local and not self.is_server
                  else None)
+        return {"vote": (version, self.steps, shard, versions or [version] * shards),
+                "theta": theta, "buffers": self.flat.buffers.detach().clone(), "local": local,
+                "layout": getattr(self, "layout", None)}
+
+    def take_over(self, comm, ps_rank: int, held: dict, *, ps_ranks: int = 1,
+                  theta: torch.Tensor | None = None, positions: list[int] | None = None) -> None:
+        """Collective over ``comm``, the survivors of a dead server (ULFM): rank ``ps_rank`` of
+        ``comm`` serves from now on (with the ``ps_ranks - 1`` after it), from ``theta`` (the
+        shards assembled from their freshest sources) or else the θ it held (``held``,
+        :meth:`holding`: the freshest when it is the survivor with the newest reply), with fresh
+        rules whose epoch clock starts at each worker's ``positions[w]`` (its pushes so far);
+        each worker keeps its own buffers (and SHAT's and ENSEMBLE's workers their own models)
+        and takes its first reply from the new server at its next step. The old windows are left
+        to ``MPI_Finalize``. Run again on a smaller world when a rank dies inside it."""
         for t in getattr(self, "transports", []):
             t.close(collective=False)
+        self.transports = []
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
+            self._hook = None
         if comm.Get_rank() == ps_rank:
-            self.flat.params.copy_(theta)
-        steps = self.steps
-        self._attach(comm, ps_rank, 1, make_rule(self.algorithm, torch.zeros(1), 1, **self.hyper))
+            self.flat.params.copy_(held["theta"] if theta is None else theta)
+        steps = held["vote"][1]
+        inject.point("adopt", fire=comm.Get_rank() == ps_rank)
+        self._attach(comm, ps_rank, ps_ranks,
+                     make_rule(self.algorithm, torch.zeros(1), 1, **self.hyper))
         self.steps, self._clock = steps, positions
         if not self.is_server:
-            self.flat.buffers.copy_(buffers)
-            if local is not None:
-                self.resume_local(local)
+            self.flat.buffers.copy_(held["buffers"])
+            if held["local"] is not None:
+                self.resume_local(held["local"])
 
     # -- param groups ---------------------------------------------------------------------------
     def _own_groups(self, flat, param_groups, probe, optimizer) -> None:
@@ -721,23 +742,34 @@ class ParameterServer(AlgorithmOptimizer):
         if collective:
             self.layout.free()
         if broadcast_model:
-            comm = self.comm if comm is None else comm
-            root = self.ps_rank if root is None else root
-            if self.layout.K > 1:           # each server's slice from it (root: shard 0's server)
-                for s, server in enumerate(servers):
-                    broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
-                              else server)
-                if self.flat.buffers.numel():
-                    broadcast(comm, self.flat.buffers, root=root)
-            else:
-                for tensor in (self.flat.params, self.flat.buffers):
-                    if tensor.numel():
-                        broadcast(comm, tensor, root=root)
-            mean_int_buffers(comm, self.flat.module, self.is_server)
+            self.hand_out(comm, root, servers)
         if self._own_comm and collective:
             self.comm.Free()
         if survivors is not None:
             self.on_survivors(survivors)
+
+    def hand_out(self, comm=None, root: int | None = None, servers: list[int] | None = None
+                 ) -> None:
+        """Collective over ``comm`` (default the job's; ``root``: the server's rank in it,
+        ``servers``: the shard servers' ranks in it, default the layout's translated): every rank
+        takes the server's final parameters (each shard from its server) and buffers, and the
+        workers' mean integer buffers (:func:`mean_int_buffers`). The end of :meth:`close`; the
+        CLI calls it after its own checks of who survived."""
+        comm = self.comm if comm is None else comm
+        root = self.ps_rank if root is None else root
+        if servers is None:
+            servers = [ft.translate(r, self.comm, comm) for r in self.layout.servers]
+        if self.layout.K > 1:               # each server's slice from it (root: shard 0's server)
+            for s, server in enumerate(servers):
+                broadcast(comm, self.layout.slice(self.flat.params, s), root=root if s == 0
+                          else server)
+            if self.flat.buffers.numel():
+                broadcast(comm, self.flat.buffers, root=root)
+        else:
+            for tensor in (self.flat.params, self.flat.buffers):
+                if tensor.numel():
+                    broadcast(comm, tensor, root=root)
+        mean_int_buffers(comm, self.flat.module, self.is_server)
 
     @property
     def closed(self) -> bool:

@@ -321,14 +321,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         comm.Barrier()
         raise Preempted("preempted: the parameter server stopped every worker after its "
                         "current push")
-    # every rank ends with the PS's θ (and its averaged buffers)
-    owners = [root] + [ft.translate(r, topo.world, comm) if lost else r for r in servers[1:]]
-    pieces = [(opt.layout.slice(flat.params, s), owner) for s, owner in enumerate(owners)]
-    for tensor, owner in [*pieces, (flat.buffers, root)]:      # each shard from its server
-        if tensor.numel():
-            host = tensor.detach().cpu().contiguous()      # a copy when on a GPU
-            comm.Bcast([host.numpy(), MPI.FLOAT], root=owner)
-            tensor.copy_(host)
+    opt.hand_out(comm, root)    # every rank ends with the PS's θ (and its averaged buffers)
     per_worker = comm.gather(summary if not opt.is_server else None, root=root)
     if topo.is_ps:
         summary["workers"] = [s for s in per_worker if s is not None]

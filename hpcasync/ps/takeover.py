@@ -279,24 +279,43 @@ def _exchange(ctx, new, opt, mine, own, own_ints, K: int) -> tuple:
     ``(every, server, sources, states, theta)``; ``states``/``theta`` are None off the server."""
     every = new.allgather(mine)
     inject.point("takeover")
+    server, sources = elect(every, K)
+    states = new.gather((own, own_ints), root=server)
+    theta = None
+    if K > 1:               # each shard's slice from its source, assembled on the new server
+        theta = gather_shards(new, sources, server, lambda s: (
+            opt.rule.theta.detach().cpu().clone() if opt.is_server else
+            opt.layout.slice(opt.last_reply(), s)))
+    elif new.Get_rank() == server:      # its last reply (before any: the broadcast start)
+        theta = opt.last_reply()
+    return every, server, sources, states, theta
+
+
+def elect(every: list, K: int) -> tuple[int, list | None]:
+    """Who serves after a server's death, from every survivor's ``(version, _, shard,
+    versions)`` (``shard`` -1 on a worker, ``versions`` its reply's version per shard): the
+    surviving server of the lowest shard, else the worker holding the newest reply (of shard 0;
+    the lowest rank among equals). Returns ``(rank, sources)``, ``sources`` (K > 1) each
+    shard's :func:`_shard_sources`. The CLI's takeover and your own loop's
+    (:meth:`hpcasync.elastic._FrontDoor._take_over`) elect alike."""
     workers = [r for r, e in enumerate(every) if e[2] < 0]
-    sources = _shard_sources(every, K) if K > 1 else None
     servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)
     server = (servers[0][1] if servers else
               max(workers, key=lambda r: (every[r][3][0] if K > 1 else every[r][0], -r)))
-    states = new.gather((own, own_ints), root=server)
-    theta = None
-    me = new.Get_rank()
-    if K > 1:               # each shard's slice from its source, assembled on the new server
-        pieces = new.gather({s: (opt.rule.theta.detach().cpu().clone() if opt.is_server else
-                                 opt.layout.slice(opt.last_reply(), s))
-                             for s, (r, _) in enumerate(sources) if r == me}, root=server)
-        if pieces is not None:
-            merged = {s: t for part in pieces for s, t in part.items()}
-            theta = torch.cat([merged[s] for s in range(K)])
-    elif me == server:      # its last reply (before any: the broadcast start)
-        theta = opt.last_reply()
-    return every, server, sources, states, theta
+    return server, (_shard_sources(every, K) if K > 1 else None)
+
+
+def gather_shards(comm, sources: list, server: int, piece) -> torch.Tensor | None:
+    """Collective over ``comm``: θ assembled on ``server`` from each shard's source
+    (``sources[s] = (rank, version)``), which gives ``piece(s)``, its slice of shard ``s``; None
+    elsewhere."""
+    me = comm.Get_rank()
+    pieces = comm.gather({s: piece(s) for s, (r, _) in enumerate(sources) if r == me},
+                         root=server)
+    if pieces is None:
+        return None
+    merged = {s: t for part in pieces for s, t in part.items()}
+    return torch.cat([merged[s] for s in range(len(sources))])
 
 
 def _shard_sources(every: list, K: int) -> list[tuple[int, int]]:

@@ -292,6 +292,12 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
     assert results[server]["served"] == 2 * PS_BUDGET, results[server]
     assert all(r["steps"] == PS_BUDGET and r["resets"] == [3]
                for rank, r in results.items() if rank != server), results
+    for rank, r in results.items():     # SHAT: each worker goes on from its committed local model
+        if rank != server:
+            commits = [json.loads(line) for line in
+                       (tmp_path / f"windows{rank}.jsonl").read_text().splitlines()]
+            committed = [c["params"] for c in commits if c["resets"] == 0][-1]
+            assert r["reset_local"] == [committed if algorithm == "shat" else None], (rank, r)
 
 
 @pytest.mark.rank0
@@ -306,6 +312,60 @@ def test_own_ps_loop_sets_the_server_up_on_the_lowest_survivor_after_its_death_a
     assert (record["dead_ranks"], record["server"], record["set_up_again"]) == ([0], 1, True), \
         record
     assert results[1]["served"] == 2 * PS_BUDGET, results[1]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm,killed", [("asgd", 1), ("smega2", 0)])
+def test_own_ps_loop_takes_over_a_dead_shard_server_under_ulfm(tmp_path, algorithm, killed):
+    """Two shard servers (``ps_ranks=2``: ranks 0 and 1), two workers. Shard server ``killed``
+    dies after its 20th served push: the workers' steps fail and they revoke every shard's
+    communicator, so the other server's loop fails too; the survivors roll back (the surviving
+    server keeps what it served: ``State.restore``) and reset. The surviving server serves shard
+    0; worker 2 takes the dead one's place; shard 0's slice comes from the surviving server's θ
+    or the newest reply, shard 1's likewise (``shard_sources``); the clock starts at the
+    remaining worker's committed pushes. Exit 0, one θ on the 3 survivors, the remaining worker's
+    whole budget (2 epochs of 384 / 2 workers / 16) pushed and counted by shard 0's server."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank="", kill_at="",
+               extra=["--algorithm", algorithm, "--ps-ranks", "2"],
+               env={"HPCASYNC_INJECT_KILL_AT": f"{killed}:served:20"})
+    results = _ps_results(tmp_path, out, sorted({0, 1, 2, 3} - {killed}))
+    record = results[3]["failures"][0]
+    survivor = 1 - killed
+    assert (record["dead_ranks"], record["server"]) == ([killed], survivor), record
+    sources = record["shard_sources"]         # the old shards: the dead one's from a reply
+    assert (sources[survivor]["rank"], sources[survivor]["from"]) == (survivor, "server"), record
+    assert sources[survivor]["version"] >= 10, record      # what it served, not rolled back
+    assert sources[killed]["rank"] in (2, 3) and sources[killed]["from"] == "reply", record
+    budget = 2 * (LENGTH // 2 // BATCH)
+    assert results[3]["steps"] == budget and results[survivor]["served"] == budget, results
+    assert results[2]["served"] == budget, results     # worker 2 serves the dead one's shard
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm,phase", [("asgd", "takeover"), ("shat", "adopt")])
+def test_a_death_inside_the_own_loops_takeover_runs_it_again_on_the_survivors(tmp_path,
+                                                                              algorithm, phase):
+    """The server (rank 0) dies after its 20th served push, then a second rank inside the
+    takeover: ``takeover``: rank 2 between the election's allgather and the rebuild; ``adopt``:
+    the elected server, before its first broadcast. The reset's attempt fails everywhere and
+    runs again on the two survivors from what each held before it (``ParameterServer.holding``):
+    one of them serves, the other pushes its whole budget. Exit 0, one θ, two attempts."""
+    need_ulfm()
+    kill = ("2:takeover:1" if phase == "takeover" else
+            ",".join(f"{r}:adopt:1" for r in (1, 2, 3)))      # (fired on the new server only)
+    out = _run(tmp_path, ft=True, kill_rank="", kill_at="", extra=["--algorithm", algorithm],
+               env={"HPCASYNC_INJECT_KILL": "0:20", "HPCASYNC_INJECT_KILL_AT": kill})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert len(results) == 2 and len({r["params"] for r in results.values()}) == 1, results
+    record = next(iter(results.values()))["failures"][0]
+    assert record["attempts"] == 2 and len(record["dead_ranks"]) == 2, record
+    assert 0 in record["dead_ranks"] and (phase == "adopt" or 2 in record["dead_ranks"]), record
+    server = record["server"]
+    worker = next(r for r in results if r != server)
+    assert results[server]["served"] == PS_BUDGET and results[worker]["steps"] == PS_BUDGET, \
+        results
 
 
 REFUSE = """
