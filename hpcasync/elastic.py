@@ -199,8 +199,8 @@ class _FrontDoor(_core.Membership):
         server, sources = elect(every, K)
         theta = None
         if K > 1 and self._set_up:
-            theta = gather_shards(new, sources, server,
-                                  lambda s: held["layout"].slice(held["theta"], s))
+            theta = gather_shards(new, sources, server,     # (a shard's bounds: K's, numel's)
+                                  lambda s: opt.layout.slice(held["theta"], s))
         self._reinit(new, ps_rank=server)
         servers = self.topo.servers
         opt.take_over(self.topo.world, server, held, ps_ranks=K, theta=theta,

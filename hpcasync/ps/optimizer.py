@@ -271,8 +271,7 @@ class ParameterServer(AlgorithmOptimizer):
         local = (self.local_model() if self.attached and self.keeps_local and not self.is_server
                  else None)
         return {"vote": (version, self.steps, shard, versions or [version] * shards),
-                "theta": theta, "buffers": self.flat.buffers.detach().clone(), "local": local,
-                "layout": getattr(self, "layout", None)}
+                "theta": theta, "buffers": self.flat.buffers.detach().clone(), "local": local}
 
     def take_over(self, comm, ps_rank: int, held: dict, *, ps_ranks: int = 1,
                   theta: torch.Tensor | None = None, positions: list[int] | None = None) -> None:
