@@ -61,6 +61,8 @@ PHASES = {
     "startup": "a run's first broadcast (synchronous families, the PS), before it",
     "adopt": "a PS takeover's set-up, before the new server's first broadcast (counted on "
              "every survivor, fired on the new server only)",
+    "attach": "a PS set-up (the constructor's, a takeover's), after its first broadcast, before "
+              "its windows",
     "step": "after a completed training step, on every training rank",
     "gradient": "a PS worker's gradient, before it is pushed",
     "push": "a PS worker's push, its gradient written, before its header",

@@ -191,6 +191,7 @@ class ParameterServer(AlgorithmOptimizer):
         for tensor in (flat.params, flat.buffers):          # every worker starts from the server's
             if tensor.numel():
                 broadcast(comm, tensor, root=ps_rank)
+        inject.point("attach")
         self._mark = self._param_version()     # the model as built: a later change is the user's
         if len(set(comm.allgather(self._groups_key))) > 1:
             raise ConfigError(f"{algorithm}: the ranks' optimizers have different param groups "

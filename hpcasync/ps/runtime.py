@@ -34,7 +34,7 @@ from .shards import align_resume, check_shards
 from .growth import PSGrowth, Regrow, worker_view
 from .options import add_arguments, validate_options  # noqa: F401 (the runtime's options)
 from .growth import validate as validate_growth
-from .takeover import (ServerLost, StartupLost, Takeover, known_dead,
+from .takeover import (ServerLost, StartupLost, Takeover, fault_tolerance, known_dead,
                        restart_without_the_dead, restore_buffers, take_over)
 from .wire import END_GROW
 
@@ -104,7 +104,7 @@ def run(ctx: RunContext) -> RunResult:
     takeover = lost = state = None
     if not hasattr(ctx, "original_ranks"):      # (ids in records: the first launch's ranks)
         ctx.original_ranks = list(range(ctx.topo.size))
-    growth = PSGrowth(ctx)
+    growth, core = PSGrowth(ctx), fault_tolerance(ctx)
     if join.joined():                   # a replacement: what the survivors go on from
         state, takeover = _joiner_start(growth.receive(ctx))
     while True:
@@ -114,14 +114,14 @@ def run(ctx: RunContext) -> RunResult:
             return result
         except ServerLost as exc:
             lost, state, before = exc, None, (list(ctx.original_ranks), ctx.topo.size)
-            takeover = _grown(ctx, growth, before, take_over(ctx, lost, takeover))
+            takeover = _grown(ctx, growth, before, take_over(ctx, core, lost, takeover))
         except StartupLost:
             state, before = None, (list(ctx.original_ranks), ctx.topo.size)
             if takeover is None:        # every copy of θ is the initial one
-                restart_without_the_dead(ctx)
+                restart_without_the_dead(ctx, core)
             else:                       # not from the initial θ: from what the workers hold
                 takeover = _grown(ctx, growth, before,
-                                  take_over(ctx, lost, takeover, again=True))
+                                  take_over(ctx, core, lost, takeover, again=True))
         except Regrow as stop:
             state, takeover = _regrow(ctx, growth, stop), None
 

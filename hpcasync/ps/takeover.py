@@ -2,23 +2,24 @@
 
 Under ``mpirun --with-ft ulfm`` a worker waiting on a dead server gets ``MPI_ERR_PROC_FAILED``
 and raises :class:`ServerLost` (``ps.runtime``). Every surviving worker then calls
-:func:`take_over`: the survivors shrink the world, the worker holding the freshest θ becomes the
-server with a fresh rule, and every worker resumes at the share of its budget the run had done.
-A death inside the takeover's exchange redoes it on the survivors (one ``MPI_Comm_agree`` ends
-it: the loop is :func:`hpcasync.runtime.elastic.atomic_shrink`, the elastic reset's and the
-synchronous recovery's too); a death while the new server is set up runs the takeover again
-(``again=True``) from the θ the workers hold; SHAT's and ENSEMBLE's workers keep their local
-models. With ``--ps-ranks K > 1``
-a dead shard server's slice is rebuilt from the workers' freshest reply for it.
+:func:`take_over`: the reset of the run's one fault-tolerance object
+(:class:`~hpcasync.runtime.elastic.FaultTolerance`, the synchronous families' and your own
+loop's too) over a :class:`PSWorld`, whose rebuild elects the worker holding the freshest θ as
+the server; it serves with a fresh rule, and every worker resumes at the share of its budget the
+run had done. A death inside the takeover's exchange redoes it on the survivors (the reset is
+atomic: one ``MPI_Comm_agree`` ends each attempt); a death while the new server is set up runs
+the takeover again (``again=True``) from the θ the workers hold; SHAT's and ENSEMBLE's workers
+keep their local models. With ``--ps-ranks K > 1`` a dead shard server's slice is rebuilt from
+the workers' freshest reply for it.
 
 Example (``ps.runtime.run``)::
 
-    takeover = None
+    takeover, core = None, fault_tolerance(ctx)
     while True:
         try:
             return _run(ctx, takeover)
         except ServerLost as lost:
-            takeover = take_over(ctx, lost)
+            takeover = take_over(ctx, core, lost)
 
 Design: docs/design/ps.md#server-takeover (the steps, what is lost).
 """
@@ -27,13 +28,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 
 import torch
 
 from .. import inject
 from ..errors import proc_failure, ranks_in
-from ..runtime.elastic import atomic_shrink, revoke_all
+from ..runtime.elastic import FaultTolerance, Membership, revoke_all
 
 log = logging.getLogger("hpcasync")
 
@@ -65,26 +65,6 @@ def known_dead(comm) -> bool:
     return False
 
 
-def _shrink(ctx, comms, world=None) -> tuple:
-    """Revoke ``comms`` (the world first), shrink ``world`` (default ``ctx.topo.world``):
-    ``(new world, ranks kept (old numbering), dead ranks (original numbering))``;
-    ``ctx.original_ranks`` follows."""
-    world = ctx.topo.world if world is None else world
-    revoke_all(comms)
-    new = world.Shrink()
-    return (new, *_follow(ctx, world, new))
-
-
-def _follow(ctx, world, new) -> tuple:
-    """After ``new = world.Shrink()``: ``(ranks kept (old numbering), dead ranks (original
-    numbering))``; ``ctx.original_ranks`` follows."""
-    size = world.Get_size()
-    kept = ranks_in(new.Get_group(), world)
-    original = getattr(ctx, "original_ranks", list(range(size)))
-    ctx.original_ranks = [original[r] for r in kept]
-    return kept, [original[r] for r in range(size) if r not in kept]
-
-
 def _become_reporter(ctx, rank: int) -> None:
     """The new server (rank ``rank`` of the original world) writes the metrics and the log."""
     m = ctx.metrics
@@ -95,20 +75,79 @@ def _become_reporter(ctx, rank: int) -> None:
     setup_logging(rank, report_rank=rank)
 
 
-def restart_without_the_dead(ctx) -> None:
+class PSWorld(Membership):
+    """The world of a CLI parameter-server run (``ctx.topo``) under the one fault-tolerance object
+    (:class:`~hpcasync.runtime.elastic.FaultTolerance`, whose reset shrinks it atomically): its
+    rebuild is a takeover (``lost``, the :class:`ServerLost` of this rank: the survivors elect a
+    server and give it θ and their buffers, :func:`_exchange`), or, with no ``lost``, a start
+    again on the survivors after a death while the server was set up from the initial θ (the
+    server keeps its role if it survived, else the lowest survivor serves). The run's
+    ``ctx.topo`` is the survivors' after the rebuild."""
+
+    def __init__(self, ctx):
+        self.ctx, self.lost, self.held, self.got, self.first = ctx, None, None, None, None
+        self._before = ctx.topo
+
+    @property
+    def comm(self):
+        return self.ctx.topo.world
+
+    def comms(self) -> list:
+        layout = getattr(getattr(self.lost, "opt", None), "layout", None)
+        return [self.ctx.topo.world, *[c for c in getattr(layout, "comms", ()) if c is not None]]
+
+    def check_reset(self) -> None:
+        """Revoke what a survivor may still be blocked on (the world, the per-shard ones)."""
+        self._before, self.first = self.ctx.topo, None
+        revoke_all(self.comms())
+
+    def rebuild(self, new) -> None:
+        before = self._before
+        kept = ranks_in(new.Get_group(), before.world)
+        if self.first is None:      # the deaths that began the reset (the others: inside it)
+            self.first = [self.ctx.original_ranks[r] for r in range(before.size)
+                          if r not in kept]
+        if self.lost is None:
+            server, self.got = kept.index(before.ps_rank) if before.ps_rank in kept else 0, None
+        else:
+            self.got = _exchange(new, self.lost.opt, *self.held)
+            server = self.got[1]
+        self.ctx.topo = dataclasses.replace(before.shrunk(new), ps_rank=server)
+
+    def shrunk(self, record: dict) -> None:
+        """Said by the caller (:func:`take_over`, :func:`restart_without_the_dead`)."""
+
+
+def fault_tolerance(ctx):
+    """The run's fault-tolerance object over a :class:`PSWorld` (its grow-back is the server's
+    own spawn, :mod:`.growth`, after the reset: not the reset's)."""
+    core = FaultTolerance(PSWorld(ctx), ulfm=True, grow_back=False)
+    core.grow_back = False          # (also on a replacement, which set_growth says grows back)
+    return core
+
+
+def _reset(ctx, core, lost, held=None) -> dict:
+    """``core.reset()`` over the :class:`PSWorld` (collective over the survivors);
+    ``ctx.original_ranks`` follows. Returns the reset's ``failures`` record."""
+    world = core.membership
+    world.lost, world.held = lost, held
+    core.original = list(ctx.original_ranks)
+    core.reset()
+    ctx.original_ranks = list(core.original)
+    return core.failures[-1]
+
+
+def restart_without_the_dead(ctx, core) -> None:
     """A death during set-up (the first broadcast, the windows): shrink the world and start the
-    run again on the survivors (collective over them). The server keeps its role if it
-    survived; otherwise the lowest surviving rank serves (every copy of θ is the initial one)."""
-    topo = ctx.topo
-    new, kept, dead = _shrink(ctx, (topo.world,))
-    server = kept.index(topo.ps_rank) if topo.ps_rank in kept else 0
-    ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
-    if new.Get_rank() == server:
-        _become_reporter(ctx, ctx.original_ranks[server])
+    run again on the survivors (collective over them; :class:`PSWorld`). Every copy of θ is the
+    initial one."""
+    record = _reset(ctx, core, None)
+    if ctx.topo.rank == ctx.topo.ps_rank:
+        _become_reporter(ctx, ctx.original_ranks[ctx.topo.rank])
         log.warning("rank(s) %s died while the parameter server was set up; starting again with "
-                    "%d ranks", ", ".join(map(str, dead)), new.Get_size())
-        ctx.metrics.write("rank_failed", dead_ranks=dead, phase="startup",
-                          world_size=new.Get_size())
+                    "%d ranks", ", ".join(map(str, record["dead_ranks"])), ctx.topo.size)
+        ctx.metrics.write("rank_failed", dead_ranks=record["dead_ranks"], phase="startup",
+                          world_size=ctx.topo.size)
 
 
 @dataclasses.dataclass
@@ -170,17 +209,16 @@ def restore_buffers(opt, takeover: Takeover) -> None:
                        if n in ints})
 
 
-def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
+def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
               again: bool = False) -> Takeover:
-    """Collective over the survivors (docs/design/ps.md#server-takeover); replaces ``ctx.topo``.
+    """Collective over the survivors (docs/design/ps.md#server-takeover): the reset of ``core``
+    (:func:`fault_tolerance`) over them; replaces ``ctx.topo``.
     ``again``: the set-up after the takeover ``previous`` lost a rank (the new server, or a
     worker): the takeover runs again on the survivors, from what they hold since ``lost`` (each
     one's latest reply, buffers) and at ``previous``'s share of the budget. With K > 1 shard
     servers the survivors include servers: each shard's slice comes from its surviving server,
     or else from the workers' freshest reply for that shard (:func:`_shard_sources`)."""
-    detected = time.time()
-    t0 = time.perf_counter()
-    opt, topo = lost.opt, ctx.topo
+    opt = lost.opt
     K = opt.layout.K
     # the old optimizer's windows are on the revoked world (left to MPI_Finalize); it must not
     # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
@@ -199,33 +237,19 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
     # next must not reset it; restore_buffers)
     own = opt.flat.buffers.detach().cpu().clone()
     own_ints = _int_buffers(opt.flat.module)
-    # atomic (runtime.elastic.atomic_shrink): the exchange completes on every survivor, or all
-    # shrink again and redo it (a death inside it: a gather can complete on its senders and fail
-    # on its root)
-    dead, firsts = [], []
-
-    def on_shrink(world, new) -> None:
-        gone = _follow(ctx, world, new)[1]
-        dead.extend(gone)
-        firsts.append(gone)
-
-    new, got, _ = atomic_shrink(
-        topo.world, lambda new: _exchange(ctx, new, opt, mine, own, own_ints, K),
-        first_revoke=(topo.world, *[c for c in opt.layout.comms if c is not None]),
-        on_shrink=on_shrink, failed=proc_failure)
-    first = firsts[0]
-    every, server, sources, states, theta = got
+    # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
+    # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
+    failure = _reset(ctx, core, lost, (mine, own, own_ints))
+    first, dead = core.membership.first, failure["dead_ranks"]
+    every, server, sources, states, theta = core.membership.got
     share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
     int_max = (None if states is None else
                {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
-    me = new.Get_rank()
-    ctx.topo = dataclasses.replace(topo.shrunk(new), ps_rank=server)
-    original = ctx.original_ranks
+    me, original = ctx.topo.rank, ctx.original_ranks
     record = {"dead_ranks": dead, "new_server": original[server],
               "theta_version": (every[server][0] if K == 1 else min(v for _, v in sources)),
-              "share_done": round(share, 4), "workers": new.Get_size() - K,
-              "detected_unix": round(detected, 4),
-              "recovery_s": round(time.perf_counter() - t0, 4),
+              "share_done": round(share, 4), "workers": ctx.topo.size - K,
+              "detected_unix": failure["detected_unix"], "recovery_s": failure["recovery_s"],
               "phase": "setup" if again else "training"}
     if K > 1:
         record["shard_sources"] = [{"rank": original[r], "version": v,
@@ -246,7 +270,7 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
             log.warning("%s%s died; rank %d takes over with θ of version %d, %d "
                         "workers go on from %.1f %% of their budget", what,
                         dead_said, original[server], every[server][0],
-                        new.Get_size() - 1, 100 * share)
+                        ctx.topo.size - 1, 100 * share)
         else:
             log.warning("%s%s died; rank %d serves shard 0 of %d, θ rebuilt from %s, "
                         "%d workers go on from %.1f %% of their budget", what,
@@ -254,7 +278,7 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
                         ", ".join(f"shard {s}: rank {original[r]}'s "
                                   f"{'θ' if every[r][2] >= 0 else 'reply'} (version {v})"
                                   for s, (r, v) in enumerate(sources)),
-                        new.Get_size() - K, 100 * share)
+                        ctx.topo.size - K, 100 * share)
         ctx.metrics.write("server_failed", **record)
     inject.forget(inject.KILL_ENV)      # (a push count of the old server's run)
     local = opt.local_model() if opt.keeps_local and not opt.is_server else None
@@ -273,10 +297,11 @@ def take_over(ctx, lost: ServerLost, previous: Takeover | None = None, *,
                     local=local if me != server else None)
 
 
-def _exchange(ctx, new, opt, mine, own, own_ints, K: int) -> tuple:
+def _exchange(new, opt, mine, own, own_ints) -> tuple:
     """The takeover's collectives over the shrunk world ``new``: who holds what (allgather), who
     serves, every survivor's buffers and (K > 1) each shard's slice to it (gathers). Returns
     ``(every, server, sources, states, theta)``; ``states``/``theta`` are None off the server."""
+    K = opt.layout.K
     every = new.allgather(mine)
     inject.point("takeover")
     server, sources = elect(every, K)

@@ -19,10 +19,11 @@ Without ULFM nothing is caught: a death ends the job (fail-fast, one line).
 **One reset for every synchronous road**: :meth:`FaultTolerance.reset` is the one shrink →
 sync → grow path of your own loop, ``hvd.elastic`` and the CLI's synchronous families (their
 world: :class:`hpcasync.runtime.recovery.SyncWorld`, which adopts the live state of the survivor
-furthest on instead of a commit). :func:`atomic_shrink` is hpcasync's only "shrink, attempt,
-``MPI_Comm_agree``, retry on a fresh shrink" loop: the reset runs it, and so does the parameter
-server's takeover (:func:`hpcasync.ps.takeover.take_over`); :func:`is_process_failure` is their
-one test of "this exception is a process failure".
+furthest on instead of a commit; and the CLI's parameter server, whose world,
+:class:`hpcasync.ps.takeover.PSWorld`, rebuilds by electing a new server).
+:func:`atomic_shrink` is hpcasync's only "shrink, attempt, ``MPI_Comm_agree``, retry on a fresh
+shrink" loop, run by the reset; :func:`is_process_failure` is the one test of "this exception is
+a process failure".
 
 **Growing back** (opt-in: ``HPCASYNC_GROW_BACK=1``, or ``run(grow_back=True)`` of a front end):
 after the shrink the survivors spawn replacements running the user's own command
@@ -235,58 +236,50 @@ def agreed(comm, done) -> bool:
         return False
 
 
-def atomic_shrink(world, attempt: Callable[[Any], Any], *, first_revoke=(),
-                  on_shrink: Callable[[Any, Any], None] | None = None,
-                  revoke: Callable[[Any], Any] | None = None,
-                  failed: Callable[[BaseException], bool] | None = None,
-                  no_death: str | None = None, max_attempts: int | None = None,
-                  exhausted: Callable[[int], BaseException] | None = None) -> tuple:
+def atomic_shrink(world, attempt: Callable[[Any], Any], *,
+                  on_shrink: Callable[[Any, Any], None], revoke: Callable[[Any], Any],
+                  no_death: str, max_attempts: int,
+                  exhausted: Callable[[int], BaseException]) -> tuple:
     """The one atomic "shrink, rebuild, agree, retry on a fresh shrink" loop of hpcasync's fault
-    tolerance (docs/design/elastic.md, "One loop"): a reset (:meth:`FaultTolerance.reset`: your
-    own loop, ``hvd.elastic``, the CLI's synchronous families) and a parameter server's takeover
-    (:func:`hpcasync.ps.takeover.take_over`) run it. Collective over the survivors of
-    ``world``.
+    tolerance (docs/design/elastic.md, "One loop"), run by :meth:`FaultTolerance.reset` (your
+    own loop, ``hvd.elastic``, the CLI's synchronous families and its parameter server's
+    takeover). Collective over the survivors of ``world`` (revoked by the caller).
 
-    Each attempt: revoke (``first_revoke`` before the first shrink; the attempt's world before
-    each later one), ``new = world.Shrink()``, ``on_shrink(world, new)`` (per-shrink bookkeeping,
+    Each attempt: ``new = world.Shrink()``, ``on_shrink(world, new)`` (per-shrink bookkeeping,
     outside the attempt: what it raises ends the loop on every survivor alike), then
-    ``attempt(new)``: what one attempt does on the shrunk communicator. An exception ``failed``
-    accepts (default: an MPI error, :func:`_mpi_error`) is a failed attempt here: the
-    communicators ``revoke(new)`` returns are revoked at once (so nobody stays blocked in one of
-    them); any other exception propagates. The attempt ends in ``MPI_Comm_agree`` (:func:`agreed`)
-    on whether it completed on every survivor; if not, every survivor starts another on a fresh
-    shrink of ``new``. ``no_death``: when an attempt after the first failed and its shrink lost
-    no rank, every survivor stops (a rank whose attempt went through must not retry alone,
-    forever) with the attempt's error, else ``TopologyError(no_death)``. ``max_attempts``: more
-    failed attempts raise ``exhausted(max_attempts)``.
+    ``attempt(new)``: what one attempt does on the shrunk communicator. An MPI error
+    (:func:`_mpi_error`) is a failed attempt here: the communicators ``revoke(new)`` returns are
+    revoked at once (so nobody stays blocked in one of them); any other exception propagates.
+    The attempt ends in ``MPI_Comm_agree`` (:func:`agreed`) on whether it completed on every
+    survivor; if not, every survivor revokes ``new`` and starts another on a fresh shrink of it.
+    When an attempt after the first failed and its shrink lost no rank, every survivor stops (a
+    rank whose attempt went through must not retry alone, forever) with the attempt's error,
+    else ``TopologyError(no_death)``. After ``max_attempts`` failed attempts:
+    ``exhausted(max_attempts)``.
 
     Returns ``(new, attempt's result, number of attempts)``: the same ``new`` on every survivor.
     """
-    failed = failed or _mpi_error
-    comms, attempts = first_revoke, 0
+    attempts = 0
     while True:
-        if max_attempts is not None and attempts >= max_attempts:
-            raise exhausted(attempts) if exhausted else TopologyError(
-                f"no attempt completed in {attempts}")
-        revoke_all(comms)
+        if attempts >= max_attempts:
+            raise exhausted(attempts)
         new = world.Shrink()
         attempts += 1
-        if on_shrink is not None:
-            on_shrink(world, new)
+        on_shrink(world, new)
         error, result = None, None
         try:
             result = attempt(new)
         except Exception as exc:       # noqa: BLE001 - a failed attempt: agreed on below
-            if not failed(exc):
+            if not _mpi_error(exc):
                 raise
             error = exc
-            if revoke is not None:
-                revoke_all(revoke(new))
+            revoke_all(revoke(new))
         if agreed(new, error is None):
             return new, result, attempts
-        if no_death is not None and attempts > 1 and new.Get_size() == world.Get_size():
+        if attempts > 1 and new.Get_size() == world.Get_size():
             raise error or TopologyError(no_death)
-        world, comms = new, (new,)
+        world = new
+        revoke_all((new,))
 
 
 # -- the fault-tolerance object ----------------------------------------------------------------------

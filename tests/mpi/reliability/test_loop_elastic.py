@@ -343,16 +343,19 @@ def test_own_ps_loop_takes_over_a_dead_shard_server_under_ulfm(tmp_path, algorit
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("algorithm,phase", [("asgd", "takeover"), ("shat", "adopt")])
+@pytest.mark.parametrize("algorithm,phase", [("asgd", "takeover"), ("shat", "adopt"),
+                                             ("asgd", "attach")])
 def test_a_death_inside_the_own_loops_takeover_runs_it_again_on_the_survivors(tmp_path,
                                                                               algorithm, phase):
     """The server (rank 0) dies after its 20th served push, then a second rank inside the
     takeover: ``takeover``: rank 2 between the election's allgather and the rebuild; ``adopt``:
-    the elected server, before its first broadcast. The reset's attempt fails everywhere and
+    the elected server, before its first broadcast; ``attach``: rank 3 after the set-up's first
+    broadcast, while the windows are made (its second set-up: the first is the constructor's).
+    The reset's attempt fails everywhere and
     runs again on the two survivors from what each held before it (``ParameterServer.holding``):
     one of them serves, the other pushes its whole budget. Exit 0, one θ, two attempts."""
     need_ulfm()
-    kill = ("2:takeover:1" if phase == "takeover" else
+    kill = ("2:takeover:1" if phase == "takeover" else "3:attach:2" if phase == "attach" else
             ",".join(f"{r}:adopt:1" for r in (1, 2, 3)))      # (fired on the new server only)
     out = _run(tmp_path, ft=True, kill_rank="", kill_at="", extra=["--algorithm", algorithm],
                env={"HPCASYNC_INJECT_KILL": "0:20", "HPCASYNC_INJECT_KILL_AT": kill})
@@ -361,7 +364,8 @@ def test_a_death_inside_the_own_loops_takeover_runs_it_again_on_the_survivors(tm
     assert len(results) == 2 and len({r["params"] for r in results.values()}) == 1, results
     record = next(iter(results.values()))["failures"][0]
     assert record["attempts"] == 2 and len(record["dead_ranks"]) == 2, record
-    assert 0 in record["dead_ranks"] and (phase == "adopt" or 2 in record["dead_ranks"]), record
+    killed = {"takeover": 2, "attach": 3}.get(phase)
+    assert 0 in record["dead_ranks"] and killed in (None, *record["dead_ranks"]), record
     server = record["server"]
     worker = next(r for r in results if r != server)
     assert results[server]["served"] == PS_BUDGET and results[worker]["steps"] == PS_BUDGET, \
