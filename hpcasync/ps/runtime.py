@@ -218,27 +218,35 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
                               f"worker and epoch, this run {batches_per_worker} (another "
                               "--train-limit or --batch-size?)")      # every rank raises
     stop_flag = (lambda: ctx.preempt.requested) if ctx.preempt is not None else None
-    model = ctx.make_model()
-    if takeover is not None and takeover.theta is not None:     # the new server: freshest θ
-        torch.nn.utils.vector_to_parameters(takeover.theta.to(topo.device), model.parameters())
-    # the front door's object: a worker's optimizer, the server's rule and loop
     try:
         inject.point("startup")
-        if takeover is not None:
-            inject.point("adopt", fire=topo.is_ps)
-        opt = ParameterServer(model, cfg.algorithm, comm=topo.world, ps_rank=topo.ps_rank,
-                              transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
-                              steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
-                              warmup_epochs=cfg.options.get("ps_warmup_epochs"), start=False,
-                              **rule_hyper(cfg))
+        if takeover is not None and takeover.opt is not None:
+            # the run's optimizer set up again on the survivors (your own loop's take_over): the
+            # new server from the takeover's θ, fresh rules, the budget over the new workers
+            opt, own = takeover.opt, takeover.own_buffers
+            opt.steps_per_epoch = batches_per_worker
+            opt.take_over(topo.world, topo.ps_rank, {
+                "vote": (None, 0, None, None), "theta": None, "local": None,
+                "buffers": own if own is not None else opt.flat.buffers.clone()},
+                ps_ranks=K, theta=takeover.theta)
+        else:
+            if takeover is not None:        # a replacement joining after a takeover (.growth)
+                inject.point("adopt", fire=topo.is_ps)
+            opt = ParameterServer(ctx.make_model(), cfg.algorithm, comm=topo.world,
+                                  ps_rank=topo.ps_rank,
+                                  transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
+                                  steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
+                                  warmup_epochs=cfg.options.get("ps_warmup_epochs"),
+                                  start=False, **rule_hyper(cfg))
     except MPI.Exception:               # a death while setting up (ULFM): start again without it
         if not (ft.ulfm_enabled() and known_dead(topo.world)):
             raise
         raise StartupLost() from None
     if not opt.attached:                # the constructor met the death and stayed unattached
         raise StartupLost()
+    model = opt.flat.module
     flat = opt.flat
-    if takeover is not None:       # the survivors' BatchNorm state, not the fresh model's
+    if takeover is not None:       # the survivors' BatchNorm state, not the broadcast's
         restore_buffers(opt, takeover)
         if topo.is_ps:
             inject.dump(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",

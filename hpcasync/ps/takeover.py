@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -119,10 +120,10 @@ class PSWorld(Membership):
 
 
 def fault_tolerance(ctx):
-    """The run's fault-tolerance object over a :class:`PSWorld` (its grow-back is the server's
-    own spawn, :mod:`.growth`, after the reset: not the reset's)."""
-    core = FaultTolerance(PSWorld(ctx), ulfm=True, grow_back=False)
-    core.grow_back = False          # (also on a replacement, which set_growth says grows back)
+    """The run's fault-tolerance object over a :class:`PSWorld`; its grow-back is the server's
+    own spawn after the reset (:mod:`.growth`), also on a replacement."""
+    core = FaultTolerance(PSWorld(ctx), ulfm=True)
+    core.grow_back = False
     return core
 
 
@@ -154,7 +155,7 @@ def restart_without_the_dead(ctx, core) -> None:
 class Takeover:
     """What a run on the survivors starts from (``ps.runtime``)."""
     share: float                      # the share of every worker's budget already done
-    theta: torch.Tensor | None        # on the new server: the freshest θ; None elsewhere
+    theta: torch.Tensor | None        # on the new server: the θ it serves from; None elsewhere
     records: list                     # every takeover so far (for the summary)
     own_buffers: torch.Tensor | None = None   # this rank's float buffers when the server died
     buffers: list | None = None       # on the new server: every survivor's float buffers (new
@@ -163,6 +164,8 @@ class Takeover:
     int_max: dict | None = None       # on the new server: the survivors' max of each integer
                                       # buffer
     local: torch.Tensor | None = None    # SHAT/ENSEMBLE: this rank's own model, kept by a worker
+    opt: Any = None                   # the run's ParameterServer, set up again on the survivors
+    vote: tuple | None = None         # what this rank brought to the election
 
 
 def _int_buffers(model) -> dict:
@@ -171,8 +174,8 @@ def _int_buffers(model) -> dict:
 
 
 def restore_buffers(opt, takeover: Takeover) -> None:
-    """After a takeover, once the new ``ParameterServer`` is built (its broadcast gave every
-    worker the new server's buffers): nothing of the BatchNorm state is reset.
+    """After a takeover, once the ``ParameterServer`` is set up on the survivors (its broadcast
+    gave every worker the new server's buffers): nothing of the BatchNorm state is reset.
 
     A worker keeps its own buffers (float and integer), as it would have under the old server.
     The new server's buffer table (``average_buffers``) is seeded with every remaining worker's
@@ -224,19 +227,21 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
     # communicator, MPI_Abort after the run had finished)
     opt._closed = True
-    if opt.is_server:                   # K > 1: a surviving shard server, its θ slice is current
+    if again:               # its set-up on the survivors failed: the same vote, the agreed share
+        mine = (previous.vote[0], previous.share, *previous.vote[2:])
+    elif opt.is_server:                 # K > 1: a surviving shard server, its θ slice is current
         mine = (int(opt.rule.version), None, opt.shard, None)
     else:
         version, share = int(opt.version), min(1.0, opt.steps / max(1, lost.budget))
         if previous is not None and not opt.started:    # lost before its first reply: it holds
             version = previous.records[-1]["theta_version"]     # the previous takeover's θ
-        if again:
-            share = previous.share
         mine = (version, share, -1, list(opt.versions))
-    # every survivor's BatchNorm state as it is now, to the new server (the fresh models built
-    # next must not reset it; restore_buffers)
-    own = opt.flat.buffers.detach().cpu().clone()
-    own_ints = _int_buffers(opt.flat.module)
+    # every survivor's BatchNorm state as it is now, to the new server (the set-up's broadcast
+    # must not reset it; restore_buffers); after a set-up that failed, as it was before it
+    stale = previous is not None and previous.own_buffers is not None and (
+        again or not opt.started)
+    own = previous.own_buffers if stale else opt.flat.buffers.detach().cpu().clone()
+    own_ints = previous.int_buffers if stale else _int_buffers(opt.flat.module)
     # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
     # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
     failure = _reset(ctx, core, lost, (mine, own, own_ints))
@@ -294,7 +299,7 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     return Takeover(share=share, theta=theta, records=records, own_buffers=own,
                     buffers=None if states is None else [b for b, _ in states],
                     int_buffers=own_ints, int_max=int_max,
-                    local=local if me != server else None)
+                    local=local if me != server else None, opt=opt, vote=mine)
 
 
 def _exchange(new, opt, mine, own, own_ints) -> tuple:

@@ -56,7 +56,9 @@ def test_a_worker_takes_over_from_the_dead_server_and_the_run_finishes(tmp_path,
     starts = [w["worker_start_step"] for w in s["workers"]]
     assert starts[0] == starts[1] and abs(starts[0] - share * new_budget) <= 1, starts
     assert s["pushes_per_worker"] == [new_budget] * 2 and s["pushes"] == 2 * new_budget
-    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2]
+    epochs = [r for r in records if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2]
+    assert epochs[1]["pushes"] == new_budget, epochs[1]   # the clock over the 2 workers' budget
     acc0 = last_summary(mbase)["test_accuracy"]
     assert abs(s["test_accuracy"] - acc0) <= 0.12, (s["test_accuracy"], acc0)
 
