@@ -186,21 +186,16 @@ class _FrontDoor(_core.Membership):
         survivor holding the newest reply, from its θ (``ps_ranks > 1``: each shard's slice from
         its surviving server, else from the worker with the newest reply for it); the others go
         on pushing to it from their restored commits, a worker in a dead shard server's place
-        serving its shard (:meth:`ParameterServer.take_over`, the CLI's election:
-        :func:`~hpcasync.ps.takeover.elect`). A rank died while it was set up (it is not
+        serving its shard (:meth:`ParameterServer.take_over`; the CLI's election:
+        :func:`~hpcasync.ps.takeover.exchange`). A rank died while it was set up (it is not
         :attr:`~ParameterServer.attached`): set up again on the survivors, the server where it
         was if it survived. Collective over ``new``."""
-        from . import inject
-        from .ps.takeover import elect, gather_shards
+        from .ps.takeover import exchange
 
         opt, held, K = self.ps, self._held, self.topo.ps_ranks
-        every = new.allgather(held["vote"])
-        inject.point("takeover")
-        server, sources = elect(every, K)
-        theta = None
-        if K > 1 and self._set_up:
-            theta = gather_shards(new, sources, server,     # (a shard's bounds: K's, numel's)
-                                  lambda s: opt.layout.slice(held["theta"], s))
+        every, server, sources, theta = exchange(    # (a shard's bounds: K's and numel's)
+            new, held["vote"], lambda s: opt.layout.slice(held["theta"], s), K,
+            assemble=self._set_up)
         self._reinit(new, ps_rank=server)
         servers = self.topo.servers
         opt.take_over(self.topo.world, server, held, ps_ranks=K, theta=theta,

@@ -227,24 +227,25 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
     # communicator, MPI_Abort after the run had finished)
     opt._closed = True
+    held = opt.holding(opt.shard if opt.is_server else -1, K)    # (your own loop's too)
     if again:               # its set-up on the survivors failed: the same vote, the agreed share
         mine = (previous.vote[0], previous.share, *previous.vote[2:])
     elif opt.is_server:                 # K > 1: a surviving shard server, its θ slice is current
-        mine = (int(opt.rule.version), None, opt.shard, None)
+        mine = held["vote"]
     else:
-        version, share = int(opt.version), min(1.0, opt.steps / max(1, lost.budget))
+        version, steps, _, versions = held["vote"]
         if previous is not None and not opt.started:    # lost before its first reply: it holds
             version = previous.records[-1]["theta_version"]     # the previous takeover's θ
-        mine = (version, share, -1, list(opt.versions))
+        mine = (version, min(1.0, steps / max(1, lost.budget)), -1, versions)
     # every survivor's BatchNorm state as it is now, to the new server (the set-up's broadcast
     # must not reset it; restore_buffers); after a set-up that failed, as it was before it
     stale = previous is not None and previous.own_buffers is not None and (
         again or not opt.started)
-    own = previous.own_buffers if stale else opt.flat.buffers.detach().cpu().clone()
+    own = previous.own_buffers if stale else held["buffers"].cpu()
     own_ints = previous.int_buffers if stale else _int_buffers(opt.flat.module)
     # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
     # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
-    failure = _reset(ctx, core, lost, (mine, own, own_ints))
+    failure = _reset(ctx, core, lost, (mine, held["theta"], own, own_ints))
     first, dead = core.membership.first, failure["dead_ranks"]
     every, server, sources, states, theta = core.membership.got
     share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
@@ -286,10 +287,10 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
                         ctx.topo.size - K, 100 * share)
         ctx.metrics.write("server_failed", **record)
     inject.forget(inject.KILL_ENV)      # (a push count of the old server's run)
-    local = opt.local_model() if opt.keeps_local and not opt.is_server else None
+    local = held["local"]
     if os.environ.get(inject.DUMP_ENV):       # each survivor's θ, for a test
         inject.dump(f"takeover{len(records)}-reply-{original[me]}", version=mine[0],
-                     theta=None if opt.is_server else opt.last_reply(), versions=mine[3],
+                     theta=None if opt.is_server else held["theta"], versions=mine[3],
                      server_theta=opt.rule.theta if opt.is_server else None,
                      shard=mine[2], server=original[server], local=local, rebuilt=theta)
     if me == server and opt.keeps_local:
@@ -302,23 +303,31 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
                     local=local if me != server else None, opt=opt, vote=mine)
 
 
-def _exchange(new, opt, mine, own, own_ints) -> tuple:
-    """The takeover's collectives over the shrunk world ``new``: who holds what (allgather), who
-    serves, every survivor's buffers and (K > 1) each shard's slice to it (gathers). Returns
-    ``(every, server, sources, states, theta)``; ``states``/``theta`` are None off the server."""
-    K = opt.layout.K
-    every = new.allgather(mine)
+def _exchange(new, opt, mine, theta, own, own_ints) -> tuple:
+    """The takeover's collectives over the shrunk world ``new``: the election (:func:`exchange`),
+    every survivor's buffers to the new server (a gather). Returns ``(every, server, sources,
+    states, theta)``: on the new server the θ it serves from (its own, or with K > 1 the
+    assembled one), ``states`` every survivor's buffers; both None elsewhere."""
+    every, server, sources, assembled = exchange(
+        new, mine, lambda s: opt.layout.slice(theta, s), opt.layout.K)
+    states = new.gather((own, own_ints), root=server)
+    if opt.layout.K == 1:
+        assembled = theta if new.Get_rank() == server else None
+    return every, server, sources, states, assembled
+
+
+def exchange(new, vote, piece, K: int, *, assemble: bool = True) -> tuple:
+    """Collective over ``new``, the survivors of a server's death: every survivor's ``vote``
+    (allgather; :meth:`~.optimizer.ParameterServer.holding`'s), the new server (:func:`elect`)
+    and, with K > 1 (and ``assemble``), θ assembled on it from each shard's source, which gives
+    ``piece(s)``, its slice of shard ``s`` (:func:`gather_shards`). Returns ``(every, server,
+    sources, θ or None)``. The CLI's takeover and your own loop's
+    (:meth:`hpcasync.elastic._FrontDoor._take_over`) run it."""
+    every = new.allgather(vote)
     inject.point("takeover")
     server, sources = elect(every, K)
-    states = new.gather((own, own_ints), root=server)
-    theta = None
-    if K > 1:               # each shard's slice from its source, assembled on the new server
-        theta = gather_shards(new, sources, server, lambda s: (
-            opt.rule.theta.detach().cpu().clone() if opt.is_server else
-            opt.layout.slice(opt.last_reply(), s)))
-    elif new.Get_rank() == server:      # its last reply (before any: the broadcast start)
-        theta = opt.last_reply()
-    return every, server, sources, states, theta
+    theta = gather_shards(new, sources, server, piece) if K > 1 and assemble else None
+    return every, server, sources, theta
 
 
 def elect(every: list, K: int) -> tuple[int, list | None]:
@@ -326,8 +335,7 @@ def elect(every: list, K: int) -> tuple[int, list | None]:
     versions)`` (``shard`` -1 on a worker, ``versions`` its reply's version per shard): the
     surviving server of the lowest shard, else the worker holding the newest reply (of shard 0;
     the lowest rank among equals). Returns ``(rank, sources)``, ``sources`` (K > 1) each
-    shard's :func:`_shard_sources`. The CLI's takeover and your own loop's
-    (:meth:`hpcasync.elastic._FrontDoor._take_over`) elect alike."""
+    shard's :func:`_shard_sources`."""
     workers = [r for r, e in enumerate(every) if e[2] < 0]
     servers = sorted((e[2], r) for r, e in enumerate(every) if e[2] >= 0)
     server = (servers[0][1] if servers else
