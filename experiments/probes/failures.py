@@ -212,6 +212,9 @@ ROUTES = {
     "asgd-server": ("cli", "asgd", (0,)),
     "smega2-worker": ("cli", "smega2", (1, 2, 3)),
     "smega2-server": ("cli", "smega2", (0,)),
+    # the CLI with two shard servers (ranks 0 and 1, --ps-ranks 2), two workers
+    "asgd-shards": ("cli", "asgd", (0, 1, 2, 3)),
+    "asgd-shard-servers": ("cli", "asgd", (0, 1)),     # a shard server killed
     "own-loop": ("loop", "ssgd", (0, 1, 2, 3)),
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
     "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
@@ -267,7 +270,8 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         metrics = runs / f"{rid}.jsonl"
         metrics.unlink(missing_ok=True)
         return [*launch, "-m", "hpcasync.cli", *RANDOM_CLI, "--algorithm", algorithm,
-                "--metrics", str(metrics), *EXTRA.get(algorithm, [])], \
+                "--metrics", str(metrics), *EXTRA.get(algorithm, []),
+                *(["--ps-ranks", "2"] if "-shard" in route else [])], \
             metrics.with_name(metrics.name + ".partial")   # renamed to ``metrics`` at the end
     if kind == "loop":
         return [*launch, *LOOP], runs / f"{rid}.out"

@@ -130,7 +130,18 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                  "going on" if state.get("kind") == "grow" else "resuming",
                  server.stats.accepted, server.positions)
     if takeover is not None:        # a worker took over: the clock starts where they resume
-        server.start_at(int(takeover.share * cfg.epochs * batches_per_worker))
+        budget = cfg.epochs * batches_per_worker
+        server.start_at(int(takeover.share * budget))
+        # (the server died after every last push was answered: nothing left, no push to wait for)
+        server.finished = [p >= budget for p in server.positions]
+        # a death at an epoch's last push, before or after its record: the stream says which
+        # (one server); else (the shard servers must agree) the epoch is recorded again
+        recorded = ctx.metrics.epochs if getattr(ctx.metrics, "requested", False) else None
+        crossed = server.stats.accepted // pushes_per_epoch
+        if recorded is not None and opt.layout.K == 1:
+            server.next_epoch = min(server.next_epoch, max(recorded, default=0) + 1)
+        elif crossed and server.stats.accepted == crossed * pushes_per_epoch:
+            server.next_epoch = crossed
     done_in_epoch = server.stats.accepted - (server.next_epoch - 1) * pushes_per_epoch
     ctx.progress.start(pushes_per_epoch - max(0, done_in_epoch),
                        f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")

@@ -64,6 +64,25 @@ def test_a_worker_takes_over_from_the_dead_server_and_the_run_finishes(tmp_path,
 
 
 @pytest.mark.rank0
+def test_a_server_killed_after_every_last_push_was_answered_ends_the_run_under_the_next(tmp_path):
+    """The server dies right after answering the last push of the budget (its 372nd, 3 x 124):
+    every worker is waiting for the end message, the takeover's share is 100 %, no worker has a
+    push left. The new server ends the run at once (before: it waited for pushes that never
+    came, and the job hung; found by the random-kill study with --ps-ranks 2) and records the
+    epoch the dead server had not. Exit 0, the budget counted whole, epochs 1 and 2 recorded."""
+    need_ulfm()
+    out, metrics = _run(tmp_path, "asgd", "0:372")
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    [f] = s["server_failures"]
+    assert f["share_done"] == 1.0 and f["theta_version"] == 372, f
+    assert s["pushes"] == 2 * (2 * (TRAIN // 2 // 32)), s["pushes"]
+    # the dead server died before epoch 2's record: the new server writes it (from the stream)
+    assert [r["epoch"] for r in read_metrics(metrics) if r["event"] == "epoch"] == [1, 2]
+    assert s["test_accuracy"] > 0.5, s["test_accuracy"]
+
+
+@pytest.mark.rank0
 @pytest.mark.parametrize("kill,survived", [
     ("0:startup:1", True),        # the server, before the first broadcast: set up again
     ("2:startup:1", True),        # a worker, before the first broadcast: set up again
