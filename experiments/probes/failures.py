@@ -329,9 +329,13 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
         deadline = t0 + 600
         while True:
             now = time.time()
-            if progress.exists():
-                text = progress.read_text().splitlines()
-                complete = text if progress.read_text().endswith("\n") else text[:-1]
+            try:                    # (the run renames its .partial stream at its end)
+                raw = progress.read_text()
+            except FileNotFoundError:
+                raw = None
+            if raw is not None:
+                text = raw.splitlines()
+                complete = text if raw.endswith("\n") else text[:-1]
                 lines += [(now - t0, s) for s in complete[len(lines):]]
             if proc.poll() is not None:
                 break
