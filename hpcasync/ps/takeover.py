@@ -223,9 +223,9 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     or else from the workers' freshest reply for that shard (:func:`_shard_sources`)."""
     opt = lost.opt
     K = opt.layout.K
-    # the old optimizer's windows are on the revoked world (left to MPI_Finalize); it must not
-    # "finish" at exit (its atexit hook, alive while gc has not collected it: a push on a revoked
-    # communicator, MPI_Abort after the run had finished)
+    # its windows are on the revoked world (left to MPI_Finalize): until it is set up again on
+    # the survivors it must not "finish" at exit (its atexit hook: a push on a revoked
+    # communicator, MPI_Abort after the run had ended)
     opt._closed = True
     held = opt.holding(opt.shard if opt.is_server else -1, K)    # (your own loop's too)
     if again:               # its set-up on the survivors failed: the same vote, the agreed share
