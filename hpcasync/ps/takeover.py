@@ -163,7 +163,8 @@ class Takeover:
     int_buffers: dict | None = None   # this rank's own integer buffers (num_batches_tracked)
     int_max: dict | None = None       # on the new server: the survivors' max of each integer
                                       # buffer
-    local: torch.Tensor | None = None    # SHAT/ENSEMBLE: this rank's own model, kept by a worker
+    local: torch.Tensor | None = None    # SHAT/ENSEMBLE: this rank's own model (a worker goes
+                                         # on from it; the new server's leaves the ensemble)
     opt: Any = None                   # the run's ParameterServer, set up again on the survivors
     vote: tuple | None = None         # what this rank brought to the election
 
@@ -237,12 +238,14 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
         if previous is not None and not opt.started:    # lost before its first reply: it holds
             version = previous.records[-1]["theta_version"]     # the previous takeover's θ
         mine = (version, min(1.0, steps / max(1, lost.budget)), -1, versions)
-    # every survivor's BatchNorm state as it is now, to the new server (the set-up's broadcast
-    # must not reset it; restore_buffers); after a set-up that failed, as it was before it
+    # every survivor's BatchNorm state (and SHAT's/ENSEMBLE's local model) as it is now, to the
+    # new server (the set-up's broadcast must not reset it; restore_buffers); after a set-up that
+    # failed (its broadcast may have overwritten the model), as it was before it
     stale = previous is not None and previous.own_buffers is not None and (
         again or not opt.started)
     own = previous.own_buffers if stale else held["buffers"].cpu()
     own_ints = previous.int_buffers if stale else _int_buffers(opt.flat.module)
+    local = previous.local if stale else held["local"]
     # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
     # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
     failure = _reset(ctx, core, lost, (mine, held["theta"], own, own_ints))
@@ -287,7 +290,6 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
                         ctx.topo.size - K, 100 * share)
         ctx.metrics.write("server_failed", **record)
     inject.forget(inject.KILL_ENV)      # (a push count of the old server's run)
-    local = held["local"]
     if os.environ.get(inject.DUMP_ENV):       # each survivor's θ, for a test
         inject.dump(f"takeover{len(records)}-reply-{original[me]}", version=mine[0],
                      theta=None if opt.is_server else held["theta"], versions=mine[3],
@@ -300,7 +302,7 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     return Takeover(share=share, theta=theta, records=records, own_buffers=own,
                     buffers=None if states is None else [b for b, _ in states],
                     int_buffers=own_ints, int_max=int_max,
-                    local=local if me != server else None, opt=opt, vote=mine)
+                    local=local, opt=opt, vote=mine)
 
 
 def _exchange(new, opt, mine, theta, own, own_ints) -> tuple:

@@ -75,6 +75,33 @@ def test_the_new_server_dies_in_its_set_up_and_the_next_one_goes_on_from_the_wor
 
 
 @pytest.mark.rank0
+def test_a_death_after_the_set_ups_broadcast_keeps_each_shat_workers_local_model(tmp_path):
+    """The server (rank 0) dies at its 40th accepted push; rank 3 dies in the takeover's set-up
+    after its first broadcast (``attach``, its second set-up), which has overwritten the other
+    survivors' models with the new server's θ. The takeover runs again; the remaining SHAT
+    worker goes on from its own local model as it was at the first takeover (bitwise), not from
+    the broadcast's θ. (It went on from the broadcast's θ while the run's optimizer, set up
+    again in place, gave its model as the local one.)"""
+    need_ulfm()
+    metrics, dump = tmp_path / "m.jsonl", tmp_path / "dump"
+    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
+                          "--algorithm", "shat", "--metrics", str(metrics)],
+                         env=clean_env(HPCASYNC_INJECT_KILL="0:40",
+                                       HPCASYNC_INJECT_KILL_AT="3:attach:2",
+                                       HPCASYNC_DUMP_BUFFERS=str(dump)),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = last_summary(metrics)["server_failures"]
+    assert second["phase"] == "setup" and 3 in first["dead_ranks"] + second["dead_ranks"]
+    resumed = sorted(dump.glob("resumed2-*.pt"))
+    assert len(resumed) == 1, sorted(p.name for p in dump.iterdir())
+    worker = int(resumed[0].stem.split("-")[1])
+    local = torch.load(resumed[0])["local"]
+    assert torch.equal(local, torch.load(dump / f"takeover1-reply-{worker}.pt")["local"])
+    assert not torch.equal(local, torch.load(dump / f"adopted2-{second['new_server']}.pt")["theta"])
+
+
+@pytest.mark.rank0
 def test_a_shard_servers_death_rebuilds_its_slice_from_the_freshest_reply(tmp_path):
     """``--ps-ranks 2`` on 4 ranks (servers 0 and 1, workers 2 and 3): shard 1's server dies at
     its 40th accepted push; shard 0's server, waiting on its revoked communicator, joins. The new
