@@ -215,6 +215,10 @@ ROUTES = {
     # the CLI with two shard servers (ranks 0 and 1, --ps-ranks 2), two workers
     "asgd-shards": ("cli", "asgd", (0, 1, 2, 3)),
     "asgd-shard-servers": ("cli", "asgd", (0, 1)),     # a shard server killed
+    # --grow-back: the dead rank's place refilled (the server's spawn for a PS run)
+    "ssgd-grow": ("cli", "ssgd", (0, 1, 2, 3)),
+    "asgd-grow-worker": ("cli", "asgd", (1, 2, 3)),
+    "asgd-grow-server": ("cli", "asgd", (0,)),
     "own-loop": ("loop", "ssgd", (0, 1, 2, 3)),
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
     "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
@@ -271,7 +275,8 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         metrics.unlink(missing_ok=True)
         return [*launch, "-m", "hpcasync.cli", *RANDOM_CLI, "--algorithm", algorithm,
                 "--metrics", str(metrics), *EXTRA.get(algorithm, []),
-                *(["--ps-ranks", "2"] if "-shard" in route else [])], \
+                *(["--ps-ranks", "2"] if "-shard" in route else []),
+                *(["--grow-back"] if "-grow" in route else [])], \
             metrics.with_name(metrics.name + ".partial")   # renamed to ``metrics`` at the end
     if kind == "loop":
         return [*launch, *LOOP], runs / f"{rid}.out"

@@ -31,7 +31,7 @@ from ..runtime import ft, join
 from ..runtime.context import Preempted, RunContext, RunResult
 from .serving import serve
 from .shards import align_resume, check_shards
-from .growth import PSGrowth, Regrow, worker_view
+from .growth import PSGrowth, Regrow, grow, receive, worker_view
 from .options import add_arguments, validate_options  # noqa: F401 (the runtime's options)
 from .growth import validate as validate_growth
 from .takeover import (ServerLost, StartupLost, Takeover, fault_tolerance, known_dead,
@@ -102,49 +102,42 @@ def run(ctx: RunContext) -> RunResult:
     (:mod:`.takeover`); with ``--grow-back`` a replacement takes each dead rank's place
     (:mod:`.growth`)."""
     takeover = lost = state = None
-    if not hasattr(ctx, "original_ranks"):      # (ids in records: the first launch's ranks)
-        ctx.original_ranks = list(range(ctx.topo.size))
     growth, core = PSGrowth(ctx), fault_tolerance(ctx)
+    ctx.ft = core         # (its ``original``: ids in records, the first launch's ranks)
     if join.joined():                   # a replacement: what the survivors go on from
-        state, takeover = _joiner_start(growth.receive(ctx))
+        state, takeover = _joiner_start(receive(ctx, core))
     while True:
         try:
             result = _run(ctx, takeover, growth, state)
-            result.summary.update(growth.summary())
+            result.summary.update({"rank_joins": core.joins} if core.joins else {})
             return result
         except ServerLost as exc:
-            lost, state, before = exc, None, (list(ctx.original_ranks), ctx.topo.size)
-            takeover = _grown(ctx, growth, before, take_over(ctx, core, lost, takeover))
+            lost, state = exc, None
+            takeover = _grown(ctx, core, growth, take_over(ctx, core, lost, takeover))
         except StartupLost:
-            state, before = None, (list(ctx.original_ranks), ctx.topo.size)
+            state = None
             if takeover is None:        # every copy of θ is the initial one
                 restart_without_the_dead(ctx, core)
             else:                       # not from the initial θ: from what the workers hold
-                takeover = _grown(ctx, growth, before,
+                takeover = _grown(ctx, core, growth,
                                   take_over(ctx, core, lost, takeover, again=True))
         except Regrow as stop:
-            state, takeover = _regrow(ctx, growth, stop), None
+            state, takeover = _regrow(ctx, core, growth, stop), None
 
 
-def _grown(ctx: RunContext, growth: PSGrowth, before: tuple[list, int],
-           takeover: Takeover) -> Takeover:
-    """After a takeover (collective over the survivors; ``before``: the original ranks and the
-    size of the world before it): with ``--grow-back`` the new server spawns a replacement for
-    each dead rank, which joins as a worker in its place; every worker then resumes at the
-    takeover's share of its budget."""
-    if not growth.enabled:
+def _grown(ctx: RunContext, core, growth: PSGrowth, takeover: Takeover) -> Takeover:
+    """After a takeover (collective over the survivors), with ``--grow-back``: the new server
+    spawns a replacement for each dead rank, which joins as a worker in its place
+    (:func:`.growth.grow`); every worker then resumes at the takeover's share of its budget."""
+    if grow(ctx, core, growth, {"kind": "takeover", "share": takeover.share,
+                                "records": takeover.records},
+            position=[round(takeover.share, 6)]) is None:
         return takeover
-    ids, size = before
-    kept = [ids.index(r) for r in ctx.original_ranks]
-    grew, _ = growth.connect(ctx, ctx.topo.world, kept, size, ctx.topo.ps_rank,
-                             position=[round(takeover.share, 6)])
-    if not grew:
-        return takeover
-    growth.send(ctx, {"kind": "takeover", "share": takeover.share, "records": takeover.records})
     if takeover.buffers is not None:    # the new server's table, in the grown world's order
+        joiners = core.joins[-1]["ranks"]
         rows: list = [None] * ctx.topo.size
-        for r, b in enumerate(takeover.buffers):
-            rows[kept[r]] = b
+        for r, b in zip([r for r in range(ctx.topo.size) if r not in joiners], takeover.buffers):
+            rows[r] = b
         takeover.buffers = rows
     return takeover
 
@@ -157,23 +150,19 @@ def _joiner_start(blob: dict) -> tuple[dict | None, Takeover | None]:
     return blob["state"], None
 
 
-def _regrow(ctx: RunContext, growth: PSGrowth, stop: Regrow) -> dict:
-    """Every survivor, after the server stopped the workers for a grow-back (collective over
-    them and the joiners): the grown world, and the state the run goes on from — the server's
-    own state on the server, a worker's view of it elsewhere (its own local model kept)."""
-    topo = ctx.topo
-    ids = list(ctx.original_ranks)
-    kept = [r for r in range(topo.size) if r not in stop.lost]
-    ctx.original_ranks = [ids[r] for r in kept]
-    position = None
-    if stop.state is not None:
-        position = list(stop.state["ps"]["positions"])
-    grew, _ = growth.connect(ctx, stop.comm, kept, topo.size, stop.root, position=position)
-    if not grew:        # (cannot happen: the server stopped the workers once a spawn worked)
+def _regrow(ctx: RunContext, core, growth: PSGrowth, stop: Regrow) -> dict:
+    """Every survivor, after the server stopped the workers for a grow-back: the death absorbed
+    (the world of the survivors), the world grown back (:func:`.growth.grow`, collective over
+    them and the joiners), and the state the run goes on from — the server's own state on the
+    server, a worker's view of it elsewhere (its own local model kept)."""
+    core.absorb(stop.comm)
+    server = stop.state is not None
+    blob = grow(ctx, core, growth, {"kind": "worker",
+                                    "state": worker_view(stop.state) if server else None},
+                position=list(stop.state["ps"]["positions"]) if server else None)
+    if blob is None:    # (cannot happen: the server stopped the workers once a spawn worked)
         raise TopologyError("grow-back: no replacement joined after the stop")
-    blob = growth.send(ctx, {"kind": "worker", "state": (worker_view(stop.state)
-                                                         if stop.state is not None else None)})
-    if ctx.topo.rank == ctx.topo.ps_rank:
+    if server:
         return stop.state
     state = dict(blob["state"])
     if stop.local is not None:          # SHAT/ENSEMBLE: this worker's own model goes on
@@ -249,7 +238,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     if takeover is not None:       # the survivors' BatchNorm state, not the broadcast's
         restore_buffers(opt, takeover)
         if topo.is_ps:
-            inject.dump(f"adopted{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+            inject.dump(f"adopted{len(takeover.records)}-{ctx.ft.original[topo.rank]}",
                          theta=flat.params)
     if state is not None and K > 1:    # each server its shard's file, positions aligned
         base = (ctx.checkpoints.directory if ctx.checkpoints is not None
@@ -287,7 +276,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         try:
             if kept:                # (the first reply, then the local model: a testing hook's)
                 opt.start()
-                inject.dump(f"resumed{len(takeover.records)}-{ctx.original_ranks[topo.rank]}",
+                inject.dump(f"resumed{len(takeover.records)}-{ctx.ft.original[topo.rank]}",
                              local=flat.params)
             wstats = run_worker(opt, model, ctx.train, epochs=cfg.epochs,
                                 batch_size=cfg.batch_size, seed=cfg.seed, device=topo.device,
@@ -319,7 +308,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
     opt.close(comm, root, collective=not lost, broadcast_model=False)
     if stopping == "grow" and root >= 0:
-        raise Regrow(comm, lost, root, growth.state if opt.is_server else None,
+        raise Regrow(comm, growth.state if opt.is_server else None,
                      opt.local_model() if opt.keeps_local and not opt.is_server else None)
     if root < 0:             # the PS died after the end messages
         if comm.Get_rank():  # the first survivor says it once; its MPI_Abort ends this wait

@@ -34,7 +34,8 @@ import torch
 
 from .. import inject
 from ..errors import proc_failure, ranks_in
-from ..runtime.elastic import FaultTolerance, Membership, revoke_all
+from ..runtime import join
+from ..runtime.elastic import FaultTolerance, Membership, revoke_all, sync_root
 
 log = logging.getLogger("hpcasync")
 
@@ -83,7 +84,11 @@ class PSWorld(Membership):
     server and give it θ and their buffers, :func:`_exchange`), or, with no ``lost``, a start
     again on the survivors after a death while the server was set up from the initial θ (the
     server keeps its role if it survived, else the lowest survivor serves). The run's
-    ``ctx.topo`` is the survivors' after the rebuild."""
+    ``ctx.topo`` is the survivors' after the rebuild. A worker's death is absorbed (the server
+    retired it and served the others on: :meth:`absorb`), and a grow-back refills the emptied
+    places (:meth:`regrow`, the server's spawn: :func:`hpcasync.ps.growth.grow`)."""
+
+    refill_only = True      # a worker's place fixes its shard and position
 
     def __init__(self, ctx):
         self.ctx, self.lost, self.held, self.got, self.first = ctx, None, None, None, None
@@ -106,7 +111,7 @@ class PSWorld(Membership):
         before = self._before
         kept = ranks_in(new.Get_group(), before.world)
         if self.first is None:      # the deaths that began the reset (the others: inside it)
-            self.first = [self.ctx.original_ranks[r] for r in range(before.size)
+            self.first = [self.ctx.ft.original[r] for r in range(before.size)
                           if r not in kept]
         if self.lost is None:
             server, self.got = kept.index(before.ps_rank) if before.ps_rank in kept else 0, None
@@ -115,26 +120,35 @@ class PSWorld(Membership):
             server = self.got[1]
         self.ctx.topo = dataclasses.replace(before.shrunk(new), ps_rank=server)
 
+    def absorb(self, new) -> None:
+        self.ctx.topo = self.ctx.topo.shrunk(new)
+
+    def regrow(self, grown) -> None:
+        """The topology of the grown world, the server at the spawner's place (the sync root)."""
+        self.ctx.topo = join._topology(grown, self.ctx.cfg, sync_root())
+        join._joined.setdefault("grew", True)       # (freed before MPI_Finalize: join.release)
+
     def shrunk(self, record: dict) -> None:
-        """Said by the caller (:func:`take_over`, :func:`restart_without_the_dead`)."""
+        """Said by the caller (:func:`take_over`, :func:`restart_without_the_dead`,
+        :func:`hpcasync.ps.growth.grow`)."""
 
 
 def fault_tolerance(ctx):
-    """The run's fault-tolerance object over a :class:`PSWorld`; its grow-back is the server's
-    own spawn after the reset (:mod:`.growth`), also on a replacement."""
+    """The run's fault-tolerance object over a :class:`PSWorld`. Its reset never grows: the
+    server grows the world back itself once the reset or an absorption is said
+    (:func:`hpcasync.ps.growth.grow`, ``FaultTolerance.grow`` with the server's spawn), also on a
+    replacement (whose object the survivors' grow-back marked)."""
     core = FaultTolerance(PSWorld(ctx), ulfm=True)
     core.grow_back = False
     return core
 
 
 def _reset(ctx, core, lost, held=None) -> dict:
-    """``core.reset()`` over the :class:`PSWorld` (collective over the survivors);
-    ``ctx.original_ranks`` follows. Returns the reset's ``failures`` record."""
+    """``core.reset()`` over the :class:`PSWorld` (collective over the survivors). Returns the
+    reset's ``failures`` record."""
     world = core.membership
     world.lost, world.held = lost, held
-    core.original = list(ctx.original_ranks)
     core.reset()
-    ctx.original_ranks = list(core.original)
     return core.failures[-1]
 
 
@@ -144,7 +158,7 @@ def restart_without_the_dead(ctx, core) -> None:
     initial one."""
     record = _reset(ctx, core, None)
     if ctx.topo.rank == ctx.topo.ps_rank:
-        _become_reporter(ctx, ctx.original_ranks[ctx.topo.rank])
+        _become_reporter(ctx, core.original[ctx.topo.rank])
         log.warning("rank(s) %s died while the parameter server was set up; starting again with "
                     "%d ranks", ", ".join(map(str, record["dead_ranks"])), ctx.topo.size)
         ctx.metrics.write("rank_failed", dead_ranks=record["dead_ranks"], phase="startup",
@@ -254,7 +268,7 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
     int_max = (None if states is None else
                {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
-    me, original = ctx.topo.rank, ctx.original_ranks
+    me, original = ctx.topo.rank, core.original
     record = {"dead_ranks": dead, "new_server": original[server],
               "theta_version": (every[server][0] if K == 1 else min(v for _, v in sources)),
               "share_done": round(share, 4), "workers": ctx.topo.size - K,

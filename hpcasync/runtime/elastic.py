@@ -378,7 +378,7 @@ class FaultTolerance:
         rebuild (DASO asks it whether all hold the same commit). Collective over the survivors."""
         m = self.membership
         m.check_reset()
-        t0, before, before_rank = time.perf_counter(), m.size(), m.rank()
+        t0, before = time.perf_counter(), m.size()
         detected = self._detected or time.time()
         lost, track = [], {"index": list(range(before)), "original": self.original}
         m.adopted = None
@@ -419,7 +419,7 @@ class FaultTolerance:
         self._pending_next_step = record
         m.shrunk(record)
         want = self._want(before) if self.grow_back else 0
-        grew = self._grow(want, before, before_rank, record) if want > 0 else None
+        grew = self._grow(want, record) if want > 0 else None
         if self.grow_back:
             self._check_min(m.size(), record["dead_ranks"], "" if grew or want <= 0 else
                             f" and spawning {want} replacement(s) failed")
@@ -490,62 +490,96 @@ class FaultTolerance:
                "fault_tolerance": "ulfm" if self.ulfm else "none"}
         return {**out, "rank_joins": self.joins} if self.joins else out
 
-    def _grow(self, want: int, before: int, before_rank: int, failure: dict) -> dict | None:
-        """The survivors' side of a grow (module doc), right after the shrink and rebuild:
-        spawn ``want`` replacements (:meth:`_want`), merge, give each a dead rank's place when the
-        world returns to its size before the death (else the replacements come last), and
-        rebuild the front end on the grown world (``membership.regrow``). A spawn that fails on
-        any survivor: the run goes on shrunk, with one warning line. A death or a replacement
-        that never starts while growing ends the job with one line (not survived;
-        ``HPCASYNC_JOIN_TIMEOUT``'s watchdog for a replacement that never merges). Returns the
-        ``rank_joined`` record, None if not grown."""
+    def grow(self, failure: dict, *, spawner: int | None = None, groups: list | None = None,
+             position=None) -> dict | None:
+        """Grow back into the places the last reset or :meth:`absorb` emptied (``failure``, its
+        record), where the front end grows on its own schedule: the parameter server's, whose
+        server (rank ``spawner``) spawned the replacements alone while its workers trained
+        (``groups``, :meth:`hpcasync.runtime.join.Spawned.take`, significant on the spawner).
+        ``position``: the ``rank_joined`` record's (default the failure's). Collective over the
+        survivors; returns the record, None if nobody joined (the spawner spawned nothing)."""
+        want = self._want(self.size_before)
+        return (self._grow(want, failure, spawner=spawner, groups=groups, position=position)
+                if want > 0 else None)
+
+    def _grow(self, want: int, failure: dict, *, spawner: int | None = None,
+              groups: list | None = None, position=None) -> dict | None:
+        """The survivors' side of a grow (module doc), right after the shrink and rebuild (or an
+        absorption): ``want`` replacements (:meth:`_want`) spawned by every survivor at once, or
+        by ``spawner`` alone (:meth:`grow`: its ``groups`` must refill every place, else
+        :class:`~hpcasync.runtime.join.JoinError`), merged in; each takes a dead rank's place
+        when the world returns to its size before the death (else the replacements come last);
+        then the front end is rebuilt on the grown world (``membership.regrow``), the sync root
+        (the spawner) at its place there. A collective spawn that fails on any survivor: the run
+        goes on shrunk, with one warning line. A death or a replacement that never starts while
+        growing ends the job with one line (not survived; ``HPCASYNC_JOIN_TIMEOUT``'s watchdog
+        for a replacement that never merges). Returns the ``rank_joined`` record, None if not
+        grown."""
         from mpi4py import MPI
 
         m = self.membership
-        world, t0 = m.comm, time.perf_counter()
+        world, t0, before = m.comm, time.perf_counter(), self.size_before
         try:
-            kept = world.allgather(before_rank)
-            with join._Watchdog(f"grow-back (spawning {want} replacement(s))", connect=False):
-                inter, error = join.spawn(world, want)
-            if not world.allreduce(inter is not None, op=MPI.LAND):
-                if inter is not None:
-                    inter.Free()
-                if m.rank() == 0:
-                    log.warning("grow-back: spawning %d replacement(s) failed (%s); going on with "
-                                "%d ranks (Open MPI's launcher exits with status 213 at the end "
-                                "for the failed spawn)", want, error or "on another rank",
-                                m.size())
-                return None
+            if spawner is None:
+                with join._Watchdog(f"grow-back (spawning {want} replacement(s))",
+                                    connect=False):
+                    inter, error = join.spawn(world, want)
+                if not world.allreduce(inter is not None, op=MPI.LAND):
+                    if inter is not None:
+                        inter.Free()
+                    if m.rank() == 0:
+                        log.warning("grow-back: spawning %d replacement(s) failed (%s); going on "
+                                    "with %d ranks (Open MPI's launcher exits with status 213 at "
+                                    "the end for the failed spawn)", want,
+                                    error or "on another rank", m.size())
+                    return None
+                early = 0.0
+            else:       # (the spawner warned already of a spawn that failed)
+                n, early = world.bcast((sum(g[1] for g in groups), sum(g[2] for g in groups))
+                                       if m.rank() == spawner else None, root=spawner)
+                if n == 0:
+                    return None
+                if n != want:   # a worker's place fixes its shard and position: refill each one
+                    raise join.JoinError(f"grow-back: {n} replacement(s) started for {want} "
+                                         f"dead rank(s) (a spawn failed after another had "
+                                         f"worked); resume from the last checkpoint")
             spawned = time.perf_counter()
             inject.point("grow")
-            keys, joiner_keys, same = join._order(before, kept, m.size(), want)
-            root = keys[_GROWN["root"]]         # the sync root's place in the grown world
+            keys, joiner_keys, same = join._order(before, self.last_kept, m.size(), want)
+            root = keys[_GROWN["root"] if spawner is None else spawner]   # its grown place
             original = [0] * (m.size() + want)
             ids = list(range(self.next_id, self.next_id + want))
             for k, r in [*zip(keys, self.original), *zip(joiner_keys, ids)]:
                 original[k] = r
-            with join._Watchdog(f"grow-back (waiting for {want} replacement(s) to start)"):
-                merged = inter.Merge(high=False)
+            msg = {"keys": joiner_keys, "survivor_keys": keys, "src": root,
+                   "max_ranks": self.max_ranks, "original": original,
+                   "next_id": self.next_id + want}
+            if spawner is None:
+                with join._Watchdog(f"grow-back (waiting for {want} replacement(s) to start)"):
+                    merged = inter.Merge(high=False)
+                    merged_at = time.perf_counter()
+                    merged.bcast(msg, root=0)
+                    grown = merged.Split(0, key=keys[m.rank()])
+                merged.Free()
+                inter.Free()
+            else:           # the spawner's groups, each through a port of its own
+                grown, _ = join.connect(world, spawner, groups, lambda n: {**msg, "ps_rank": root})
                 merged_at = time.perf_counter()
-                merged.bcast({"keys": joiner_keys, "survivor_keys": keys, "src": root,
-                              "max_ranks": self.max_ranks, "original": original,
-                              "next_id": self.next_id + want}, root=0)
-                grown = merged.Split(0, key=keys[m.rank()])
-            merged.Free()
-            inter.Free()
             _GROWN["root"] = root
             self.original, self.next_id = original, self.next_id + want
             join.register_release()
             record = {"joined": ids, "ranks": joiner_keys, "world_size": grown.Get_size(),
-                      "position": failure["position"], "same_places": same,
-                      "spawn_s": round(spawned - t0, 4), "merge_s": round(merged_at - spawned, 4)}
+                      "position": failure["position"] if position is None else position,
+                      "same_places": same,
+                      "spawn_s": round(early if spawner is not None else spawned - t0, 4),
+                      "merge_s": round(merged_at - spawned, 4)}
             m.regrow(grown)
         except Exception as exc:       # noqa: BLE001 - a death while growing: not survived
             if not _mpi_error(exc):
                 raise
             raise ProcessFailedError(f"grow-back: a rank died while growing from {m.size()} to "
                                      f"{self.max_ranks} ranks ({exc}); ending the job") from exc
-        record["join_s"] = round(time.perf_counter() - t0, 4)
+        record["join_s"] = round(time.perf_counter() - t0 + early, 4)
         self.joins.append(record)
         self.check_pending = True
         return record
