@@ -370,6 +370,7 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
             os.kill(p, signal.SIGKILL)
     row["rc"] = proc.returncode
     row["wall_s"] = round(end - t0, 2)
+    row["first_line_s"] = round(lines[0][0], 2) if lines else None    # the start-up's end
     err = stderr.read_text(errors="replace")
     errors = ([ln for ln in err.splitlines() if "hpcasync: error" in ln or "died" in ln]
               or [ln for ln in err.splitlines() if "error" in ln.lower() or "noticed" in ln])
@@ -482,7 +483,11 @@ def _recovery(metrics: Path, killed_unix: float) -> float | None:
     return None
 
 
-def random_study(out: Path, n: int, routes: list[str], seed: int) -> list[dict]:
+def random_study(out: Path, n: int, routes: list[str], seed: int,
+                 after_startup: bool = False) -> list[dict]:
+    """``n`` kills per route at uniformly random times in [0, T] (T: the undisturbed run's
+    length), or with ``after_startup`` in [S, T], S when the undisturbed run wrote its first
+    progress line (its start-up over: the kills land in training)."""
     (out / "runs_random").mkdir(parents=True, exist_ok=True)
     rows, base = [], {}
     for route in routes:
@@ -494,7 +499,8 @@ def random_study(out: Path, n: int, routes: list[str], seed: int) -> list[dict]:
         for route in routes:
             rng = random.Random(f"{seed}/{route}/{i}")
             t = base[route]["wall_s"]
-            row = run_random(out, route, i, rng.uniform(0, t), rng.choice(ROUTES[route][2]))
+            lo = (base[route].get("first_line_s") or 0.0) if after_startup else 0.0
+            row = run_random(out, route, i, rng.uniform(lo, t), rng.choice(ROUTES[route][2]))
             row["T_s"] = t
             if "accuracy" in row and "accuracy" in base[route]:
                 row["delta_acc"] = round(row["accuracy"] - base[route]["accuracy"], 4)
@@ -573,12 +579,15 @@ if __name__ == "__main__":
         ap.add_argument("--random", type=int, required=True, help="runs per route")
         ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
         ap.add_argument("--seed", type=int, default=23)
+        ap.add_argument("--after-startup", action="store_true",
+                        help="kill in [S, T]: S when the undisturbed run's first progress line "
+                             "appeared (kills in training, not in the start-up)")
         ap.add_argument("--out", default=str(REPO / "experiments/results/failures"))
         args = ap.parse_args()
         out = Path(args.out)
         load0, up0, t_start = os.getloadavg(), subprocess.run(
             ["uptime"], capture_output=True, text=True).stdout.strip(), time.time()
-        rows = random_study(out, args.random, args.routes, args.seed)
+        rows = random_study(out, args.random, args.routes, args.seed, args.after_startup)
         up1 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         header = (
             "# Kills at random times, every route (issue 23)\n\n"
@@ -591,7 +600,10 @@ if __name__ == "__main__":
                "during the study, so every time here is an upper bound.\n\n")
             + "Each route: one undisturbed run (its length is T), then runs in which one rank "
             "(chosen at random among the route's ranks) is SIGKILLed from outside at a "
-            "uniformly random time in [0, T] after launch (seeded; a rank not forked yet is "
+            + ("uniformly random time in [S, T] after launch, S when the undisturbed run wrote "
+               "its first progress line (`--after-startup`: kills in training)"
+               if args.after_startup else "uniformly random time in [0, T] after launch")
+            + " (seeded; a rank not forked yet is "
             "killed as soon as it is). All under `mpiexec --oversubscribe --with-ft ulfm -n 4`. "
             "CLI: `hpcasync train` (LeNet, Fashion-MNIST's first 12000 images, 2 epochs, "
             "batch 32, test on 2000); own loop: `examples/train_mnist.py --algorithm ssgd` "
