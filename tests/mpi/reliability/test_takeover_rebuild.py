@@ -159,3 +159,32 @@ def test_a_death_inside_the_takeovers_exchange_redoes_it_on_every_survivor(tmp_p
     assert f["dead_ranks"] == [0, 3] and f["workers"] == 1 and f["new_server"] in (1, 2), f
     assert "the parameter server (rank(s) 0), and rank(s) 3 during the takeover, died" in out.stderr
     assert s["test_accuracy"] > 0.35, s["test_accuracy"]
+
+
+@pytest.mark.rank0
+def test_the_new_shard_server_dies_in_its_set_up_and_a_worker_serves_both_shards(tmp_path):
+    """``--ps-ranks 2`` on 5 ranks (servers 0 and 1, workers 2-4): shard 1's server dies at its
+    60th accepted push; the takeover makes rank 0 serve shard 0 and the first worker shard 1.
+    Rank 0 then dies in that set-up, after its first broadcast (``attach``, its second set-up):
+    the takeover runs again on the three survivors, every slice from the workers' replies (no
+    server survived), at the first takeover's share of the budget, and the last worker trains
+    the rest of its budget exactly (one ``setup`` record after the ``training`` one)."""
+    need_ulfm()
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([*mpiexec(5, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
+                          "--algorithm", "asgd", "--ps-ranks", "2", "--metrics", str(metrics)],
+                         env=clean_env(HPCASYNC_INJECT_KILL="1:60",
+                                       HPCASYNC_INJECT_KILL_AT="0:attach:2"),
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    first, second = s["server_failures"]
+    assert (first["dead_ranks"], first["phase"], first["workers"]) == ([1], "training", 2), first
+    assert first["new_server"] == 0
+    assert (second["dead_ranks"], second["phase"], second["workers"]) == ([0], "setup", 1), second
+    assert second["share_done"] == first["share_done"] and second["new_server"] in (2, 3, 4)
+    assert [x["from"] for x in second["shard_sources"]] == ["reply", "reply"], second
+    budget = TRAIN // 32                     # the last worker's: every example, one epoch
+    assert s["num_workers"] == 1 and s["pushes_per_worker"] == [budget], s["pushes_per_worker"]
+    assert [w["worker_start_step"] for w in s["workers"]] == [int(first["share_done"] * budget)]
+    assert s["rejected_pushes"] == 0 and s["test_accuracy"] > 0.35, s["test_accuracy"]
