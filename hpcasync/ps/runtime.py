@@ -181,7 +181,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     from mpi4py import MPI
 
     from ..topology import server_ranks
-    from .optimizer import ParameterServer
+    from .. import api
     from .worker import run_worker, send_local
 
     cfg, topo = ctx.cfg, ctx.topo
@@ -221,12 +221,12 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         else:
             if takeover is not None:        # a replacement joining after a takeover (.growth)
                 inject.point("adopt", fire=topo.is_ps)
-            opt = ParameterServer(ctx.make_model(), cfg.algorithm, comm=topo.world,
-                                  ps_rank=topo.ps_rank,
-                                  transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
-                                  steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
-                                  warmup_epochs=cfg.options.get("ps_warmup_epochs"),
-                                  start=False, **rule_hyper(cfg))
+            opt = api.optimizer(cfg.algorithm, ctx.make_model(), comm=topo.world,
+                                ps_rank=topo.ps_rank,
+                                transport=cfg.options.get("ps_transport", "rma"), ps_ranks=K,
+                                steps_per_epoch=batches_per_worker, epochs=cfg.epochs,
+                                warmup_epochs=cfg.options.get("ps_warmup_epochs"),
+                                start=False, **rule_hyper(cfg))     # (your own loop's call)
     except MPI.Exception:               # a death while setting up (ULFM): start again without it
         if not (ft.ulfm_enabled() and known_dead(topo.world)):
             raise
