@@ -486,8 +486,8 @@ def _recovery(metrics: Path, killed_unix: float) -> float | None:
 def random_study(out: Path, n: int, routes: list[str], seed: int,
                  after_startup: bool = False) -> list[dict]:
     """``n`` kills per route at uniformly random times in [0, T] (T: the undisturbed run's
-    length), or with ``after_startup`` in [S, T], S when the undisturbed run wrote its first
-    progress line (its start-up over: the kills land in training)."""
+    length), or with ``after_startup`` in [S, T] for the CLI's routes, S when the undisturbed
+    run wrote its first metrics line (its start-up over: the kills land in training)."""
     (out / "runs_random").mkdir(parents=True, exist_ok=True)
     rows, base = [], {}
     for route in routes:
@@ -499,7 +499,8 @@ def random_study(out: Path, n: int, routes: list[str], seed: int,
         for route in routes:
             rng = random.Random(f"{seed}/{route}/{i}")
             t = base[route]["wall_s"]
-            lo = (base[route].get("first_line_s") or 0.0) if after_startup else 0.0
+            cli = ROUTES[route][0] == "cli"      # (the scripts print nothing at their start)
+            lo = (base[route].get("first_line_s") or 0.0) if after_startup and cli else 0.0
             row = run_random(out, route, i, rng.uniform(lo, t), rng.choice(ROUTES[route][2]))
             row["T_s"] = t
             if "accuracy" in row and "accuracy" in base[route]:
@@ -580,8 +581,9 @@ if __name__ == "__main__":
         ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
         ap.add_argument("--seed", type=int, default=23)
         ap.add_argument("--after-startup", action="store_true",
-                        help="kill in [S, T]: S when the undisturbed run's first progress line "
-                             "appeared (kills in training, not in the start-up)")
+                        help="the CLI's routes: kill in [S, T], S when the undisturbed run's "
+                             "first metrics line appeared (kills in training, not in the "
+                             "start-up)")
         ap.add_argument("--out", default=str(REPO / "experiments/results/failures"))
         args = ap.parse_args()
         out = Path(args.out)
@@ -601,7 +603,8 @@ if __name__ == "__main__":
             + "Each route: one undisturbed run (its length is T), then runs in which one rank "
             "(chosen at random among the route's ranks) is SIGKILLed from outside at a "
             + ("uniformly random time in [S, T] after launch, S when the undisturbed run wrote "
-               "its first progress line (`--after-startup`: kills in training)"
+               "its first metrics line, for the CLI's routes (`--after-startup`: kills in "
+               "training; [0, T] for the scripts)"
                if args.after_startup else "uniformly random time in [0, T] after launch")
             + " (seeded; a rank not forked yet is "
             "killed as soon as it is). All under `mpiexec --oversubscribe --with-ft ulfm -n 4`. "
