@@ -563,7 +563,7 @@ class FaultTolerance:
                 merged.Free()
                 inter.Free()
             else:           # the spawner's groups, each through a port of its own
-                grown, _ = join.connect(world, spawner, groups, lambda n: {**msg, "ps_rank": root})
+                grown = join.connect(world, spawner, groups, {**msg, "ps_rank": root})
                 merged_at = time.perf_counter()
             _GROWN["root"] = root
             self.original, self.next_id = original, self.next_id + want

@@ -312,14 +312,15 @@ class Spawned:
         return groups
 
 
-def connect(world, spawner: int, groups: list | None, order: Callable[[int], dict]):
+def connect(world, spawner: int, groups: list | None, msg: dict):
     """Collective over the survivors ``world`` and every process of ``groups`` (significant on
     rank ``spawner`` of ``world`` only: :meth:`Spawned.take`): merge the groups into the world
     one by one — each group gets a port of its own through its merged communicator with the
     spawner, connects (``MPI_Comm_connect``) while the world accepts (``MPI_Comm_accept``), and
-    the two merge (``MPI_Intercomm_merge``) —, then order it as ``order(joiners)`` says
-    (``{"keys", "survivor_keys", ...}``, computed on rank 0 of ``world``; every process gets it)
-    and split. Returns ``(grown world, order)``.
+    the two merge (``MPI_Intercomm_merge``) —, then order it as ``msg`` says (the place message
+    ``{"keys", "survivor_keys", ...}`` of :func:`_order`, rank 0 of ``world``'s; every joiner
+    gets it) and split. Returns the grown world
+    (:meth:`~hpcasync.runtime.elastic.FaultTolerance.grow`).
 
     (Not ``MPI_Intercomm_create`` through the spawner: with Open MPI 5.0.11 a rank of the world
     and a joiner that never met hang in their first message; connect/accept wires every pair.
@@ -347,11 +348,11 @@ def connect(world, spawner: int, groups: list | None, order: Callable[[int], dic
             sj.Free()
         for port in ports:
             MPI.Close_port(port)
-    msg = grown.bcast(order(sum(sizes)) if me == 0 else None, root=0)
+    msg = grown.bcast(msg if me == 0 else None, root=0)
     new = grown.Split(0, key=msg["survivor_keys"][me])
     if grown is not world:
         grown.Free()
-    return new, msg
+    return new
 
 
 def _bridge_joiner(sj, msg: dict):

@@ -36,6 +36,17 @@ def _initial_theta() -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
+def _train(tmp_path, algorithm: str, *extra: str, ranks: int = 4, timeout: int = 120, **env):
+    """``hpcasync train`` of ``algorithm`` on ``ranks`` ranks under ULFM with ``env`` (the kills,
+    the dump directory); returns the finished process and its metrics file."""
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([*mpiexec(ranks, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
+                          "--algorithm", algorithm, *extra, "--metrics", str(metrics)],
+                         env=clean_env(**env), cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout)
+    return out, metrics
+
+
 @pytest.mark.rank0
 def test_the_new_server_dies_in_its_set_up_and_the_next_one_goes_on_from_the_workers_theta(
         tmp_path):
@@ -46,13 +57,10 @@ def test_the_new_server_dies_in_its_set_up_and_the_next_one_goes_on_from_the_wor
     model (bitwise, not the new server's θ); the run ends with exit 0 above 35 % accuracy (46 %
     measured, 30 % when the second adopter restarted from the initial θ)."""
     need_ulfm()
-    metrics, dump = tmp_path / "m.jsonl", tmp_path / "dump"
-    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
-                          "--algorithm", "shat", "--metrics", str(metrics)],
-                         env=clean_env(HPCASYNC_INJECT_KILL="0:40",
-                                       HPCASYNC_INJECT_KILL_AT="1:adopt:1,2:adopt:1,3:adopt:1",
-                                       HPCASYNC_DUMP_BUFFERS=str(dump)),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    dump = tmp_path / "dump"
+    out, metrics = _train(tmp_path, "shat", HPCASYNC_INJECT_KILL="0:40",
+                          HPCASYNC_INJECT_KILL_AT="1:adopt:1,2:adopt:1,3:adopt:1",
+                          HPCASYNC_DUMP_BUFFERS=str(dump))
     assert out.returncode == 0, out.stderr[-3000:]
     s = last_summary(metrics)
     first, second = s["server_failures"]
@@ -83,13 +91,9 @@ def test_a_death_after_the_set_ups_broadcast_keeps_each_shat_workers_local_model
     the broadcast's θ. (It went on from the broadcast's θ while the run's optimizer, set up
     again in place, gave its model as the local one.)"""
     need_ulfm()
-    metrics, dump = tmp_path / "m.jsonl", tmp_path / "dump"
-    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
-                          "--algorithm", "shat", "--metrics", str(metrics)],
-                         env=clean_env(HPCASYNC_INJECT_KILL="0:40",
-                                       HPCASYNC_INJECT_KILL_AT="3:attach:2",
-                                       HPCASYNC_DUMP_BUFFERS=str(dump)),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    dump = tmp_path / "dump"
+    out, metrics = _train(tmp_path, "shat", HPCASYNC_INJECT_KILL="0:40",
+                          HPCASYNC_INJECT_KILL_AT="3:attach:2", HPCASYNC_DUMP_BUFFERS=str(dump))
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = last_summary(metrics)["server_failures"]
     assert second["phase"] == "setup" and 3 in first["dead_ranks"] + second["dead_ranks"]
@@ -112,12 +116,9 @@ def test_a_shard_servers_death_rebuilds_its_slice_from_the_freshest_reply(tmp_pa
     test's CI budget.)"""
     need_ulfm()
     dead = 1
-    metrics, dump = tmp_path / "m.jsonl", tmp_path / "dump"
-    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
-                          "--algorithm", "asgd", "--ps-ranks", "2", "--metrics", str(metrics)],
-                         env=clean_env(HPCASYNC_INJECT_KILL=f"{dead}:40",
-                                       HPCASYNC_DUMP_BUFFERS=str(dump)),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    dump = tmp_path / "dump"
+    out, metrics = _train(tmp_path, "asgd", "--ps-ranks", "2", HPCASYNC_INJECT_KILL=f"{dead}:40",
+                          HPCASYNC_DUMP_BUFFERS=str(dump))
     assert out.returncode == 0, out.stderr[-3000:]
     s = last_summary(metrics)
     [f] = s["server_failures"]
@@ -147,12 +148,8 @@ def test_a_death_inside_the_takeovers_exchange_redoes_it_on_every_survivor(tmp_p
     One takeover record names both dead ranks; the last two ranks (a server and a worker) finish
     with exit 0 above 35 % accuracy."""
     need_ulfm()
-    metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
-                          "--algorithm", "asgd", "--metrics", str(metrics)],
-                         env=clean_env(HPCASYNC_INJECT_KILL="0:40",
-                                       HPCASYNC_INJECT_KILL_AT="3:takeover:1"),
-                         cwd=REPO, capture_output=True, text=True, timeout=90)
+    out, metrics = _train(tmp_path, "asgd", timeout=90, HPCASYNC_INJECT_KILL="0:40",
+                          HPCASYNC_INJECT_KILL_AT="3:takeover:1")
     assert out.returncode == 0, out.stderr[-3000:]
     s = last_summary(metrics)
     [f] = s["server_failures"]
@@ -170,12 +167,8 @@ def test_the_new_shard_server_dies_in_its_set_up_and_a_worker_serves_both_shards
     server survived), at the first takeover's share of the budget, and the last worker trains
     the rest of its budget exactly (one ``setup`` record after the ``training`` one)."""
     need_ulfm()
-    metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([*mpiexec(5, ft=True), sys.executable, "-m", "hpcasync.cli", *ARGS,
-                          "--algorithm", "asgd", "--ps-ranks", "2", "--metrics", str(metrics)],
-                         env=clean_env(HPCASYNC_INJECT_KILL="1:60",
-                                       HPCASYNC_INJECT_KILL_AT="0:attach:2"),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out, metrics = _train(tmp_path, "asgd", "--ps-ranks", "2", ranks=5,
+                          HPCASYNC_INJECT_KILL="1:60", HPCASYNC_INJECT_KILL_AT="0:attach:2")
     assert out.returncode == 0, out.stderr[-3000:]
     s = last_summary(metrics)
     first, second = s["server_failures"]
