@@ -13,6 +13,9 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`; a test path among them goes to
 # the pass it belongs to (`bash scripts/test.sh tests/mpi/test_ssgd.py` runs only the MPI pass).
 # HPCASYNC_TEST_PASSES="unit mpi" (the default) picks the passes; "mpi" runs the MPI pass alone.
+# "nompi" runs tests/mpi's tests marked no_mpi (they start no MPI job: simulated studies, errors
+# raised before MPI_Init) in one process; .ci/run runs it beside the unit pass and leaves them out of
+# the MPI pass (-m "not no_mpi"), where rank 0 ran them alone while the other three ranks waited.
 # HPCASYNC_TEST_TIMEOUT (s, default 3600) bounds both passes together.
 # Exit status: the first failing pass's; "no tests collected" (pytest's 5) is a failure, except for
 # a pass that a -k/-m filter or a path of the other pass left empty.
@@ -76,6 +79,10 @@ for pass in $passes; do
             echo "test.sh: tests/unit in one process" >&2
             timeout "$(left)" "$venv/bin/python" -m pytest "${opts[@]}" "${unit_paths[@]}"
             r=$? ;;
+        nompi)
+            echo "test.sh: tests/mpi's no_mpi tests in one process" >&2
+            timeout "$(left)" "$venv/bin/python" -m pytest "${opts[@]}" -m no_mpi tests/mpi
+            r=$? ;;
         mpi)
             # the launcher of the venv's MPI (hpcasync.launch): line 1 names the MPI, then one
             # argument a line
@@ -105,7 +112,7 @@ for pass in $passes; do
                 run_mpi "${mpi_paths[@]}"
                 r=$?
             fi ;;
-        *) echo "test.sh: unknown pass '$pass' in HPCASYNC_TEST_PASSES (unit, mpi)"; exit 1 ;;
+        *) echo "test.sh: unknown pass '$pass' in HPCASYNC_TEST_PASSES (unit, mpi, nompi)"; exit 1 ;;
     esac
     echo "test.sh: $pass pass exit $r" >&2
     if [ $r = 5 ]; then empty+=("$pass"); continue; fi

@@ -126,6 +126,8 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             log.warning("%s: this %s checkpoint holds no worker-local models (only stop "
                         "checkpoints do): every worker restarts from θ", cfg.algorithm,
                         state.get("kind", "PS"))
+        inject.dump(f"ps-{state.get('kind', 'resume')}-shard{max(opt.shard, 0)}",
+                    theta=server.rule.theta, version=server.rule.version)
         log.info("PS: %s after %d accepted pushes; worker positions %s",
                  "going on" if state.get("kind") == "grow" else "resuming",
                  server.stats.accepted, server.positions)

@@ -56,6 +56,20 @@ def test_config_file_errors(tmp_path):
 
 
 @pytest.mark.rank0
+@pytest.mark.no_mpi            # singletons that stop before MPI starts: any MPI gives the same runs
+def test_cli_rejects_bad_daso_knobs_in_one_line():
+    """(Here, not in test_daso.py, whose tests need 4 ranks: CI runs the no_mpi tests in one
+    process.)"""
+    for args, what in ((["--daso-global-skip", "16"], "max_global_skips"),
+                       (["--daso-batches-to-wait", "0"], "batches_to_wait"),
+                       (["--daso-link-delay-us-per-mb", "-3"], "link delay")):
+        bad = run_cli(["train", "--algorithm", "daso", "--dataset", "fashion-mnist-mini", *args])
+        assert bad.returncode == 2, bad.stderr
+        lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and what in lines[0], bad.stderr
+
+
+@pytest.mark.rank0
 @pytest.mark.one_mpi   # read before MPI starts on every rank: test_bad_input.py[idx-truncated]'s path
 def test_missing_dataset_files(tmp_path):
     r = run_mpi(2, ["train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path), "--epochs", "1"],

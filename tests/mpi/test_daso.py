@@ -15,7 +15,7 @@ from hpcasync.comm import FlatModel
 from hpcasync.daso import DASO, DasoComm
 from hpcasync.data import load_dataset
 from hpcasync.ssgd import DistributedOptimizer
-from tests.mpi_util import need_horovod, COMM, RANK, SIZE, run_cli, run_mpi
+from tests.mpi_util import need_horovod, COMM, RANK, SIZE, run_mpi
 
 pytestmark = pytest.mark.skipif(SIZE != 4, reason="DASO tests need mpiexec -n 4 (2 nodes x 2)")
 B = 16
@@ -467,15 +467,3 @@ def test_warns_when_blocking_epochs_cover_the_run(topo, caplog):
              batches_per_epoch=3)                         # 4 warm-up + 4 cool-down epochs
     warned = [r for r in caplog.records if "degenerates to blocking averaging" in r.message]
     assert len(warned) == (1 if RANK == 0 else 0)
-
-
-@pytest.mark.rank0
-@pytest.mark.no_mpi            # singletons that stop before MPI starts: any MPI gives the same runs
-def test_cli_rejects_bad_daso_knobs_in_one_line():
-    for args, what in ((["--daso-global-skip", "16"], "max_global_skips"),
-                       (["--daso-batches-to-wait", "0"], "batches_to_wait"),
-                       (["--daso-link-delay-us-per-mb", "-3"], "link delay")):
-        bad = run_cli(["train", "--algorithm", "daso", "--dataset", "fashion-mnist-mini", *args])
-        assert bad.returncode == 2, bad.stderr
-        lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
-        assert len(lines) == 1 and what in lines[0], bad.stderr

@@ -277,6 +277,7 @@ def test_hierarchical_node_mean_of_a_device_tensor_goes_through_a_host_copy():
 
 
 @pytest.mark.rank0
+@pytest.mark.e2e      # the quantized and hierarchical exchanges run in-process above, under every MPI
 def test_cli_quantize_learns_with_a_byte_an_element(tmp_path):
     """``--diloco-quantize``: the 5 outer syncs of a 2-epoch LeNet run each hand MPI one byte an
     element of the model plus the rank's chunk and 40 bytes of scales (float32: 4·61706 bytes a
@@ -297,6 +298,7 @@ def test_cli_quantize_learns_with_a_byte_an_element(tmp_path):
 
 
 @pytest.mark.rank0
+@pytest.mark.e2e      # the quantized and hierarchical exchanges run in-process above, under every MPI
 def test_cli_hierarchical_on_two_virtual_nodes_learns_and_crosses_less(tmp_path):
     """``--diloco-hierarchical --ranks-per-node 2``: the outer syncs carry half a model per rank
     across the nodes (each local rank its chunk); the run learns (seeds 0, 1, 2 of this command:

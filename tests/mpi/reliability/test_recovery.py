@@ -144,20 +144,27 @@ def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
     positions = state["ps"]["positions"]
     assert sum(positions) == header["step"]
 
+    dump = tmp_path / "dump"
     r = run_mpi(4, [*PS, "--metrics", str(tmp_path / "b.jsonl"), "--checkpoint-dir", str(ckpt),
-                    "--resume", "auto"], timeout=300)
+                    "--resume", "auto"], timeout=300,
+                env={**clean_env(), "HPCASYNC_DUMP_BUFFERS": str(dump)})
     assert r.returncode == 0, r.stderr[-3000:]
+    # the resumed server starts from the checkpoint's θ at its version, bitwise (not re-initialised)
+    import torch
+
+    (resumed,) = dump.glob("ps-*-shard0.pt")
+    at = torch.load(resumed, weights_only=True)
+    saved = state["ps"]["rule"]
+    assert at["version"] == int(saved["version"]) and torch.equal(at["theta"], saved["theta"])
     s = last_summary(tmp_path / "b.jsonl")
     assert s["resumed_at_push"] == header["step"]
     assert s["pushes"] == W * BUDGET and s["rejected_pushes"] == 0   # exactly the remaining work
     assert s["pushes_per_worker"] == [BUDGET] * W
     assert sorted(w["worker_start_step"] for w in s["workers"]) == sorted(positions)
-    # a sanity check, not the property (that is the exact work above): the resumed model kept what
-    # it had learned. Chance is 0.1 and a re-initialised model stays near it; 192 asgd pushes scored
-    # 0.44-0.6 on these 300 test images depending on the push order (0.437 once in CI at a 0.5 bar);
-    # uninterrupted, the same command: 0.633 0.557 0.570 (seed 5 x3), 0.510 / 0.527 (seeds 0 / 1).
-    # Bar: the worst seen (0.437) minus 4 points
-    assert s["test_accuracy"] >= 0.39, s
+    # the property that the resumed model kept what it had learned is the bitwise θ above; the
+    # accuracy is only a sanity check that training went on (chance is 0.1; 192 asgd pushes scored
+    # 0.36-0.63 on these 300 images depending on the push order: 0.357 in CI at a 0.39 bar)
+    assert s["test_accuracy"] >= 0.2, s
 
 
 # -- a writer killed before its rename -----------------------------------------------------------
