@@ -3,8 +3,8 @@
 A signalled job (SIGUSR1 to mpiexec, or ``HPCASYNC_INJECT_SIGNAL=RANK:N``: one rank sends itself
 SIGUSR1 at its N-th step / accepted push) checkpoints at a consistent point and stops (exit 75);
 ``--resume auto`` continues. PS runs: the resumed run does exactly the remaining work (every worker
-its shard budget) and ends within a few points of an uninterrupted run's accuracy (async runs are
-not reproducible across wall-clock interleavings). OD-SGD: bitwise equal final parameters.
+its shard budget) from the saved θ, bitwise (async runs are not reproducible across wall-clock
+interleavings: their accuracy is no exact check). OD-SGD: bitwise equal final parameters.
 One test goes through the CLI (a real job, signalled from outside); the others run in-process in
 the 4-rank pytest world, which spares the job start-ups.
 """
@@ -60,12 +60,7 @@ PS_BUDGET = 3 * ((4096 // W) // 32)           # pushes per worker: 3 epochs x 42
 
 @pytest.mark.rank0
 @pytest.mark.one_mpi       # MPICH: test_preemption.py's signal from outside, test_ps_signal_on_one_rank
-def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path):
-    ref = run_mpi(4, [*PS_ARGS, "--metrics", str(tmp_path / "ref.jsonl")], timeout=200)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = last_summary(tmp_path / "ref.jsonl")
-    assert want["pushes"] == W * PS_BUDGET
-
+def test_ps_signalled_from_outside_resumes_with_the_same_work_from_the_saved_theta(tmp_path):
     ckpt = tmp_path / "ckpt"
     partial = tmp_path / "a.jsonl.partial"
     cmd = [*mpiexec(4), sys.executable, "-m", "hpcasync.cli",
@@ -92,13 +87,21 @@ def test_ps_signalled_from_outside_resumes_with_same_work_and_accuracy(tmp_path)
     positions = _check_ps_checkpoint(stop, "dcasgd-a", PS_BUDGET)
     assert positions == saved[-1]["positions"]
 
+    dump = tmp_path / "dump"
     resumed = run_mpi(4, [*PS_ARGS, "--metrics", str(tmp_path / "b.jsonl"), "--checkpoint-dir",
-                          str(ckpt), "--resume", "auto"], timeout=200)
+                          str(ckpt), "--resume", "auto"], timeout=200,
+                      env=clean_env(HPCASYNC_DUMP_BUFFERS=str(dump)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_metrics(tmp_path / "b.jsonl")[1]["event"] == "resume"
     got = _check_resumed(tmp_path / "b.jsonl", PS_BUDGET, sum(positions))
     assert sorted(w["worker_start_step"] for w in got["workers"]) == sorted(positions)
-    assert abs(got["test_accuracy"] - want["test_accuracy"]) <= 0.05, (got, want)
+    # the server went on from the stop checkpoint's θ at its version, bitwise (the rule's state
+    # is a round trip above); an accuracy beside an uninterrupted run's says less: an async run's
+    # push order follows the machine's timing
+    at = torch.load(dump / "ps-stop-shard0.pt", weights_only=True)
+    saved = read_checkpoint(stop)[1]["ps"]["rule"]
+    assert at["version"] == int(saved["version"]) and torch.equal(at["theta"], saved["theta"])
+    assert got["test_accuracy"] >= 0.3, got         # it went on learning (chance: 0.1)
 
 
 # -- in-process runs in the 4-rank pytest world (no job start-up): one rank signalled -------------

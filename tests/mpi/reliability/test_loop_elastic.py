@@ -292,12 +292,22 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
     assert results[server]["served"] == 2 * PS_BUDGET, results[server]
     assert all(r["steps"] == PS_BUDGET and r["resets"] == [3]
                for rank, r in results.items() if rank != server), results
+    checked = 0
     for rank, r in results.items():     # SHAT: each worker goes on from its committed local model
-        if rank != server:
-            commits = [json.loads(line) for line in
-                       (tmp_path / f"windows{rank}.jsonl").read_text().splitlines()]
-            committed = [c["params"] for c in commits if c["resets"] == 0][-1]
-            assert r["reset_local"] == [committed if algorithm == "shat" else None], (rank, r)
+        if rank == server:
+            continue
+        if algorithm != "shat":
+            assert r["reset_local"] == [None], (rank, r)
+            continue
+        commits = [json.loads(line) for line in
+                   (tmp_path / f"windows{rank}.jsonl").read_text().splitlines()]
+        committed = [c["params"] for c in commits if c["resets"] == 0]
+        # (a worker that starts late, under load, may not commit before the death: its restore
+        # is the State's first commit, whose digest the example does not write)
+        if committed:
+            assert r["reset_local"] == [committed[-1]], (rank, r)
+            checked += 1
+    assert checked or algorithm != "shat", results
 
 
 @pytest.mark.rank0
