@@ -100,6 +100,18 @@ def last_summary(path) -> dict:
     return [r for r in read_metrics(path) if r["event"] == "summary"][-1]
 
 
+def assert_resumed_from(dump: Path, state: dict) -> None:
+    """A run resumed from the PS checkpoint whose payload is ``state``, with
+    ``HPCASYNC_DUMP_BUFFERS=dump``: its server (shard 0) started from the checkpoint's θ at its
+    version, bitwise (``hpcasync.ps.serving`` dumps them at the resume)."""
+    import torch
+
+    at = torch.load(Path(dump) / f"ps-{state.get('kind', 'resume')}-shard0.pt", weights_only=True)
+    saved = state["ps"]["rule"]
+    assert at["version"] == int(saved["version"]), (at["version"], saved["version"])
+    assert torch.equal(at["theta"], saved["theta"]), "the resumed θ is not the checkpoint's"
+
+
 #: The uninterrupted 4-rank SSGD run that the kill and preemption tests (test_recovery.py,
 #: test_preemption.py) compare their resumed runs with, bitwise: one job serves both
 #: (:func:`reference_summary`). 16 steps an epoch, 3 epochs.

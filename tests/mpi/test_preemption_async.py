@@ -19,7 +19,8 @@ import torch
 from hpcasync.checkpoint import read_checkpoint
 from hpcasync.metrics import read_metrics
 from hpcasync.rules import make_rule
-from tests.mpi_util import COMM, REPO, SIZE, clean_env, last_summary, mpiexec, run_mpi, wait_for
+from tests.mpi_util import (COMM, REPO, SIZE, assert_resumed_from, clean_env, last_summary,
+                            mpiexec, run_mpi, wait_for)
 
 MINI = ["--dataset", "fashion-mnist-mini", "--progress", "off"]
 W = 3                                         # 4 ranks: PS + 3 workers
@@ -98,9 +99,7 @@ def test_ps_signalled_from_outside_resumes_with_the_same_work_from_the_saved_the
     # the server went on from the stop checkpoint's θ at its version, bitwise (the rule's state
     # is a round trip above); an accuracy beside an uninterrupted run's says less: an async run's
     # push order follows the machine's timing
-    at = torch.load(dump / "ps-stop-shard0.pt", weights_only=True)
-    saved = read_checkpoint(stop)[1]["ps"]["rule"]
-    assert at["version"] == int(saved["version"]) and torch.equal(at["theta"], saved["theta"])
+    assert_resumed_from(dump, read_checkpoint(stop)[1])
     assert got["test_accuracy"] >= 0.3, got         # it went on learning (chance: 0.1)
 
 

@@ -20,8 +20,8 @@ import pytest
 
 from hpcasync.checkpoint import checkpoint_name, latest_checkpoint, read_checkpoint
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import (REPO, SSGD_REFERENCE, clean_env, last_summary, mpiexec,
-                            reference_summary, run_mpi, wait_for)
+from tests.mpi_util import (REPO, SSGD_REFERENCE, assert_resumed_from, clean_env, last_summary,
+                            mpiexec, reference_summary, run_mpi, wait_for)
 
 
 def kill_job(job: subprocess.Popen) -> None:
@@ -147,15 +147,9 @@ def test_ps_killed_resumes_with_the_remaining_work(tmp_path):
     dump = tmp_path / "dump"
     r = run_mpi(4, [*PS, "--metrics", str(tmp_path / "b.jsonl"), "--checkpoint-dir", str(ckpt),
                     "--resume", "auto"], timeout=300,
-                env={**clean_env(), "HPCASYNC_DUMP_BUFFERS": str(dump)})
+                env=clean_env(HPCASYNC_DUMP_BUFFERS=str(dump)))
     assert r.returncode == 0, r.stderr[-3000:]
-    # the resumed server starts from the checkpoint's θ at its version, bitwise (not re-initialised)
-    import torch
-
-    (resumed,) = dump.glob("ps-*-shard0.pt")
-    at = torch.load(resumed, weights_only=True)
-    saved = state["ps"]["rule"]
-    assert at["version"] == int(saved["version"]) and torch.equal(at["theta"], saved["theta"])
+    assert_resumed_from(dump, state)        # θ at its version, bitwise (not re-initialised)
     s = last_summary(tmp_path / "b.jsonl")
     assert s["resumed_at_push"] == header["step"]
     assert s["pushes"] == W * BUDGET and s["rejected_pushes"] == 0   # exactly the remaining work
