@@ -19,9 +19,12 @@ Without ``--with-ft ulfm`` a death ends the job within 30 s with one line.
 A parameter-server algorithm (asgd, smega2, shat, ...: rank 0 serves inside ``train``, the
 others push): a dead worker is retired by the server and the others never stop; at the end the
 survivors take the server's final model over the shrunk world (``state.ft.failures`` records the
-death, ``absorbed``). The dead worker's rest of its shard is not trained. A dead server (or, with
-``--ps-ranks 2``, a dead shard server) is taken over by the worker holding the newest reply;
-grow-back is not built for a parameter server here (one line).
+death, ``absorbed``). The dead worker's rest of its shard is not trained, unless the job grows
+back (``-x HPCASYNC_GROW_BACK=1``): then the server spawns a replacement, stops the workers after
+their current push, and the replacement goes on from the dead worker's last commit the server
+took (each worker's commit is sent to the server); a rank dead before the server's set-up is
+replaced too (from the start of its shard). A dead server (or, with ``--ps-ranks 2``, a dead
+shard server) is taken over by the worker holding the newest reply (not grown back).
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
 world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
@@ -196,5 +199,5 @@ if args.out:
         "epoch": state.epoch, "params": digest(), "rank": state.rank,
         "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params,
         "reset_local": reset_local,
-        "failures": state.ft.failures, "reset_steps": reset_steps,
+        "failures": state.ft.failures, "joins": state.ft.joins, "reset_steps": reset_steps,
         "served": opt.server.stats.accepted if ps and state.roles.is_server else None}))

@@ -127,6 +127,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
 
         if join.is_joiner():        # a replacement spawned by a grow-back
             comm = join.join_world()
+            ps_rank = join.joined().get("ps_rank", ps_rank)     # (a PS: where the server is)
     if fail_fast:
         install_fail_fast()
     topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)

@@ -44,8 +44,13 @@ newest reply serves from it (``state.roles.is_server`` there) with a fresh rule,
 push to it (``ParameterServer.take_over``); its own rest of the data is not trained. With shard
 servers (``ps_ranks > 1``) a dead one's place is taken the same way, each shard's slice from its
 surviving server or from the newest reply for it. A death while the server was set up (its
-constructor's collectives) sets it up again on the survivors at the first sync. Grow-back is
-refused with one line there.
+constructor's collectives) sets it up again on the survivors at the first sync. With grow-back
+(below) a dead worker is replaced: each worker's ``commit()`` goes to the server too; the server
+spawns the replacement, stops the workers after their current push (their next ``step()`` raises
+:class:`~hpcasync.runtime.elastic.GrowInterrupt`, which ``@run`` handles: nothing rolled back),
+the world grows and the replacement goes on from the dead worker's last commit the server took
+(the pushes after it are redone). A dead server is taken over, not grown back; shard servers
+(``ps_ranks > 1``) with grow-back are refused with one line.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -92,6 +97,11 @@ class _FrontDoor(_core.Membership):
         from .topology import default_topology
 
         self.state, self.algorithm = state, algorithm
+        # a parameter server's worker place fixes its data shard: grow back into the dead places
+        self.refill_only = algorithm in api.PS_ALGORITHMS
+        self._set_up = True         # (check_reset: every survivor's optimizer was set up)
+        self.grown = False          # a PS world just grown: the next sync gives the replacements
+                                    # their places (State.sync)
         self.topo = default_topology()          # collective if init() built none
         try:
             self.roles = api.roles_on(self.topo, algorithm)
@@ -141,6 +151,18 @@ class _FrontDoor(_core.Membership):
         self.roles = api.reinit_on_survivors(new, free_old=self._own_world,
                                              algorithm=self.algorithm, ps_rank=ps_rank)
         self.topo, self._own_world = self.roles.topology, True
+
+    @property
+    def grows_at_reset(self) -> bool:
+        """A parameter server's reset grows back only after a death while it was set up (every
+        worker's place is then its initial one); a dead server is taken over, not replaced (the
+        replacement's place would be the new server's worker place, whose rest of the data
+        it leaves): the world stays one smaller."""
+        return self.ps is None or not self._set_up
+
+    @property
+    def ps_rank(self) -> int | None:
+        return self.topo.ps_rank if self.ps is not None else None
 
     @property
     def ps(self):
@@ -218,9 +240,10 @@ class _FrontDoor(_core.Membership):
                         "%d ranks", ", ".join(map(str, record["dead_ranks"])), record["world_size"])
         elif self.rank() == server:
             log.warning("rank(s) %s died, a parameter server among them; rank %d serves from "
-                        "θ of version %d, %d worker(s) go on from their last commits",
+                        "θ of version %d, %d worker(s) go on from their last commits%s",
                         ", ".join(map(str, record["dead_ranks"])), record["server"], version,
-                        self.roles.num_workers)
+                        self.roles.num_workers, " (taken over, not grown back)"
+                        if self.state.ft.grow_back else "")
 
     def move(self, opt, *, after_death: bool) -> None:
         """``opt`` onto the current topology. DASO (``set_topology``) keeps its node groups;
@@ -238,18 +261,28 @@ class _FrontDoor(_core.Membership):
     def regrow(self, grown) -> None:
         """What a replacement's ``hpcasync.init`` (the first call's options) does over
         ``grown``, then the optimizers and samplers onto it (local, as a replacement's
-        :class:`State` does)."""
+        :class:`State` does). A parameter server: set up again as a replacement's constructor
+        does (:meth:`ParameterServer.regrow`), the server at the spawner's place; every worker
+        keeps its data shard."""
+        from .runtime.ft import translate
         from .topology import default_topology
 
+        ps = self.ps
+        server = ({"ps_rank": translate(self.topo.ps_rank, self.topo.world, grown)}
+                  if ps is not None else {})
         api.release(self.roles, free_world=self._own_world)       # local
-        api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(),
-                 **api.INIT_OPTIONS)
+        options = {**api.INIT_OPTIONS, **server}
+        api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(), **options)
         self.topo, self._own_world = default_topology(), True
+        if ps is not None:              # (a replacement's constructor comes before its State)
+            ps.regrow(self.topo.world, self.topo.ps_rank)
+            self.grown = True
         self.roles = api.roles_on(self.topo, self.algorithm)
         for opt in self.state._optimizers():
             self.move(opt, after_death=False)
         for sampler in self.state._samplers():
-            sampler.set_world(self.topo.rank, self.topo.size)
+            if ps is None:
+                sampler.set_world(self.topo.rank, self.topo.size)
 
 
 class State(_core.TorchState):
@@ -281,17 +314,63 @@ class State(_core.TorchState):
             if ft.ulfm and getattr(opt, "algorithm", None) in api.PS_ALGORITHMS:
                 opt.on_survivors = ft.absorb
         super().__init__(**values)
+        self._set_ps_growth()
         if _core.is_joiner():   # a replacement: its optimizers onto the grown world (built on
             for opt in self._optimizers():  # its own launch's: local), as the survivors' regrow
                 membership.move(opt, after_death=False)
+            membership.grown = membership.ps is not None    # its place comes at the first sync
+
+    def _set_ps_growth(self) -> None:
+        """Under grow-back, a parameter server's optimizer spawns a replacement for a dead
+        worker (``ParameterServer.growth``), and each worker's commit goes to the server too."""
+        from .ps.growth import PSGrowth
+
+        ps = self._membership.ps
+        if ps is None or not self.ft.ulfm:
+            return
+        several = sum(getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS
+                      for h in self._handlers.values()) > 1
+        if several and self.ft.grow_back:
+            raise ConfigError("grow-back with several parameter-server optimizers in one State is "
+                              "not built (one spawn and one stop per server); leave "
+                              "HPCASYNC_GROW_BACK / grow_back out")
+        ps.growth = PSGrowth(True, self.ft.min_ranks) if self.ft.grow_back else None
 
     def _check_growth(self) -> None:
         m = self._membership
-        if self.ft.ulfm and self.ft.grow_back and m.algorithm in api.PS_ALGORITHMS:
-            raise ConfigError(f"grow-back of {m.algorithm} in your own loop is not built: a dead "
-                              "worker is retired and the others train on (leave "
-                              "HPCASYNC_GROW_BACK / grow_back out); hpcasync train --grow-back "
-                              "replaces it")
+        if (self.ft.ulfm and self.ft.grow_back and m.algorithm in api.PS_ALGORITHMS
+                and m.topo.ps_ranks > 1):
+            raise ConfigError(f"grow-back of {m.algorithm} with shard servers (ps_ranks > 1) is "
+                              "not built: a dead shard server is taken over by a worker (leave "
+                              "HPCASYNC_GROW_BACK / grow_back out, or use ps_ranks=1)")
+
+    def commit(self) -> None:
+        """Save the state (in memory); a parameter server's worker under grow-back also sends
+        its committed plain values and samplers (not the model) to the server, which gives them
+        to its replacement if it dies."""
+        super().commit()
+        ps = self._membership.ps
+        if ps is not None and ps.growth is not None and ps.attached and not ps.is_server:
+            ps.checkpoints.send_commit(self._place())
+
+    def _place(self) -> dict:
+        """What places a PS worker in your loop: the plain values and the samplers' and LR
+        schedulers' committed states (every other handler starts from the server's θ)."""
+        return {"values": dict(self._saved_state), "handlers": {
+            k: h.saved for k, h in self._handlers.items()
+            if isinstance(h.value, (ElasticSampler, torch.optim.lr_scheduler.LRScheduler))}}
+
+    def _take_place(self, place: dict, steps: int) -> None:
+        """A replacement: the dead worker's last commit the server took (:meth:`_place`)."""
+        m = self._membership
+        for k, saved in place["handlers"].items():
+            self._handlers[k].value.load_state_dict(saved)
+        self._saved_state = dict(place["values"])
+        self._set_attrs()
+        m.ps.steps = steps
+        for sampler in self._samplers():
+            sampler.set_world(m.roles.shard_index, m.roles.num_shards)
+        self.save()
 
     def restore(self) -> None:
         """The last commit back; a serving parameter server (a shard server that survived
@@ -327,9 +406,16 @@ class State(_core.TorchState):
         state is each rank's own (the optimizer started every rank from the server's θ; after a
         takeover each worker goes on from its own commit): nothing is sent, unless a rank died
         while it was set up (the reset sets it up again on the survivors)."""
-        ps = self._membership.ps
+        m = self._membership
+        ps = m.ps
         if ps is None:
             super().sync()
+        elif m.grown:                   # grown back: the server gives each replacement its place
+            m.grown, self.ft.check_pending = False, False       # (each rank's state is its own)
+            places = m.bcast_object(ps.grown_places() if m.is_root() else None)
+            mine = places.get(m.roles.worker_index)     # (a survivor holds no dead place)
+            if mine is not None:
+                self._take_place(mine["commit"], mine["steps"])
         elif not ps.attached:
             raise ProcessFailedError(f"a rank died while the {ps.algorithm} parameter server was "
                                      "set up")
@@ -380,6 +466,7 @@ def run(func=None, *, grow_back: bool | None = None, max_ranks: int | None = Non
         if grow_back is not None or max_ranks is not None:
             state.ft.set_growth(grow_back, max_ranks)
             state._check_growth()
+            state._set_ps_growth()
         return state.ft
     return _core.elastic_run(tolerance)(func)
 

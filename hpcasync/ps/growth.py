@@ -24,6 +24,11 @@ starts (its Python, torch and data: seconds). Then:
   worker in the dead server's
   place; every worker resumes at the takeover's share of its budget.
 
+Your own loop grows back a dead worker with the same spawn, stop and grow
+(:class:`PSGrowth` given to its ``ParameterServer`` by :class:`hpcasync.elastic.State`;
+``ParameterServer.regrow``; the replacement's place is the dead worker's last commit, which each
+worker sends the server: docs/design/elastic.md, "A parameter server in your own loop").
+
 A spawn that fails (no free slot) is said in one warning line and the run goes on shrunk, as
 without ``--grow-back`` (no further spawn is tried), unless fewer than ``--min-ranks`` ranks are
 left, which ends the job with one line. Design and measurements: docs/design/growth.md#the-
@@ -31,7 +36,7 @@ parameter-server.
 
 Example (``ps.runtime.run``)::
 
-    growth, core = PSGrowth(ctx), fault_tolerance(ctx)
+    growth, core = PSGrowth.from_options(ctx), fault_tolerance(ctx)
     while True:
         try:
             return _run(ctx, takeover, growth)
@@ -80,28 +85,37 @@ def validate(cfg) -> None:
 
 
 class PSGrowth:
-    """The PS runtime's grow-back (module doc). One per run; every rank holds one.
+    """A parameter server's grow-back (module doc): the server spawns the replacements alone
+    while its workers train. One per run in the CLI (every rank holds one:
+    :meth:`from_options`); in your own loop :class:`hpcasync.elastic.State` gives the
+    optimizer one under grow-back (``ParameterServer.growth``).
 
     Attributes: ``enabled``; ``spawned`` (the server's replacements not yet in the world),
     ``failed_spawn`` (the error of a spawn that failed: no other is tried), ``state`` (the
-    server's state at a grow-back's stop)."""
+    CLI server's state at a grow-back's stop); ``metrics`` (where ``grow_failed`` is written,
+    or None)."""
 
-    def __init__(self, ctx):
-        from ..runtime import ft
-
-        o = ctx.cfg.options
-        self.enabled = bool(o.get("grow_back")) and ft.ulfm_enabled()
-        self.min_ranks = o.get("min_ranks") or 1
+    def __init__(self, enabled: bool, min_ranks: int = 1, metrics=None):
+        self.enabled, self.min_ranks, self.metrics = bool(enabled), min_ranks or 1, metrics
         self.spawned = join.Spawned()
         self.failed_spawn: str | None = None
         self.state: dict | None = None
 
+    @classmethod
+    def from_options(cls, ctx) -> "PSGrowth":
+        """The CLI run's: ``--grow-back`` (under ULFM), ``--min-ranks``."""
+        from ..runtime import ft
+
+        o = ctx.cfg.options
+        return cls(bool(o.get("grow_back")) and ft.ulfm_enabled(), o.get("min_ranks") or 1,
+                   ctx.metrics)
+
     # -- the server, while serving -------------------------------------------------------------
-    def replace(self, ctx, dead: int, alive: int) -> bool:
+    def replace(self, dead: int, alive: int) -> bool:
         """On the server, when a worker was found dead (``dead`` ranks dead in this run and not
         yet replaced, ``alive`` ranks left): spawn the replacements now; True: stop the workers
         for the grow. A failed spawn turns grow-back off for the rest of the run (one warning
-        line) or, below ``--min-ranks``, ends the job."""
+        line) or, below ``min_ranks``, ends the job."""
         if not self.enabled or self.failed_spawn is not None:
             return self.spawned.count > 0
         want = dead - self.spawned.count
@@ -115,7 +129,8 @@ class PSGrowth:
         log.warning("grow-back: spawning %d replacement(s) failed (%s); going on with %d ranks "
                     "and without grow-back (Open MPI's launcher exits with status 213 at the "
                     "end for the failed spawn)", want, error, alive)
-        ctx.metrics.write("grow_failed", error=error, world_size=alive)
+        if self.metrics is not None:
+            self.metrics.write("grow_failed", error=error, world_size=alive)
         return self.spawned.count > 0
 
     def _check_min(self, alive: int, why: str) -> None:
@@ -124,13 +139,13 @@ class PSGrowth:
                                      f"failed ({why}): fewer than --min-ranks {self.min_ranks}",
                                      [])
 
-    def top_up(self, ctx, places: int, alive: int) -> list:
+    def top_up(self, places: int, alive: int) -> list:
         """On the server, once the survivors meet to grow (``places`` emptied, ``alive`` ranks
         left): spawn what it has not yet for the emptied places (some deaths are seen only at
         the shrink), if grow-back is still on; returns the groups for
         :meth:`~hpcasync.runtime.elastic.FaultTolerance.grow` (taken: forgotten here)."""
         if self.enabled and self.failed_spawn is None and places > self.spawned.count:
-            self.replace(ctx, places, alive)
+            self.replace(places, alive)
         return self.spawned.take()
 
 
@@ -145,7 +160,7 @@ def grow(ctx, core, growth: PSGrowth, payload: dict, position=None) -> dict | No
         return None
     topo = ctx.topo
     server = topo.ps_rank
-    groups = (growth.top_up(ctx, core.size_before - topo.size, topo.size)
+    groups = (growth.top_up(core.size_before - topo.size, topo.size)
               if topo.rank == server else None)
     if core.grow(core.failures[-1], spawner=server, groups=groups, position=position) is None:
         if topo.rank == server:

@@ -52,6 +52,7 @@ class LoopCheckpoints:
         self.sends: list = []                  # worker: its requests not yet taken by the server
         self.resume_clock: dict | None = None  # server: a loaded clock, continued at serve()
         self.collector: Collector | None = None    # server: while (and after) it serves
+        self.commits: dict[int, dict] = {}     # server: each worker's last commit it took
 
     # -- worker side ----------------------------------------------------------------------------
 
@@ -80,6 +81,19 @@ class LoopCheckpoints:
                               "the server would never take it; save before")
         self.sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
         opt.transport.requests += 1        # the next header says so: the server receives it then
+
+    def send_commit(self, values: dict) -> None:
+        """Worker, at ``hpcasync.elastic.State.commit()`` under grow-back: its committed values
+        (plain values, sampler, no tensors of the model) to the server, on the requests' way
+        (counted in its next header), with its step count: a replacement resumes from the last
+        one the server took. Nothing after the server's stop (the server takes no more)."""
+        opt = self.opt
+        if opt.finished:
+            return
+        self.sends = [r for r in self.sends if not r.Test()]
+        self.sends.append(opt.comm.issend({"commit": values, "steps": int(opt.steps)},
+                                          dest=opt.ps_rank, tag=TAG_REQUEST))
+        opt.transport.requests += 1
 
     def flush(self) -> None:
         """Worker, after its FINISH header (which counts every request): wait until the server
@@ -235,6 +249,9 @@ class Collector:
             except MPI.Exception as exc:
                 raise transport._failed(exc) from None
             self.received[w] += 1
+            if "commit" in msg:         # a worker's commit (grow-back: send_commit)
+                self.checkpoints.commits[w] = msg
+                continue
             label, part = tuple(msg["label"]), msg["part"]
             entry = self.pending.setdefault(label, {**msg, "parts": {}})
             entry["parts"][part["worker"]] = part

@@ -46,7 +46,7 @@ from .ordering import ordered
 from .server import PSServer
 from .shards import EpochExchange, ShardLayout, check_shards, wait_ends, worker_pieces
 from .transport import KIND_DONE, KIND_FINISH, KIND_PEEK, make_transport
-from .wire import mask_flags, mask_words
+from .wire import END_GROW, mask_flags, mask_words
 from .worker import Patience
 
 log = logging.getLogger("hpcasync")
@@ -104,6 +104,10 @@ class ParameterServer(AlgorithmOptimizer):
     #: ``on_survivors(comm)``: the final close goes over the survivors and hands them on
     #: (:meth:`close`; set by :class:`hpcasync.elastic.State` under ULFM)
     on_survivors: Callable[[Any], None] | None = None
+    #: a :class:`~.growth.PSGrowth`: under grow-back (set by :class:`hpcasync.elastic.State`) the
+    #: server spawns a replacement for a dead worker and stops every worker for it
+    #: (:meth:`regrow`, ``GrowInterrupt``)
+    growth: Any = None
 
     def __init__(self, model, algorithm: str = "asgd", *, lr: float, comm=None,
                  ps_rank: int | None = None, transport: str = "rma", ps_ranks: int | None = None,
@@ -231,6 +235,8 @@ class ParameterServer(AlgorithmOptimizer):
         self.version = self.rejected = 0
         self._resume_local: torch.Tensor | None = None
         self.started = self.finished = self.stopped = False
+        self._grow_pending = False      # the server stopped this worker for a grow-back
+        self._ended: bool | None = None   # the end handshake's result, once it was made
         self._finish_at: int | None = None            # finish_after()
         self._reply = torch.empty(flat.numel) if not self.is_server else None
         # server side
@@ -475,6 +481,8 @@ class ParameterServer(AlgorithmOptimizer):
         if closure is not None:
             raise ConfigError(f"{self.algorithm}: step() does not take a closure")
         self._worker_only("step")
+        if self._grow_pending:
+            self._leave_for_grow()
         if loss is None and self.needs_loss:
             raise ConfigError(f"{self.algorithm} predicts each worker's loss: call "
                               "opt.step(loss=loss) with the batch's loss")
@@ -520,6 +528,8 @@ class ParameterServer(AlgorithmOptimizer):
             self.finished = True
         elif head.stop:
             self.finished = self.stopped = True         # the server stopped the job (preemption)
+            if self.growth is not None:     # (or a grow-back: then the next call leaves)
+                self.finish(collective=False)
         return head
 
     def _replies(self, g, poll=None):
@@ -563,8 +573,25 @@ class ParameterServer(AlgorithmOptimizer):
         then (``collective``) takes the final model with every other rank. Returns the model on
         ``collective``, else whether the server stopped the job (preemption)."""
         self._worker_only("finish")
+        if self._grow_pending:
+            self._leave_for_grow()
         if self._closed:
             return self.flat.module
+        if self._ended is None:        # (once: a grow-back's stop may have taken the end)
+            self._ended = self._end(stop_requested)
+        stop = self._ended
+        if self.growth is not None and self.transport.end_code == END_GROW:
+            self._grow_pending = True
+            if collective:
+                self._leave_for_grow()
+        if not collective:
+            return stop
+        self.close()
+        return self.flat.module
+
+    def _end(self, stop_requested) -> bool:
+        """Worker: the end handshake (FINISH unless stopped, its requests taken, the end message,
+        DONE with its step count); whether the server stopped the job."""
         if not self.started and not self.finished and self._hook is not None:
             self.start()        # a user's worker that never stepped (e.g. resumed at its end)
         if self.started and not self.finished:
@@ -578,10 +605,7 @@ class ParameterServer(AlgorithmOptimizer):
             stop = wait_ends(self.transports, stop_requested)
         for t in self.transports:
             t.push(torch.zeros(0), kind=KIND_DONE, version=self.steps)
-        if not collective:
-            return stop
-        self.close()
-        return self.flat.module
+        return stop
 
     # -- server side ----------------------------------------------------------------------------
     def make_server(self, **callbacks: Any) -> PSServer:
@@ -645,8 +669,8 @@ class ParameterServer(AlgorithmOptimizer):
         return self._end_serving(server, collector, collective)
 
     def _begin_serving(self, on_epoch, callbacks) -> tuple[PSServer, Any]:
-        """Server: its loop (:meth:`make_server`), with the epoch callback and the checkpoint
-        requests wired in."""
+        """Server: its loop (:meth:`make_server`), with the epoch callback, the checkpoint
+        requests and (:attr:`growth`) the grow-back wired in."""
         def crossed(epoch: int, record: dict) -> None:
             self.load_theta()
             log.info("PS %s: epoch %d crossed at version %d (%d pushes accepted, %d rejected)",
@@ -655,7 +679,10 @@ class ParameterServer(AlgorithmOptimizer):
             if on_epoch is not None:
                 on_epoch(epoch, self.flat.module)
         callbacks.setdefault("on_push", lambda w, staleness, loss: inject.point("served"))
+        if self.growth is not None:
+            self._wire_growth(callbacks, lambda: server)
         server = self.make_server(on_epoch=crossed, **callbacks)
+        server.poll_at_end = self.growth is not None
         if self._clock:
             server.start_at(self._clock)
         self.server = server
@@ -664,13 +691,90 @@ class ParameterServer(AlgorithmOptimizer):
 
     def _end_serving(self, server: PSServer, collector, collective: bool):
         """Server, after its loop: the checkpoints asked for, the end messages, θ in the model
-        and (``collective``) the final model on every rank."""
+        and (``collective``) the final model on every rank; after a grow-back's stop, what the
+        run goes on from (:meth:`regrow`), and ``GrowInterrupt``."""
         collector.close()
         server.finish()
         self.load_theta()
+        if server.grow:
+            self._keep_for_grow(server, collector)
+            self._leave_for_grow()
         if collective:
             self.close()
         return self.flat.module
+
+    # -- grow-back in your own loop (:attr:`growth`) ------------------------------------------
+    def _wire_growth(self, callbacks: dict, server: Callable[[], PSServer]) -> None:
+        """Server: a worker found dead before its end has a replacement spawned between two
+        pushes (no header receive posted), then every worker is stopped after its current push
+        (``PSServer.begin_grow``: the end message says ``END_GROW``)."""
+        told, stop, wanted = callbacks.get("on_failure"), callbacks.get("stop_requested"), []
+
+        def on_failure(record: dict) -> None:
+            if told is not None:
+                told(record)
+            if not record["finished"]:
+                wanted.append(record["worker"])
+
+        def stop_requested() -> bool:
+            if wanted:
+                wanted.clear()
+                self.transport.withdraw_headers()
+                dead = len(server().failed)
+                if self.growth.replace(dead, self.comm.Get_size() - dead):
+                    server().begin_grow()
+            return stop is not None and stop()
+        callbacks.update(on_failure=on_failure, stop_requested=stop_requested)
+
+    def _keep_for_grow(self, server: PSServer, collector) -> None:
+        """Server, after the grow-back's stop: the clock the server goes on with after
+        :meth:`regrow` (each replaced worker's position back at its last commit the server took,
+        0 without one: its replacement redoes the pushes after it) and each replaced worker's
+        commit (:meth:`hpcasync.elastic.State.sync` gives it to the replacement)."""
+        places = {w: self.checkpoints.commits.get(w) for w in server.failed}
+        clock = {k: v for k, v in server.state_dict().items() if k != "rule"}
+        clock["failed_workers"] = server.failed_before + [dict(r, replaced=True)
+                                                          for r in server.failed.values()]
+        positions = list(server.positions)
+        for w, commit in places.items():
+            positions[w] = commit["steps"] if commit is not None else 0
+        self._regrow_with = {"clock": {"server": clock, "positions": positions},
+                             "places": places, "buffers": self._buffers.clone(),
+                             "seen": list(self._seen), "rule": self.rule}
+
+    def _leave_for_grow(self):
+        """Every rank, once the server stopped the workers for a grow-back: the transports
+        closed over the survivors and the death absorbed (:attr:`on_survivors`); the server
+        spawns what it has not for the emptied places; then ``GrowInterrupt``."""
+        from ..runtime.elastic import GrowInterrupt
+
+        self._grow_pending, before = False, self.comm.Get_size()
+        self.close(broadcast_model=False)
+        root, size = getattr(self, "_survivors", (self.ps_rank, before))
+        groups = self.growth.top_up(before - size, size) if self.is_server else None
+        raise GrowInterrupt(root, groups)
+
+    def regrow(self, comm, ps_rank: int) -> None:
+        """Collective over ``comm``, the world grown back after :meth:`_leave_for_grow` (the same
+        collectives as a replacement's constructor): set up again, rank ``ps_rank`` serving;
+        the server keeps its rule (θ, per-worker state), the workers' buffers and its clock
+        (a replaced worker's position at its commit); a worker keeps its step count, buffers and
+        (SHAT, ENSEMBLE) its own model, and takes its next reply from the server."""
+        kept = getattr(self, "_regrow_with", None) if self.is_server else None
+        self._regrow_with, held = None, self.holding()
+        self.transports = []                # (closed by _leave_for_grow)
+        self.take_over(comm, ps_rank, held)
+        if kept is not None:
+            self.rules[0] = self.rule = kept["rule"]
+            self._buffers.copy_(kept["buffers"])
+            self._seen[:] = kept["seen"]
+            self.checkpoints.resume_clock = kept["clock"]
+            self._grown_places = kept["places"]
+
+    def grown_places(self) -> dict:
+        """Server, once after :meth:`regrow`: each replaced worker's commit (None: none)."""
+        places, self._grown_places = getattr(self, "_grown_places", None) or {}, None
+        return places
 
     def describe(self) -> str:
         """The rule, its hyperparameters and the defaults in force, in words (logged by the
@@ -729,6 +833,7 @@ class ParameterServer(AlgorithmOptimizer):
                                       "serving; the final model is lost: restart from a "
                                       "checkpoint")
                 comm, root, collective = survivors, servers[0], False
+                self._survivors = (root, survivors.Get_size())
             else:
                 survivors.Free()
                 survivors = None

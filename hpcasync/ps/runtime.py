@@ -102,7 +102,7 @@ def run(ctx: RunContext) -> RunResult:
     (:mod:`.takeover`); with ``--grow-back`` a replacement takes each dead rank's place
     (:mod:`.growth`)."""
     takeover = lost = state = None
-    growth, core = PSGrowth(ctx), fault_tolerance(ctx)
+    growth, core = PSGrowth.from_options(ctx), fault_tolerance(ctx)
     ctx.ft = core         # (its ``original``: ids in records, the first launch's ranks)
     if join.joined():                   # a replacement: what the survivors go on from
         state, takeover = _joiner_start(receive(ctx, core))

@@ -112,6 +112,9 @@ class PSServer:
         self.stopping = False
         self.stop_reason = ""
         self.grow = False              # the stop is a grow-back's (ps.growth), not a preemption
+        #: ask ``stop_requested`` once more when every worker is done (your own loop's grow-back:
+        #: a worker whose death is found last is replaced all the same)
+        self.poll_at_end = False
         self.on_failure = on_failure
         self.on_accept = on_accept
         self.on_frozen = on_frozen
@@ -136,6 +139,8 @@ class PSServer:
                 self._lose(exc.ranks)
                 continue
             self.dispatch(push)
+        if self.poll_at_end:        # a death found by the last wait may still ask for a stop
+            self._poll_stop()
         return self.end()
 
     def begin(self) -> None:

@@ -91,7 +91,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             # withdrawn first; one that had matched a header keeps it)
             grow_wanted[0] = False
             transport.withdraw_headers()
-            if growth.replace(ctx, dead=len(server.failed),
+            if growth.replace(dead=len(server.failed),
                               alive=ctx.topo.size - len(server.failed)):
                 server.begin_grow()     # (the replacement started while the others trained)
         return stop_flag is not None and stop_flag()

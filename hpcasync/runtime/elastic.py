@@ -56,9 +56,9 @@ from ..errors import ranks_in as _ranks_in
 
 log = logging.getLogger("hpcasync")
 
-__all__ = ["FaultTolerance", "HostsUpdatedInterrupt", "Membership", "ObjectState", "State",
-           "TorchState", "agreed", "atomic_shrink", "elastic_run", "is_joiner",
-           "is_process_failure", "revoke_all", "sync_root"]
+__all__ = ["FaultTolerance", "GrowInterrupt", "HostsUpdatedInterrupt", "Membership",
+           "ObjectState", "State", "TorchState", "agreed", "atomic_shrink", "elastic_run",
+           "is_joiner", "is_process_failure", "revoke_all", "sync_root"]
 
 #: grow back after a death (``1``/``true``/``on``); ``HPCASYNC_MAX_RANKS`` the size to grow to
 GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
@@ -81,6 +81,20 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync: bool = False):
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
+
+
+class GrowInterrupt(HostsUpdatedInterrupt):
+    """The world grows back without a rollback: raised on every survivor once a parameter
+    server has stopped its workers so that a replacement takes a dead worker's place
+    (``ParameterServer``'s grow-back in your own loop), after its ``close`` absorbed the death.
+    ``spawner``: the server's rank among the survivors, who spawned the replacements;
+    ``groups``: its spawned groups (:meth:`~hpcasync.runtime.join.Spawned.take`; None
+    elsewhere). :func:`elastic_run` grows (:meth:`FaultTolerance.grow`), runs the reset
+    callbacks and calls the function again, nothing restored."""
+
+    def __init__(self, spawner: int, groups: list | None = None):
+        super().__init__(skip_sync=False)
+        self.spawner, self.groups = spawner, groups
 
 
 # -- what a front end provides ---------------------------------------------------------------------
@@ -110,6 +124,11 @@ class Membership:
     commits: list | None = None
     #: grow back only into the places a death emptied (never past the size before it)
     refill_only = False
+    #: a reset grows back (with grow-back on); False: it never does (a parameter server in your
+    #: own loop grows back from its server's spawn only, after a worker's death)
+    grows_at_reset = True
+    #: a parameter server's world: the serving rank (a replacement learns its grown place)
+    ps_rank: int | None = None
     #: set by a ``rebuild`` that loaded the root's state: the key this rank holds from then on
     #: (it reports that one if the attempt fails and another begins)
     adopted: Any = None
@@ -418,7 +437,7 @@ class FaultTolerance:
             steps_behind=[_behind(k, keys[root]) for k in keys])
         self._pending_next_step = record
         m.shrunk(record)
-        want = self._want(before) if self.grow_back else 0
+        want = self._want(before) if self.grow_back and m.grows_at_reset else 0
         grew = self._grow(want, record) if want > 0 else None
         if self.grow_back:
             self._check_min(m.size(), record["dead_ranks"], "" if grew or want <= 0 else
@@ -554,6 +573,8 @@ class FaultTolerance:
             msg = {"keys": joiner_keys, "survivor_keys": keys, "src": root,
                    "max_ranks": self.max_ranks, "original": original,
                    "next_id": self.next_id + want}
+            if m.ps_rank is not None:       # a parameter server's world: where it serves
+                msg["ps_rank"] = keys[m.ps_rank]
             if spawner is None:
                 with join._Watchdog(f"grow-back (waiting for {want} replacement(s) to start)"):
                     merged = inter.Merge(high=False)
@@ -608,7 +629,7 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
         @functools.wraps(func)
         def wrapper(state, *args, **kwargs):
             tol = ft(state) if callable(ft) and not isinstance(ft, FaultTolerance) else ft
-            reset_required = False
+            reset_required, grow = False, None
             joined = join.joined()
             if joined is not None and joined.pop("pending", False):
                 # a replacement's first attempt: the survivors are in their reset, which runs
@@ -616,10 +637,14 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                 tol.check_pending = True
                 state.on_reset()
             while True:
-                if reset_required:
+                if grow is not None:        # every survivor stopped for a grow-back
+                    tol.membership.settle(tol.grow(tol.failures[-1], spawner=grow.spawner,
+                                                   groups=grow.groups))
+                    state.on_reset()
+                elif reset_required:
                     tol.reset(getattr(state, "_commit_count", 0))
                     state.on_reset()
-                ok, result = True, None
+                ok, result, grow = True, None, None
                 try:
                     state.sync()
                     state._commit_count = tol.membership.bcast_object(
@@ -628,6 +653,8 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                         tol.check_pending = False
                         check_synced(tol.membership, state)
                     result = func(state, *args, **kwargs)
+                except GrowInterrupt as stop:
+                    ok, grow = False, stop
                 except HostsUpdatedInterrupt:           # (never raised here; Horovod's branch)
                     ok = False
                 except Exception as exc:                # noqa: BLE001 - sorted by report_error

@@ -384,7 +384,7 @@ def test_a_death_inside_the_own_loops_takeover_runs_it_again_on_the_survivors(tm
 
 REFUSE = """
 import torch, hpcasync
-ctx = hpcasync.init("asgd")
+ctx = hpcasync.init("asgd", ps_ranks=2)
 model = torch.nn.Linear(4, 2)
 opt = hpcasync.optimizer("asgd", model, lr=0.1)
 hpcasync.elastic.State(model=model, optimizer=opt, epoch=0)
@@ -393,17 +393,73 @@ print("unreachable", flush=True)
 
 
 @pytest.mark.rank0
-def test_grow_back_of_a_ps_rule_in_the_own_loop_is_refused_at_state_construction(tmp_path):
+def test_grow_back_of_shard_servers_in_the_own_loop_is_refused_at_state_construction(tmp_path):
     need_ulfm()
     script = tmp_path / "refuse.py"
     script.write_text(REFUSE)
-    out = subprocess.run([*mpiexec(2, ft=True), sys.executable, str(script)],
+    out = subprocess.run([*mpiexec(3, ft=True), sys.executable, str(script)],
                          env=clean_env(HPCASYNC_GROW_BACK="1"), cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "unreachable" not in out.stdout
     lines = [ln for ln in out.stderr.splitlines() if "hpcasync: error" in ln]
-    assert len(lines) == 1 and "grow-back of asgd in your own loop is not built" in lines[0], \
+    assert len(lines) == 1 and "grow-back of asgd with shard servers" in lines[0], \
         out.stderr[-2000:]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
+def test_own_ps_loop_grows_back_a_dead_worker_from_its_last_commit_under_ulfm(tmp_path,
+                                                                               algorithm):
+    """``HPCASYNC_GROW_BACK=1``: worker rank 3 dies before its step 5 (5 pushes served; commits
+    every 2 steps, each sent to the server too, the one at 4 steps counted in the header of the
+    5th push). The server spawns a replacement, stops every worker after its current push, the
+    survivors absorb the death and take the replacement in at rank 3 (worker 2's place); it
+    resumes from the dead worker's commit at 4 steps (its epoch, batch, step count, sampler
+    position) and trains the rest of that shard; the others go on without a rollback. Exit 0,
+    4 ranks at the end, the server's θ on all, one ``absorbed`` record and one join, the
+    replacement with 16 steps of which 12 executed, every survivor its 16, and 3 x 16 + 1
+    pushes served (the dead worker's 5th push, after its last commit, is redone)."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank=3, kill_at=5, extra=["--algorithm", algorithm],
+               env={"HPCASYNC_GROW_BACK": "1", "HPCASYNC_JOIN_TIMEOUT": "120"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
+    assert len({r["params"] for r in results.values()}) == 1, results      # the server's final θ
+    assert all(r["size"] == 4 and r["resets"] == [4] and r["joined"] == (rank == 3)
+               for rank, r in results.items()), results
+    for rank in (0, 1, 2):
+        failure, = results[rank]["failures"]
+        assert (failure["dead_ranks"], failure["absorbed"]) == ([3], True), failure
+        join, = results[rank]["joins"]
+        assert join["ranks"] == [3] and join["world_size"] == 4, join
+    assert (results[3]["steps"], results[3]["executed"], results[3]["epoch"]) == \
+        (PS_BUDGET, PS_BUDGET - 4, 2), results[3]
+    assert all(results[r]["steps"] == results[r]["executed"] == PS_BUDGET for r in (1, 2)), \
+        results
+    assert results[0]["served"] == 3 * PS_BUDGET + 1, results[0]
+
+
+@pytest.mark.rank0
+def test_own_ps_loop_grows_back_a_server_dead_at_set_up_with_a_worker_in_its_place(tmp_path):
+    """``HPCASYNC_GROW_BACK=1``, smega2: the server (rank 0) dies before the set-up. The reset
+    sets the server up on the lowest survivor (rank 1) and grows back in it (every survivor
+    spawns): the replacement takes rank 0 as a worker, dealt the shard rank 1 left (worker index
+    0), and trains it from the start. Exit 0, 4 ranks, one θ, rank 1 served 3 x 16 pushes,
+    every worker its 16 steps, the replacement's included."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank=0, kill_at=-1, extra=["--algorithm", "smega2"],
+               env={"HPCASYNC_GROW_BACK": "1", "HPCASYNC_JOIN_TIMEOUT": "120"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
+    assert len({r["params"] for r in results.values()}) == 1, results
+    assert all(r["size"] == 4 and r["joined"] == (rank == 0) for rank, r in results.items())
+    failure, = results[1]["failures"]
+    assert (failure["dead_ranks"], failure["server"], failure["set_up_again"]) == ([0], 1, True)
+    assert results[1]["joins"][0]["ranks"] == [0], results[1]
+    assert results[1]["served"] == 3 * PS_BUDGET, results[1]
+    assert all(results[r]["steps"] == results[r]["executed"] == PS_BUDGET for r in (0, 2, 3))
 
 
 def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
