@@ -71,6 +71,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: str | None = None            # None | "auto" | path
     checkpoint_every: int = 0            # steps between periodic checkpoints (0: epoch ends only)
+    checkpoint_keep: int = 3             # the newest checkpoints kept in checkpoint_dir
     divergence_factor: float = 10.0      # stop when the smoothed loss > factor x its best (0: off)
     options: dict[str, Any] = field(default_factory=dict)   # the runtime's own options
 
@@ -109,6 +110,7 @@ class TrainConfig:
             raise ConfigError(f"--ps-rank must be >= 0, got {self.ps_rank}")
         if self.threads < 0 or self.log_every < 0 or self.checkpoint_every < 0:
             raise ConfigError("--threads, --log-every and --checkpoint-every must be >= 0")
+        _positive("--checkpoint-keep", self.checkpoint_keep)
         from .runtime.divergence import check_factor
 
         check_factor(self.divergence_factor)

@@ -69,6 +69,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints here (each epoch end, on SIGTERM/SIGUSR1, periodically)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps (0: epoch ends and preemption only)")
+    p.add_argument("--checkpoint-keep", type=int, default=3,
+                   help="keep the newest N checkpoints in --checkpoint-dir (default 3)")
     p.add_argument("--resume", default=None,
                    help="auto (latest good checkpoint in --checkpoint-dir) or a checkpoint path")
     p.add_argument("--divergence-factor", type=float, default=10.0,

@@ -153,7 +153,8 @@ def train(cfg: TrainConfig) -> dict:
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report, tensorboard=cfg.tensorboard)
-    checkpoints = CheckpointManager(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    checkpoints = (CheckpointManager(cfg.checkpoint_dir, keep=cfg.checkpoint_keep)
+                   if cfg.checkpoint_dir else None)
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
                      metrics=metrics, progress=Progress(progress_on and topo.rank == report),
                      checkpoints=checkpoints, preempt=PreemptionFlag(),

@@ -32,6 +32,7 @@ from . import DasoSchedule, LinkDelay
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
 from ..ssgd.horovod import check_backend
+from ..checkpoint import PER_RANK, own_part
 from ..runtime import driver, join
 from ..runtime.context import RunContext, RunResult, max_over
 from .optimizer import optimizer_state_tensors
@@ -115,6 +116,7 @@ class Daso(driver.Family):
         self.rows: dict[int, list] = {}      # the summary's daso_schedule, by epoch (a redo
         self.counters: dict[int, dict] = {}  # replaces); this rank's per-epoch totals, likewise
         self.redo, self.slept = None, self.delay.slept
+        self.own = None                      # this rank's part of a checkpoint resumed from
 
     def _schedule(self) -> dict:
         sch = self.opt.schedule
@@ -191,7 +193,35 @@ class Daso(driver.Family):
     def resume(self, state: dict) -> tuple:
         self.model.load_state_dict(state["model"])        # copies into the FlatModel views
         self.opt.load_state_dict(state["optimizer"])
-        return state["epoch"], 0, 0.0
+        topo = self.ctx.topo                # a --checkpoint-every one: each rank's own replica
+        self.own = own_part(state.get(PER_RANK), topo.rank, topo.size, "daso")
+        return state["epoch"], state.get("batch", 0), state.get("loss_sum", 0.0)
+
+    def start(self) -> None:
+        """Rank 0's parameters on every rank, then (resumed inside an epoch) this rank's own
+        replica and DASO state (its schedule, its sends in flight as received sums)."""
+        super().start()
+        if self.own is not None:
+            self.model.load_state_dict(self.own["model"])
+            self.opt.load_state_dict(self.own["optimizer"])
+            self.own = None
+
+    def after_step(self) -> None:
+        """``--checkpoint-every``: a checkpoint inside the epoch, with every rank's replica and
+        DASO state (a cycling epoch's nodes differ; each send in flight is completed and kept:
+        ``DASO.state_dict``), which a resume loads on each rank. Preemption is agreed at epoch
+        ends only (a cycling epoch exchanges nothing globally between its sends)."""
+        ctx, cur, opt = self.ctx, self.cur, self.opt
+        if not ctx.checkpoint_every:
+            return
+        ctx.consistent_point(
+            ctx.topo.world, lambda: {
+                "model": self.model.state_dict(), "optimizer": opt.state_dict(),
+                "epoch": cur.epoch, "batch": cur.done, "loss_sum": cur.loss_sum,
+                "rank_failures": self.ft.failures},
+            epoch=cur.epoch, step=opt.steps, writer=ctx.topo.rank == 0, agree=False,
+            local_state=lambda: {"model": self.model.state_dict(),
+                                 "optimizer": opt.state_dict()})
 
     def adopt(self, same: bool) -> None:
         # each survivor finishes the epoch on its own shard; a grow fills the dead ranks'
@@ -237,12 +267,10 @@ class Daso(driver.Family):
                      record["daso_local_skip"], record["daso_batches_to_wait"],
                      record["daso_global_wait_s"])
         ctx.epoch_end(epoch, self.model, world_size=topo.size, **record)
-        # the step passed is rounded down to a multiple of check_every, so that the preemption
-        # agreement (made only on such steps) takes place at every epoch end
-        step = opt.steps - opt.steps % max(1, ctx.check_every)
+        step = opt.steps            # (the preemption agreement: at every epoch end)
         ctx.consistent_point(topo.world, lambda: {
             "model": self.model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1,
-            "rank_failures": self.ft.failures}, epoch=epoch, step=step, force=True,
+            "rank_failures": self.ft.failures}, epoch=epoch, step=step, force=True, agree=True,
             writer=topo.rank == 0 and not (self.redo == epoch and _saved(ctx, epoch, step)))
         inject.point("epoch_done")
 

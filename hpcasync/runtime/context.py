@@ -216,7 +216,8 @@ class RunContext:
         return state
 
     def consistent_point(self, comm, make_state, *, epoch: int, step: int, writer: bool,
-                         force: bool = False, local_state=None) -> None:
+                         force: bool = False, local_state=None,
+                         agree: bool | None = None) -> None:
         """Call at a point where ``make_state()`` describes the whole job (every rank of ``comm``).
 
         Every ``check_every`` steps the ranks agree (one allreduce) whether a preemption signal has
@@ -227,11 +228,15 @@ class RunContext:
         ``local_state``: a function giving what each rank holds of its own (the optimizer's
         ``local_state_dict``); when it gives anything, the checkpoint keeps every rank's under
         ``per_rank`` (gathered to rank 0 of ``comm``, which must then be the writer).
+        ``agree``: the preemption agreement every ``check_every`` steps (None), here (True: an
+        epoch end), or not here (False: a step that otherwise communicates nothing, local SGD
+        between two averages).
         """
         stop = False
         if force:
             inject.point("epoch_agree")
-        if self.preempt is not None and step % self.check_every == 0:
+        due = step % self.check_every == 0 if agree is None else agree
+        if due and self.preempt is not None:
             stop = self.preempt.agree(comm)
         periodic = self.checkpoint_every and step % self.checkpoint_every == 0
         if self.checkpoints is not None and (stop or periodic or force):

@@ -151,9 +151,9 @@ def _across(opt) -> int:
 
 
 class SSGD(driver.Family):
-    """SSGD and its kin (PowerSGD, localsgd, slowmo, diloco) in the driver's loop: replicas are
-    identical where the state is taken (every step for SSGD; where the replicas are equal for
-    local SGD, which keeps each rank's own optimizer state and replica in ``local_state``)."""
+    """SSGD and its kin (PowerSGD, localsgd, slowmo, diloco) in the driver's loop: the state is
+    taken at any step, the root's with each rank's own part (local SGD's replica and optimizer
+    state between two averages, PowerSGD's error memory: ``local_state``)."""
 
     @property
     def recover(self) -> bool:
@@ -252,18 +252,19 @@ class SSGD(driver.Family):
         return loss.item()
 
     def after_step(self) -> None:
-        # (localsgd: only where the replicas are equal: between two averages a local step
-        # communicates nothing, and the preemption check would; checkpoints keep each rank's own
-        # optimizer state, local_state_dict)
-        if getattr(self.opt, "replicas_equal", True):
-            cur = self.cur
-            self._checkpoint(cur.epoch, (cur.epoch, cur.done, cur.loss_sum))
+        # checkpoints at any step (between two averages of local SGD, SlowMo or DiLoCo each
+        # rank's replica and optimizer state are in it: local_state_dict); the preemption
+        # agreement only where the replicas are equal (a local step communicates nothing)
+        cur = self.cur
+        self._checkpoint(cur.epoch, (cur.epoch, cur.done, cur.loss_sum),
+                         agree=None if getattr(self.opt, "replicas_equal", True) else False)
 
-    def _checkpoint(self, epoch: int, at: tuple, *, force: bool = False) -> None:
+    def _checkpoint(self, epoch: int, at: tuple, *, force: bool = False,
+                    agree: bool | None = None) -> None:
         ctx = self.ctx
         ctx.consistent_point(ctx.topo.world, lambda: self.state(at), epoch=epoch,
                              step=self.opt.steps, writer=ctx.topo.rank == 0, force=force,
-                             local_state=self.local)
+                             local_state=self.local, agree=agree)
 
     def epoch_end(self) -> None:
         ctx, opt, cur = self.ctx, self.opt, self.cur

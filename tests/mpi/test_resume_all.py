@@ -48,12 +48,16 @@ PS_SIGNAL = 20                           # the worker signals itself at its 20th
 # algorithm -> (extra options, how it is stopped)
 PLAN: dict[str, tuple[list[str], str]] = {
     "ssgd": (["--momentum", "0.9", "--checkpoint-every", str(SSGD_EVERY)], "delete"),
+    # epoch 2 cycling (two nodes of one rank): every 3 -> 3, 6, 8 (epoch end), 9, 12, ...; keep
+    # <= 12: 12 (epoch 2, batch 4), inside the cycling epoch: every rank's replica and DASO
+    # state (its sends in flight completed and kept) in the checkpoint per rank
     "daso": (["--momentum", "0.9", "--epochs", "3", "--ranks-per-node", "1",
               "--daso-warmup-epochs", "1", "--daso-cooldown-epochs", "1",
-              "--daso-global-skip", "2"], "delete"),
-    # SSGD for 4 steps, then averages after steps 5, 7, 9, ... (the replicas are equal there,
-    # where the CLI checkpoints): every 3 -> 3, 8 (epoch end), 9, 15, 16; keep <= 12: 9 (epoch
-    # 2, batch 1). With momentum: each rank's own in the local phase, in the checkpoint per rank
+              "--daso-global-skip", "2", "--checkpoint-every", "3", "--checkpoint-keep", "20"],
+             "delete"),
+    # SSGD for 4 steps, then averages after steps 5, 7, 9, 11, ...: every 3 -> 3, 6, 8 (epoch
+    # end), 9, 12, 15, 16; keep <= 12: 12 (epoch 2, batch 4), a local step: the replicas differ
+    # there, each rank's own (replica, momentum) is in the checkpoint per rank
     "localsgd": (["--momentum", "0.9", "--localsgd-warmup-steps", "4", "--localsgd-period", "2",
                   "--checkpoint-every", "3"], "delete"),
     # an outer step every 3 (F = 1, α = 0: the replicas are equal right after it, where the CLI
@@ -84,6 +88,7 @@ for _name, _extra in _PS_EXTRA.items():
 #: plans that are an algorithm with options (its name before the "+")
 EXTRA = ("ssgd+powersgd",)
 SYNC = ("ssgd", "ssgd+powersgd", "localsgd", "slowmo", "diloco")     # checkpoints every few steps
+EVERY = (*SYNC, "daso")
 
 
 def _args(algorithm: str) -> list[str]:
@@ -125,14 +130,12 @@ def _main(out: Path, algorithms: list[str]) -> None:
 
 
 def _delete_late(name: str, ck: Path) -> None:
-    """Leave the checkpoint to resume from: ssgd's and localsgd's at step SSGD_KEEP at most,
-    daso's of epoch 1."""
+    """Leave the checkpoint to resume from: the one at step SSGD_KEEP at most."""
     from hpcasync.checkpoint import read_checkpoint
 
     for p in sorted(ck.glob("ckpt-*.pt")):
         header, _ = read_checkpoint(p)
-        if (header["step"] > SSGD_KEEP if name in SYNC
-                else header["epoch"] > 1):
+        if header["step"] > SSGD_KEEP:
             p.unlink()
 
 
@@ -187,8 +190,6 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
         saved = [r for r in stopped if r["event"] == "checkpoint"][-1]
         assert saved["path"] == resume[0]["path"]           # resumed from the stop checkpoint
     if algorithm in SYNC:           # each rank's own state kept where the ranks' differ
-        import torch
-
         if algorithm == "ssgd":
             assert "per_rank" not in state
         else:
@@ -200,14 +201,17 @@ def test_resumed_run_equals_uninterrupted(algorithm, tmp_path_factory):
             assert len(own) == 2 and not torch.equal(a, b)
     if algorithm in (*SYNC, "daso", "odsgd"):
         per = PER_EPOCH["sync"]
-        if algorithm in SYNC and algorithm != "localsgd":
+        if algorithm in SYNC:
             assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
             assert epochs == [2]
-        elif algorithm == "localsgd":
-            assert header["step"] == 9 and (state["epoch"], state["batch"]) == (2, 1)
-            assert epochs == [2]
-        elif algorithm == "daso":
-            assert header["epoch"] == 1 and state["epoch"] == 2
+            if algorithm == "localsgd":     # a local step: each rank's own replica is kept
+                own = state["per_rank"]
+                assert not torch.equal(own[0]["params"], own[1]["params"])
+        elif algorithm == "daso":       # inside the cycling epoch: the replicas differ
+            assert header["step"] == SSGD_KEEP and (state["epoch"], state["batch"]) == (2, 4)
+            own = state["per_rank"]
+            assert len(own) == 2 and not torch.equal(own[0]["model"][next(iter(own[0]["model"]))],
+                                                     own[1]["model"][next(iter(own[1]["model"]))])
             assert epochs == [2, 3]
             assert got_sum["replicas_identical"] and ref_sum["replicas_identical"]
             assert got_sum["replica_checksum"] == ref_sum["replica_checksum"]

@@ -90,7 +90,7 @@ def _checks_daso_schedule(tmp_path, kill: str, ckpt) -> tuple[dict, dict]:
                                    r["daso_local_skip"], r["daso_batches_to_wait"]]
                                   for r in epochs]
     assert s["steps"] == TRAIN // 4 // 32 + TRAIN // 3 // 32, s["steps"]
-    step = TRAIN // 4 // 32 - TRAIN // 4 // 32 % 10            # (--check-every 10)
+    step = TRAIN // 4 // 32                     # labelled with the epoch's last step
     assert (ckpt / checkpoint_name(1, step)).is_file()
     assert [r["epoch"] for r in records if r["event"] == "checkpoint"] == [1, 2]   # once each
     return s, f
