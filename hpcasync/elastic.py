@@ -153,6 +153,12 @@ class _FrontDoor(_core.Membership):
         self.topo, self._own_world = self.roles.topology, True
 
     @property
+    def several_ps(self) -> bool:
+        """The state holds more than one parameter-server optimizer."""
+        return sum(getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS
+                   for h in self.state._handlers.values()) > 1
+
+    @property
     def grows_at_reset(self) -> bool:
         """A parameter server's reset grows back only after a death while it was set up (every
         worker's place is then its initial one); a dead server is taken over, not replaced (the
@@ -179,8 +185,7 @@ class _FrontDoor(_core.Membership):
         opt = self.ps
         if opt is None:
             return
-        several = sum(getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS
-                      for h in self.state._handlers.values()) > 1
+        several = self.several_ps
         from mpi4py import MPI
 
         survivors = self.comm.Shrink()
@@ -328,9 +333,7 @@ class State(_core.TorchState):
         ps = self._membership.ps
         if ps is None or not self.ft.ulfm:
             return
-        several = sum(getattr(h.value, "algorithm", None) in api.PS_ALGORITHMS
-                      for h in self._handlers.values()) > 1
-        if several and self.ft.grow_back:
+        if self._membership.several_ps and self.ft.grow_back:
             raise ConfigError("grow-back with several parameter-server optimizers in one State is "
                               "not built (one spawn and one stop per server); leave "
                               "HPCASYNC_GROW_BACK / grow_back out")

@@ -214,14 +214,17 @@ class Daso(driver.Family):
         ctx, cur, opt = self.ctx, self.cur, self.opt
         if not ctx.checkpoint_every:
             return
+        own: dict = {}          # taken once per checkpoint: every rank's part, rank 0's the state's
+
+        def mine() -> dict:
+            own.update(model=self.model.state_dict(), optimizer=opt.state_dict())
+            return dict(own)
         ctx.consistent_point(
             ctx.topo.world, lambda: {
-                "model": self.model.state_dict(), "optimizer": opt.state_dict(),
-                "epoch": cur.epoch, "batch": cur.done, "loss_sum": cur.loss_sum,
+                **own, "epoch": cur.epoch, "batch": cur.done, "loss_sum": cur.loss_sum,
                 "rank_failures": self.ft.failures},
             epoch=cur.epoch, step=opt.steps, writer=ctx.topo.rank == 0, agree=False,
-            local_state=lambda: {"model": self.model.state_dict(),
-                                 "optimizer": opt.state_dict()})
+            local_state=mine)
 
     def adopt(self, same: bool) -> None:
         # each survivor finishes the epoch on its own shard; a grow fills the dead ranks'
@@ -267,7 +270,7 @@ class Daso(driver.Family):
                      record["daso_local_skip"], record["daso_batches_to_wait"],
                      record["daso_global_wait_s"])
         ctx.epoch_end(epoch, self.model, world_size=topo.size, **record)
-        step = opt.steps            # (the preemption agreement: at every epoch end)
+        step = opt.steps            # (agree=True: the preemption agreement at every epoch end)
         ctx.consistent_point(topo.world, lambda: {
             "model": self.model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch + 1,
             "rank_failures": self.ft.failures}, epoch=epoch, step=step, force=True, agree=True,

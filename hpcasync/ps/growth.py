@@ -100,6 +100,7 @@ class PSGrowth:
         self.spawned = join.Spawned()
         self.failed_spawn: str | None = None
         self.state: dict | None = None
+        self.wanted = False        # a worker died before its end: spawn at the loop's top
 
     @classmethod
     def from_options(cls, ctx) -> "PSGrowth":
@@ -111,6 +112,33 @@ class PSGrowth:
                    ctx.metrics)
 
     # -- the server, while serving -------------------------------------------------------------
+    def wire(self, hooks: dict, server, transport, world_size: int, before=None) -> None:
+        """Server: ``hooks`` (``PSServer``'s ``on_failure`` and ``stop_requested``) wrapped so
+        that a worker found dead before its end has its replacement spawned at the loop's top,
+        between two pushes with no header receive posted (withdrawn first; one that had matched
+        a header keeps it), while the others train; then every worker is stopped after its
+        current push (``PSServer.begin_grow``: the end message says ``END_GROW``). ``server``:
+        a function giving the loop's ``PSServer``; ``before``: called first at each top."""
+        told, stop = hooks.get("on_failure"), hooks.get("stop_requested")
+
+        def on_failure(record: dict) -> None:
+            if told is not None:
+                told(record)
+            if not record["finished"]:
+                self.wanted = True
+
+        def stop_requested() -> bool:
+            if before is not None:
+                before()
+            if self.wanted:
+                self.wanted = False
+                transport.withdraw_headers()
+                dead = len(server().failed)
+                if self.replace(dead, world_size - dead):
+                    server().begin_grow()
+            return stop is not None and stop()
+        hooks.update(on_failure=on_failure, stop_requested=stop_requested)
+
     def replace(self, dead: int, alive: int) -> bool:
         """On the server, when a worker was found dead (``dead`` ranks dead in this run and not
         yet replaced, ``alive`` ranks left): spawn the replacements now; True: stop the workers

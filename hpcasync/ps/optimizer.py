@@ -237,6 +237,9 @@ class ParameterServer(AlgorithmOptimizer):
         self.started = self.finished = self.stopped = False
         self._grow_pending = False      # the server stopped this worker for a grow-back
         self._ended: bool | None = None   # the end handshake's result, once it was made
+        self._survivors: tuple | None = None     # close() over survivors: (server, size) there
+        self._regrow_with: dict | None = None    # server, between a grow's stop and regrow()
+        self._grown_places: dict | None = None   # server, after regrow(): the replaced commits
         self._finish_at: int | None = None            # finish_after()
         self._reply = torch.empty(flat.numel) if not self.is_server else None
         # server side
@@ -680,7 +683,7 @@ class ParameterServer(AlgorithmOptimizer):
                 on_epoch(epoch, self.flat.module)
         callbacks.setdefault("on_push", lambda w, staleness, loss: inject.point("served"))
         if self.growth is not None:
-            self._wire_growth(callbacks, lambda: server)
+            self.growth.wire(callbacks, lambda: server, self.transport, self.comm.Get_size())
         server = self.make_server(on_epoch=crossed, **callbacks)
         server.poll_at_end = self.growth is not None
         if self._clock:
@@ -704,28 +707,6 @@ class ParameterServer(AlgorithmOptimizer):
         return self.flat.module
 
     # -- grow-back in your own loop (:attr:`growth`) ------------------------------------------
-    def _wire_growth(self, callbacks: dict, server: Callable[[], PSServer]) -> None:
-        """Server: a worker found dead before its end has a replacement spawned between two
-        pushes (no header receive posted), then every worker is stopped after its current push
-        (``PSServer.begin_grow``: the end message says ``END_GROW``)."""
-        told, stop, wanted = callbacks.get("on_failure"), callbacks.get("stop_requested"), []
-
-        def on_failure(record: dict) -> None:
-            if told is not None:
-                told(record)
-            if not record["finished"]:
-                wanted.append(record["worker"])
-
-        def stop_requested() -> bool:
-            if wanted:
-                wanted.clear()
-                self.transport.withdraw_headers()
-                dead = len(server().failed)
-                if self.growth.replace(dead, self.comm.Get_size() - dead):
-                    server().begin_grow()
-            return stop is not None and stop()
-        callbacks.update(on_failure=on_failure, stop_requested=stop_requested)
-
     def _keep_for_grow(self, server: PSServer, collector) -> None:
         """Server, after the grow-back's stop: the clock the server goes on with after
         :meth:`regrow` (each replaced worker's position back at its last commit the server took,
@@ -733,8 +714,7 @@ class ParameterServer(AlgorithmOptimizer):
         commit (:meth:`hpcasync.elastic.State.sync` gives it to the replacement)."""
         places = {w: self.checkpoints.commits.get(w) for w in server.failed}
         clock = {k: v for k, v in server.state_dict().items() if k != "rule"}
-        clock["failed_workers"] = server.failed_before + [dict(r, replaced=True)
-                                                          for r in server.failed.values()]
+        clock["failed_workers"] = server.replaced_workers()
         positions = list(server.positions)
         for w, commit in places.items():
             positions[w] = commit["steps"] if commit is not None else 0
@@ -750,7 +730,7 @@ class ParameterServer(AlgorithmOptimizer):
 
         self._grow_pending, before = False, self.comm.Get_size()
         self.close(broadcast_model=False)
-        root, size = getattr(self, "_survivors", (self.ps_rank, before))
+        root, size = self._survivors or (self.ps_rank, before)
         groups = self.growth.top_up(before - size, size) if self.is_server else None
         raise GrowInterrupt(root, groups)
 
@@ -760,8 +740,8 @@ class ParameterServer(AlgorithmOptimizer):
         the server keeps its rule (θ, per-worker state), the workers' buffers and its clock
         (a replaced worker's position at its commit); a worker keeps its step count, buffers and
         (SHAT, ENSEMBLE) its own model, and takes its next reply from the server."""
-        kept = getattr(self, "_regrow_with", None) if self.is_server else None
-        self._regrow_with, held = None, self.holding()
+        kept = self._regrow_with if self.is_server else None
+        held = self.holding()
         self.transports = []                # (closed by _leave_for_grow)
         self.take_over(comm, ps_rank, held)
         if kept is not None:
@@ -773,7 +753,7 @@ class ParameterServer(AlgorithmOptimizer):
 
     def grown_places(self) -> dict:
         """Server, once after :meth:`regrow`: each replaced worker's commit (None: none)."""
-        places, self._grown_places = getattr(self, "_grown_places", None) or {}, None
+        places, self._grown_places = self._grown_places or {}, None
         return places
 
     def describe(self) -> str:

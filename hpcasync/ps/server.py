@@ -113,7 +113,7 @@ class PSServer:
         self.stop_reason = ""
         self.grow = False              # the stop is a grow-back's (ps.growth), not a preemption
         #: ask ``stop_requested`` once more when every worker is done (your own loop's grow-back:
-        #: a worker whose death is found last is replaced all the same)
+        #: a worker seen dead only by the last wait is replaced too)
         self.poll_at_end = False
         self.on_failure = on_failure
         self.on_accept = on_accept
@@ -139,7 +139,7 @@ class PSServer:
                 self._lose(exc.ranks)
                 continue
             self.dispatch(push)
-        if self.poll_at_end:        # a death found by the last wait may still ask for a stop
+        if self.poll_at_end:        # a death the last wait saw may still ask for a stop
             self._poll_stop()
         return self.end()
 
@@ -311,6 +311,11 @@ class PSServer:
                 "bytes": [t.bytes_in, t.bytes_out], "bytes_mark": list(self._bytes_mark),
                 "failed_workers": self.failed_before + [dict(r, before_resume=True)
                                                         for r in self.failed.values()]}
+
+    def replaced_workers(self) -> list[dict]:
+        """The ``failed_workers`` records once a grow-back replaces this run's dead workers:
+        the earlier ones, and this run's marked ``replaced``."""
+        return self.failed_before + [dict(r, replaced=True) for r in self.failed.values()]
 
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict` into this server (built with the same arguments)."""

@@ -6,7 +6,8 @@ timed (``server_resumed``).
 
 Example (``ps.runtime._run``, on the server rank)::
 
-    summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm)
+    summary, stopping = serve(ctx, opt, model, W, batches_per_worker, state, stop_flag, ulfm,
+                              takeover, growth)
 """
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ log = logging.getLogger("hpcasync")
 
 def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
           state: dict | None, stop_flag, ulfm: bool,
-          takeover: Takeover | None = None, growth=None) -> tuple[dict, bool | str]:
+          takeover: Takeover | None, growth) -> tuple[dict, bool | str]:
     """The PS rank's part of :func:`hpcasync.ps.runtime.run`: serve, record epochs, write checkpoints, leave θ in
     the model. Returns the summary and whether the run stops for a preemption (True) or for a
-    grow-back (``"grow"``: ``growth.state`` holds the server's state, :mod:`.growth`)."""
+    grow-back (``"grow"``: ``growth.state`` holds the server's state, :mod:`.growth`; ``growth``
+    is the run's :class:`~.growth.PSGrowth`, which spawns a dead worker's replacement while
+    serving)."""
     from mpi4py import MPI
 
     from .worker import collect_locals
@@ -82,34 +85,21 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                                    world_size=ctx.topo.size, ulfm=ulfm)
     transport.idle_hook = sigterm.poll
 
-    grow_wanted = [False]
-
-    def stop_requested() -> bool:
-        sigterm.poll()
-        if grow_wanted[0]:
-            # a replacement for a dead worker, spawned with no header receive posted (they are
-            # withdrawn first; one that had matched a header keeps it)
-            grow_wanted[0] = False
-            transport.withdraw_headers()
-            if growth.replace(dead=len(server.failed),
-                              alive=ctx.topo.size - len(server.failed)):
-                server.begin_grow()     # (the replacement started while the others trained)
-        return stop_flag is not None and stop_flag()
-
     def on_failure(record: dict) -> None:
         ctx.metrics.write("worker_failed", **record, detected_unix=round(time.time(), 4))
         if os.environ.get("HPCASYNC_DUMP_BUFFERS"):       # testing hook (ps.takeover)
             opt.load_theta()
             inject.dump(f"worker-failed-{record['worker']}", model=opt.flat.buffers,
                          **opt.buffer_state())
-        if growth is not None and not record["finished"]:
-            grow_wanted[0] = True       # spawned between two pushes (stop_requested)
 
+    # at the loop's top: SIGTERM's checkpoint, a dead worker's replacement (growth), the stop
+    hooks = {"on_failure": on_failure,
+             "stop_requested": lambda: stop_flag is not None and stop_flag()}
+    growth.wire(hooks, lambda: server, transport, ctx.topo.size, before=sigterm.poll)
     pushes_per_epoch = W * batches_per_worker
-    server = opt.make_server(on_epoch=on_epoch, on_push=on_push, stop_requested=stop_requested,
+    server = opt.make_server(on_epoch=on_epoch, on_push=on_push,
                              on_checkpoint=save if ctx.checkpoints is not None else None,
-                             checkpoint_every=ctx.checkpoint_every,
-                             on_failure=on_failure,
+                             checkpoint_every=ctx.checkpoint_every, **hooks,
                              on_accept=lambda w, loss: ctx.divergence.check(
                                  loss, step=server.stats.accepted))
     resumed_at = 0
@@ -149,15 +139,14 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                        f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
     stats = server.serve()
     ctx.progress.close()
-    if grow_wanted[0] and not server.grow:
+    if growth.wanted and not server.grow:
         log.warning("grow-back: every other worker had finished before the replacement could be "
                     "spawned; the dead worker's rest of its shard is not trained")
     server.finish()
     if server.grow:                     # every worker left: the run goes on in memory
         growth.state = {**state_now("grow"), "resumed_at_push": resumed_at}
         # the workers replaced now: records, not resumes
-        growth.state["ps"]["failed_workers"] = server.failed_before + [
-            dict(r, replaced=True) for r in server.failed.values()]
+        growth.state["ps"]["failed_workers"] = server.replaced_workers()
         return {}, "grow"
     if server.stopping:
         if ctx.checkpoints is not None:
