@@ -117,8 +117,10 @@ class PSGrowth:
         that a worker found dead before its end has its replacement spawned at the loop's top,
         between two pushes with no header receive posted (withdrawn first; one that had matched
         a header keeps it), while the others train; then every worker is stopped after its
-        current push (``PSServer.begin_grow``: the end message says ``END_GROW``). ``server``:
-        a function giving the loop's ``PSServer``; ``before``: called first at each top."""
+        current push (``PSServer.begin_grow``: the end message says ``END_GROW``), also for a
+        death only the server's last wait saw (``PSServer.grow_back``: the workers that finished
+        still wait for their end message). ``server``: a function giving the loop's
+        ``PSServer``; ``before``: called first at each top."""
         told, stop = hooks.get("on_failure"), hooks.get("stop_requested")
 
         def on_failure(record: dict) -> None:
@@ -137,7 +139,8 @@ class PSGrowth:
                 if self.replace(dead, world_size - dead):
                     server().begin_grow()
             return stop is not None and stop()
-        hooks.update(on_failure=on_failure, stop_requested=stop_requested)
+        hooks.update(on_failure=on_failure, stop_requested=stop_requested,
+                     grow_back=self.enabled)
 
     def replace(self, dead: int, alive: int) -> bool:
         """On the server, when a worker was found dead (``dead`` ranks dead in this run and not

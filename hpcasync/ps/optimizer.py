@@ -685,7 +685,6 @@ class ParameterServer(AlgorithmOptimizer):
         if self.growth is not None:
             self.growth.wire(callbacks, lambda: server, self.transport, self.comm.Get_size())
         server = self.make_server(on_epoch=crossed, **callbacks)
-        server.poll_at_end = self.growth is not None
         if self._clock:
             server.start_at(self._clock)
         self.server = server

@@ -65,6 +65,9 @@ class PSServer:
             returns (the sharded server's end message to server 0, :mod:`.shards`).
         worker_ranks: the workers' ranks in the job's communicator, for records and logs
             (default: their ranks in the transport's, which differ for a shard's server).
+        grow_back: a dead worker's replacement trains the rest of its shard
+            (:class:`~.growth.PSGrowth`): ``stop_requested`` is asked once more when every
+            worker is done (the spawn for a death that only the last wait saw).
         on_accept: ``on_accept(worker, loss)`` after each accepted push, before it is answered
             (may raise to end the run, e.g. a divergence guard).
         on_frozen: ``on_frozen(words)`` before an accepted push is applied, with the pushing
@@ -86,7 +89,7 @@ class PSServer:
                  on_accept: Callable[[int, float], Any] | None = None,
                  on_served: Callable[[], Any] | None = None,
                  on_frozen: Callable[[tuple], Any] | None = None,
-                 worker_ranks: list[int] | None = None):
+                 worker_ranks: list[int] | None = None, grow_back: bool = False):
         self.transport = transport
         self.worker_ranks = list(transport.workers if worker_ranks is None else worker_ranks)
         self.on_served = on_served
@@ -112,9 +115,9 @@ class PSServer:
         self.stopping = False
         self.stop_reason = ""
         self.grow = False              # the stop is a grow-back's (ps.growth), not a preemption
-        #: ask ``stop_requested`` once more when every worker is done (your own loop's grow-back:
-        #: a worker seen dead only by the last wait is replaced too)
-        self.poll_at_end = False
+        #: a grow-back is on (``.growth``): ``stop_requested`` is asked once more when every
+        #: worker is done, so that a worker seen dead only by the last wait is replaced too
+        self.grow_back = grow_back
         self.on_failure = on_failure
         self.on_accept = on_accept
         self.on_frozen = on_frozen
@@ -139,7 +142,7 @@ class PSServer:
                 self._lose(exc.ranks)
                 continue
             self.dispatch(push)
-        if self.poll_at_end:        # a death the last wait saw may still ask for a stop
+        if self.grow_back:          # a death the last wait saw may still ask for a stop
             self._poll_stop()
         return self.end()
 
@@ -294,9 +297,10 @@ class PSServer:
             self.failed[w] = record
             alive = self.transport.num_workers - len(self.failed)
             log.warning("worker %d (rank %d) died at PS version %d; continuing with %d workers "
-                        "(its in-flight push is dropped; it had %d pushes answered, the rest of "
-                        "its shard is not trained)", w, rank, self.rule.version, alive,
-                        self.positions[w])
+                        "(its in-flight push is dropped; it had %d pushes answered, %s)", w, rank,
+                        self.rule.version, alive, self.positions[w],
+                        "its replacement trains the rest of its shard" if self.grow_back else
+                        "the rest of its shard is not trained")
             if self.on_failure is not None:
                 self.on_failure(record)
 

@@ -139,9 +139,6 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
                        f"epoch {min(server.next_epoch, cfg.epochs)}/{cfg.epochs}")
     stats = server.serve()
     ctx.progress.close()
-    if growth.wanted and not server.grow:
-        log.warning("grow-back: every other worker had finished before the replacement could be "
-                    "spawned; the dead worker's rest of its shard is not trained")
     server.finish()
     if server.grow:                     # every worker left: the run goes on in memory
         growth.state = {**state_now("grow"), "resumed_at_push": resumed_at}
@@ -164,5 +161,5 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
             **({"resume_lost_pushes": state["resume_lost_pushes"]}
                if state is not None and "resume_lost_pushes" in state else {}),
             "failed_workers": server.failed_before + list(server.failed.values()),
-            "rule_workers": ft.rule_worker_state(rule),
+            "rule_workers": rule.worker_summary(),
             "server_failures": takeover.records if takeover is not None else []}, server.stopping

@@ -72,6 +72,25 @@ def test_a_dead_workers_replacement_trains_the_rest_of_its_shard(tmp_path):
 
 @pytest.mark.rank0
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
+def test_a_worker_found_dead_only_by_the_servers_last_wait_is_replaced_too(tmp_path):
+    """Worker rank 3 sleeps 6 s at its step 55 (the others finish their budget meanwhile) and
+    dies at its 58th push: the server sees the death in its last wait, when every other worker
+    is done and waits for its end message. It still spawns and stops them for the grow-back
+    (``PSServer.grow_back``): the replacement trains the dead worker's rest, every push of the
+    budget is served."""
+    need_ulfm()
+    out, metrics = _run(tmp_path, "late", kill_at="3:step:55:6:sleep", kill="3:58",
+                        extra=["--grow-back"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    (join,) = s["rank_joins"]
+    assert join["ranks"] == [3] and join["position"][:2] == [BUDGET, BUDGET], join
+    assert s["pushes_per_worker"] == [BUDGET] * 3 and s["rejected_pushes"] == 0
+    assert "not trained" not in out.stderr
+
+
+@pytest.mark.rank0
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
 def test_a_dead_servers_place_is_refilled_after_the_takeover(tmp_path):
     """The server dies at its 40th push: a worker takes over (ps.takeover), spawns a replacement
     and it joins as a worker in rank 0's place; every worker resumes at the takeover's share of
