@@ -68,6 +68,8 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=2, help="steps between commits")
+parser.add_argument("--lr-decay", type=float, default=None,
+                    help="an LR scheduler: the lr times this factor after each step")
 parser.add_argument("--limit", type=int, default=384, help="training images used")
 parser.add_argument("--dataset", default="fashion-mnist-mini")
 parser.add_argument("--out", default=None)
@@ -101,8 +103,10 @@ hyper = {"odsgd": {"warmup_iters": args.odsgd_warmup},
 if ps:
     hyper = {"epochs": args.epochs, "steps_per_epoch": len(sampler) // args.batch_size}
 opt = hpcasync.optimizer(args.algorithm, model, sgd, **hyper)
+sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda step: args.lr_decay ** step)
+         if args.lr_decay else None)      # committed with the state, restored after a death
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
-                               steps=0)
+                               steps=0, **({"scheduler": sched} if sched else {}))
 
 me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
 reset_params = []                          # a digest of the parameters in each reset callback
@@ -166,6 +170,8 @@ def train(state):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
             losses.append(loss.item())
             executed[0] += 1
             pending.extend(idx.tolist())
@@ -200,4 +206,5 @@ if args.out:
         "joined": hpcasync.elastic.is_joiner(), "reset_params": reset_params,
         "reset_local": reset_local,
         "failures": state.ft.failures, "joins": state.ft.joins, "reset_steps": reset_steps,
-        "served": opt.server.stats.accepted if ps and state.roles.is_server else None}))
+        "served": opt.server.stats.accepted if ps and state.roles.is_server else None,
+        "scheduler_steps": sched.last_epoch if sched is not None else None}))

@@ -418,14 +418,18 @@ def test_own_ps_loop_grows_back_a_dead_worker_from_its_last_commit_under_ulfm(tm
     position) and trains the rest of that shard; the others go on without a rollback. Exit 0,
     4 ranks at the end, the server's θ on all, one ``absorbed`` record and one join, the
     replacement with 16 steps of which 12 executed, every survivor its 16, and 3 x 16 + 1
-    pushes served (the dead worker's 5th push, after its last commit, is redone)."""
+    pushes served (the dead worker's 5th push, after its last commit, is redone). An LR
+    scheduler stepped by every worker goes on on the replacement from that commit too."""
     need_ulfm()
-    out = _run(tmp_path, ft=True, kill_rank=3, kill_at=5, extra=["--algorithm", algorithm],
+    out = _run(tmp_path, ft=True, kill_rank=3, kill_at=5,
+               extra=["--algorithm", algorithm, "--lr-decay", "0.99"],
                env={"HPCASYNC_GROW_BACK": "1", "HPCASYNC_JOIN_TIMEOUT": "120"})
     assert out.returncode == 0, out.stderr[-3000:]
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
     assert len({r["params"] for r in results.values()}) == 1, results      # the server's final θ
+    # the LR scheduler: the replacement's from the dead worker's commit (4 steps), then its 12
+    assert all(results[r]["scheduler_steps"] == PS_BUDGET for r in (1, 2, 3)), results
     assert all(r["size"] == 4 and r["resets"] == [4] and r["joined"] == (rank == 3)
                for rank, r in results.items()), results
     for rank in (0, 1, 2):
