@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import ConfigError
 
@@ -22,6 +23,16 @@ from .errors import ConfigError
 FAMILIES = ("ssgd", "daso", "odsgd", "ps")
 #: the learning rate ``--lr`` means when an entry gives no ``default_lr``
 DEFAULT_LR = 0.05
+
+
+class Option(NamedTuple):
+    """A CLI option an algorithm owns: ``--DEST`` (underscores as dashes), the rule's keyword
+    ``hyper`` it sets, its ``type`` (int, float, str; bool: a flag) and its ``help``. The family's
+    ``arguments`` module adds it to the parser (:func:`add_options`)."""
+    dest: str
+    hyper: str
+    type: type = float
+    help: str = ""
 
 
 @dataclass(frozen=True)
@@ -46,8 +57,9 @@ class Algorithm:
             ``optimizer`` argument of ``hpcasync.optimizer``).
         horovod_backend: ``--backend horovod`` applies.
         simulated: ``hpcasync sim`` runs it.
-        options: the CLI options only this algorithm takes, as (option dest, rule hyperparameter)
-            pairs; another algorithm given one is a ConfigError.
+        options: the CLI options only this algorithm takes, each an :class:`Option` (or a
+            ``(dest, hyperparameter)`` pair, for an option some ``arguments`` module adds
+            itself); another algorithm given one is a ConfigError.
         default_lr: the lr ``--lr`` means when not given (None: :data:`DEFAULT_LR`).
         summary: one line for tables and help.
     """
@@ -60,7 +72,7 @@ class Algorithm:
     user_optimizer: bool = False
     horovod_backend: bool = False
     simulated: bool = False
-    options: tuple[tuple[str, str], ...] = ()
+    options: tuple[tuple, ...] = ()
     default_lr: float | None = None
     summary: str = ""
     arguments: str | None = None
@@ -173,9 +185,24 @@ def option_owners() -> dict[str, tuple[str, ...]]:
     """CLI option dest -> the algorithms that take it (the others refuse it)."""
     owners: dict[str, tuple[str, ...]] = {}
     for a in _TABLE.values():
-        for option, _ in a.options:
-            owners[option] = owners.get(option, ()) + (a.name,)
+        for option in a.options:
+            owners[option[0]] = owners.get(option[0], ()) + (a.name,)
     return owners
+
+
+def add_options(group, family: str) -> None:
+    """Add to ``group`` (an argparse group) the :class:`Option` s of ``family``'s entries, each
+    once, its help prefixed with the algorithms that take it."""
+    declared: dict[str, Option] = {}
+    for a in _TABLE.values():
+        for o in a.options:
+            if a.family == family and isinstance(o, Option):
+                declared.setdefault(o.dest, o)
+    owners = option_owners()
+    for dest, o in declared.items():
+        kind = ({"action": "store_const", "const": True} if o.type is bool else {"type": o.type})
+        group.add_argument("--" + dest.replace("_", "-"), default=None, **kind,
+                           help=f"{'/'.join(owners[dest])}: {o.help}")
 
 
 def algorithm_lrs() -> dict[str, float]:
@@ -268,14 +295,19 @@ for _alg in (
               arguments="hpcasync.ssgd.options"),
     ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
     ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
-                 rule_kwargs=(("mode", "constant"),), options=(("dc_lambda", "lam"),)),
+                 rule_kwargs=(("mode", "constant"),), options=(Option("dc_lambda", "lam", float, "constant λ (0.04)"),)),
     ps_algorithm("dcasgd-a", _RULES + "dcasgd:DCASGD", "DC-ASGD-a, adaptive λ",
                  rule_kwargs=(("mode", "adaptive"),),
-                 options=(("dc_lambda0", "lam"), ("dc_ms_momentum", "ms_momentum"))),
+                 options=(Option("dc_lambda0", "lam", float, "λ₀ (2.0)"),
+                          Option("dc_ms_momentum", "ms_momentum", float,
+                                 "mean-square momentum m (0.95)"))),
     ps_algorithm("lcasgd", _RULES + "lcasgd:LCASGD", "LC-ASGD, loss-prediction compensation",
-                 options=(("lc_predictor", "predictor"), ("lc_lambda", "lam"),
-                          ("lc_anchor", "anchor"), ("lc_window", "window"),
-                          ("lc_max_factor", "max_factor"))),
+                 options=(Option("lc_predictor", "predictor", str, "linear (default), ema, lstm, oracle"),
+                          Option("lc_lambda", "lam", float, "λ (1.0)"),
+                          Option("lc_anchor", "anchor", str, "push (default) or fit"),
+                          Option("lc_window", "window", int, "history points K (32)"),
+                          Option("lc_max_factor", "max_factor", float, "upper bound of the "
+                                 "compensation factor (1.0; inf = unbounded)"))),
     ps_algorithm("shat", _RULES + "shat:SHAT", "SHAT, α = 1 − (n/c)/ln n",
                  rule_kwargs=(("alpha_mode", "log"),)),
     ps_algorithm("shat-root", _RULES + "shat:SHAT", "SHAT-root, α = 1 − (n/c)/√n",
@@ -285,7 +317,8 @@ for _alg in (
     ps_algorithm("asp", _RULES + "shat:SHAT", "SHAT with α = 1 (= ASGD)",
                  rule_kwargs=(("alpha_mode", "asp"),)),
     ps_algorithm("smega2", _RULES + "smega2:SMEGA2", "SMEGA2, one momentum buffer, look-ahead reply",
-                 momentum_rule=True, options=(("smega2_estimate", "estimate"),)),
+                 momentum_rule=True, options=(Option("smega2_estimate", "estimate", str,
+                                         "advanced (default) or naive"),)),
     ps_algorithm("dana", _RULES + "dana:DANAZero", "DANA-Zero, N momentum buffers, look-ahead reply",
                  momentum_rule=True),
     # default_lr: NAG-ASGD's one shared Nesterov buffer turns the other workers' in-flight pushes
@@ -296,13 +329,26 @@ for _alg in (
                  momentum_rule=True, default_lr=0.02),
     ps_algorithm("rennala", _RULES + "rennala:Rennala",
                  "Rennala SGD: one step per B gradients fresh at θ, stale ones dropped",
-                 options=(("rennala_batch", "batch"), ("rennala_stop", "stop_stale"))),
+                 options=(Option("rennala_batch", "batch", int,
+                                 "fresh gradients per step B (default: the number of workers)"),
+                          Option("rennala_stop", "stop_stale", bool,
+                                 "when θ steps, stop every computation at the old θ and start it "
+                                 "again at the new one (the paper's broadcast; hpcasync sim "
+                                 "only)"))),
     ps_algorithm("ringmaster", _RULES + "ringmaster:Ringmaster",
                  "Ringmaster ASGD: gradients with delay >= R dropped",
-                 options=(("ringmaster_r", "threshold"), ("ringmaster_stop", "stop_stale"))),
+                 options=(Option("ringmaster_r", "threshold", int,
+                                 "the delay R from which a gradient is dropped (default: the "
+                                 "number of workers)"),
+                          Option("ringmaster_stop", "stop_stale", bool,
+                                 "stop a computation as soon as its delay reaches R and start "
+                                 "it again at θ (the paper's variant; hpcasync sim only)"))),
     ps_algorithm("asgd-da", _RULES + "delay_adaptive:DelayAdaptiveASGD",
                  "delay-adaptive ASGD: the step at delay δ scaled by min(1, τ_C/δ)",
-                 options=(("da_tau_c", "tau_c"),)),
+                 options=(Option("da_tau_c", "tau_c", int,
+                                 "the delay τ_C up to which the full lr is used; a gradient at "
+                                 "delay δ > τ_C steps with lr·τ_C/δ (default: the number of "
+                                 "workers)"),)),
 ):
     register(_alg)
 del _alg

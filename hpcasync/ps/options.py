@@ -15,35 +15,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--ps-ranks", type=int, default=1,
                    help="K server ranks (--ps-rank and the K-1 after it), each serving a "
                         "contiguous shard of the parameters; the other ranks train (default 1)")
+    plain = [n for n in registry.ps_names() if n not in registry.momentum_rules()]
     g.add_argument("--ps-momentum", type=float, default=0.0,
-                   help="shared server-side momentum of asgd/dcasgd/lcasgd/shat/rennala/ringmaster/asgd-da "
-                        "(default 0)")
-    g.add_argument("--dc-lambda", type=float, default=None, help="dcasgd: constant λ (0.04)")
-    g.add_argument("--dc-lambda0", type=float, default=None, help="dcasgd-a: λ₀ (2.0)")
-    g.add_argument("--dc-ms-momentum", type=float, default=None,
-                   help="dcasgd-a: mean-square momentum m (0.95)")
-    g.add_argument("--lc-predictor", default=None,
-                   help="lcasgd: linear (default), ema, lstm, oracle")
-    g.add_argument("--lc-lambda", type=float, default=None, help="lcasgd: λ (1.0)")
-    g.add_argument("--lc-anchor", default=None, help="lcasgd: push (default) or fit")
-    g.add_argument("--lc-window", type=int, default=None, help="lcasgd: history points K (32)")
-    g.add_argument("--lc-max-factor", type=float, default=None,
-                   help="lcasgd: upper bound of the compensation factor (1.0; inf = unbounded)")
-    g.add_argument("--smega2-estimate", default=None, help="smega2: advanced (default) or naive")
-    g.add_argument("--rennala-batch", type=int, default=None,
-                   help="rennala: fresh gradients per step B (default: the number of workers)")
-    g.add_argument("--ringmaster-r", type=int, default=None,
-                   help="ringmaster: the delay R from which a gradient is dropped (default: the "
-                        "number of workers)")
-    g.add_argument("--rennala-stop", action="store_const", const=True, default=None,
-                   help="rennala: when θ steps, stop every computation at the old θ and start it "
-                        "again at the new one (the paper's broadcast; hpcasync sim only)")
-    g.add_argument("--ringmaster-stop", action="store_const", const=True, default=None,
-                   help="ringmaster: stop a computation as soon as its delay reaches R and start "
-                        "it again at θ (the paper's variant; hpcasync sim only)")
-    g.add_argument("--da-tau-c", type=int, default=None,
-                   help="asgd-da: the delay τ_C up to which the full lr is used; a gradient at "
-                        "delay δ > τ_C steps with lr·τ_C/δ (default: the number of workers)")
+                   help=f"shared server-side momentum of {'/'.join(plain)} (default 0)")
+    registry.add_options(g, "ps")                # each rule's own (its registry entry's)
     g.add_argument("--ps-warmup-epochs", type=float, default=None,
                    help="linear lr warm-up from lr/N over this many epochs (default: 5 for smega2, "
                         "dana, nag as in the SMEGA2 paper, with its x0.1 steps at epochs 80 and "

@@ -318,6 +318,15 @@ class Rule:
     def is_alive(self, worker: int) -> bool:
         return 0 <= worker < self.num_workers and self._alive[worker]
 
+    def worker_summary(self) -> dict:
+        """The per-worker state as plain data, for a run's summary (``rule_workers``): which
+        workers are alive, and what the rule keeps of its own (:meth:`_summary`)."""
+        return {"active": self.num_active, "alive": [bool(a) for a in self._alive],
+                **self._summary()}
+
+    def _summary(self) -> dict:
+        return {}
+
     def staleness(self, meta: PushMeta) -> int:
         """τ = version − meta.version: updates applied since the pushed gradient's parameters."""
         return self._version - int(meta.version)
@@ -522,6 +531,9 @@ class StopsStale:
 
     def _stop_state(self) -> dict:
         return {"stopped": self.stopped} if self.stop_stale else {}
+
+    def _summary(self) -> dict:
+        return {**super()._summary(), **self._stop_state()}   # stopped computations (sim)
 
     def _load_stop(self, d: dict) -> None:
         self.stopped = int(d.get("stopped", 0))

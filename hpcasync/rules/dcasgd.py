@@ -139,6 +139,9 @@ class DCASGD(Rule):
             d["momentum_buf"] = self._buf
         return d
 
+    def _summary(self) -> dict:
+        return {"dc_backups": sorted(int(w) for w in self._backup)}
+
     def _load(self, d: dict) -> None:
         self._backup = load_worker_tensors(d, "backup", self._theta, self.num_workers)
         self._ms = load_worker_tensors(d, "ms", self._theta, self.num_workers)

@@ -99,6 +99,9 @@ class Rennala(StopsStale, ASGD):
         return {**super()._state(), "sum": self._sum, "collected": self.collected,
                 "discarded": self.discarded, **self._stop_state()}
 
+    def _summary(self) -> dict:
+        return {**super()._summary(), "discarded": self.discarded}    # gradients dropped
+
     def _load(self, d: dict) -> None:
         super()._load(d)
         self._sum = load_tensor(d, "sum", self._theta)

@@ -87,6 +87,9 @@ class Ringmaster(StopsStale, ASGD):
     def _state(self) -> dict:
         return {**super()._state(), "discarded": self.discarded, **self._stop_state()}
 
+    def _summary(self) -> dict:
+        return {**super()._summary(), "discarded": self.discarded}    # gradients dropped
+
     def _load(self, d: dict) -> None:
         super()._load(d)
         self.discarded = int(need(d, "discarded"))

@@ -162,6 +162,9 @@ class SHAT(Rule):
             d["momentum_buf"] = self._buf
         return d
 
+    def _summary(self) -> dict:
+        return {"shat_counts": [int(c) for c in self._counts]}
+
     def _load(self, d: dict) -> None:
         counts = need(d, "counts")
         if len(counts) != self.num_workers:

@@ -143,6 +143,9 @@ class SMEGA2(Rule):
         d.update(v=self._v, a=self._a, c=self._c, n=self._n)
         return d
 
+    def _summary(self) -> dict:
+        return {"smega2_n": int(self._n)}       # the cycle length N (the workers alive)
+
     def _load(self, d: dict) -> None:
         self._v = load_tensor(d, "v", self._theta)
         self._a = load_tensor(d, "a", self._theta)

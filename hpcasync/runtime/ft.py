@@ -158,25 +158,6 @@ def record_late_deaths(summary: dict, lost: list[int], worker_ranks: list[int]) 
         log.warning("worker %d (rank %d) died after its last push", w, r)
 
 
-def rule_worker_state(rule) -> dict:
-    """The rule's per-worker state as plain data, for the summary: which workers are alive and,
-    where the rule keeps them, DC-ASGD's backups, SHAT's counts, SMEGA2's cycle length N, the
-    gradients Ringmaster and Rennala dropped."""
-    d = rule.state_dict()
-    out = {"active": rule.num_active, "alive": [bool(a) for a in d["alive"]]}
-    if "backup" in d:
-        out["dc_backups"] = sorted(int(w) for w in d["backup"])
-    if "counts" in d:
-        out["shat_counts"] = [int(c) for c in d["counts"]]
-    if "n" in d and "c" in d:
-        out["smega2_n"] = int(d["n"])
-    if "discarded" in d:
-        out["discarded"] = int(d["discarded"])      # Ringmaster, Rennala: gradients dropped
-    if "stopped" in d:
-        out["stopped"] = int(d["stopped"])          # Ringmaster's stopped computations (sim)
-    return out
-
-
 def resume_command(world_size: int, argv: list[str] | None = None) -> str:
     """The command line that resumes this run from its checkpoints (``--resume auto``)."""
     args = list(sys.argv[1:] if argv is None else argv)

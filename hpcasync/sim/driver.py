@@ -185,10 +185,8 @@ def _run_async(ctx, model, delay, W: int) -> dict:
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()
-    from ..runtime.ft import rule_worker_state
-
     return {**stats.summary(), "sim_time": sim.sim_time, **memory(),
-            "rule_workers": rule_worker_state(rule)}
+            "rule_workers": rule.worker_summary()}
 
 
 def _run_sync(ctx, model, delay, W: int) -> dict:
