@@ -108,6 +108,13 @@ def register(alg: Algorithm) -> Algorithm:
                           "(rule='module:Class')")
     if alg.rule is not None and alg.rule.count(":") != 1:
         raise ConfigError(f"algorithm {alg.name!r}: rule {alg.rule!r} is not 'module:Class'")
+    for o in alg.options:
+        other = next((p for a in _TABLE.values() for p in a.options
+                      if p[0] == o[0] and isinstance(p, Option)), None)
+        if other is not None and isinstance(o, Option) and other.type is not o.type:
+            raise ConfigError(f"algorithm {alg.name!r}: option --{o.dest.replace('_', '-')} is "
+                              f"already declared with type {other.type.__name__}, not "
+                              f"{o.type.__name__}")
     _TABLE[alg.name] = alg
     return alg
 

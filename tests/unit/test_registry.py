@@ -245,3 +245,28 @@ def test_the_torch_free_options_keep_the_runtimes_numbers():
                                                            ssgd_options.DEFAULT_PROGRESS)
     for name in registry.names():         # every built-in family names a torch-free module
         assert registry.get(name).arguments == f"hpcasync.{registry.get(name).family}.options"
+
+
+def test_an_entrys_options_are_added_to_the_parser_and_declared_once():
+    """A rule's CLI options come from its registry entry (``registry.Option``): the type, a flag
+    for bool, the owners in the help; a second entry declaring the same option with another type
+    is refused at registration."""
+    import argparse
+
+    registry.register(registry.ps_algorithm("toy-x", "hpcasync.rules.asgd:ASGD", options=(
+        registry.Option("toy_n", "n", int, "a count"),
+        registry.Option("toy_flag", "flag", bool, "a switch"))))
+    try:
+        parser = argparse.ArgumentParser()
+        registry.add_options(parser.add_argument_group("ps"), "ps")
+        ns = parser.parse_args(["--toy-n", "3", "--toy-flag", "--dc-lambda", "0.5"])
+        assert (ns.toy_n, ns.toy_flag, ns.dc_lambda) == (3, True, 0.5)
+        assert parser.parse_args([]).toy_flag is None
+        helps = {a.dest: a.help for a in parser._actions}
+        assert helps["toy_n"] == "toy-x: a count"
+        with pytest.raises(ConfigError, match="--toy-n is already declared with type int"):
+            registry.register(registry.ps_algorithm("toy-y", "hpcasync.rules.asgd:ASGD",
+                                                    options=(registry.Option("toy_n", "n"),)))
+        assert "toy-y" not in registry.names()
+    finally:
+        registry.unregister("toy-x")
