@@ -49,8 +49,9 @@ constructor's collectives) sets it up again on the survivors at the first sync. 
 spawns the replacement, stops the workers after their current push (their next ``step()`` raises
 :class:`~hpcasync.runtime.elastic.GrowInterrupt`, which ``@run`` handles: nothing rolled back),
 the world grows and the replacement goes on from the dead worker's last commit the server took
-(the pushes after it are redone). A dead server is taken over, not grown back; shard servers
-(``ps_ranks > 1``) with grow-back are refused with one line.
+(the pushes after it are redone). A dead server is taken over and a replacement takes the new
+server's former worker place, from that worker's last commit; shard servers (``ps_ranks > 1``)
+with grow-back are refused with one line.
 
 **Growing back** (``HPCASYNC_GROW_BACK=1`` in the launcher's environment, e.g. ``mpirun -x
 HPCASYNC_GROW_BACK=1``, or ``@hpcasync.elastic.run(grow_back=True, max_ranks=N)``): after the
@@ -102,6 +103,7 @@ class _FrontDoor(_core.Membership):
         self._set_up = True         # (check_reset: every survivor's optimizer was set up)
         self.grown = False          # a PS world just grown: the next sync gives the replacements
                                     # their places (State.sync)
+        self._pending = None        # a takeover whose set-up waits for the reset's grow-back
         self.topo = default_topology()          # collective if init() built none
         try:
             self.roles = api.roles_on(self.topo, algorithm)
@@ -160,11 +162,10 @@ class _FrontDoor(_core.Membership):
 
     @property
     def grows_at_reset(self) -> bool:
-        """A parameter server's reset grows back only after a death while it was set up (every
-        worker's place is then its initial one); a dead server is taken over, not replaced (the
-        replacement's place would be the new server's worker place, whose rest of the data
-        it leaves): the world stays one smaller."""
-        return self.ps is None or not self._set_up
+        """A parameter server's reset grows back after a death while it was set up (every
+        worker's place is then its initial one) and after a server's death (the replacement
+        takes the new server's worker place: :meth:`_take_over`, :meth:`regrow`)."""
+        return self.ps is None or not self._set_up or self._pending is not None
 
     @property
     def ps_rank(self) -> int | None:
@@ -224,12 +225,28 @@ class _FrontDoor(_core.Membership):
             new, held["vote"], lambda s: opt.layout.slice(held["theta"], s), K,
             assemble=self._set_up)
         self._reinit(new, ps_rank=server)
-        servers = self.topo.servers
-        opt.take_over(self.topo.world, server, held, ps_ranks=K, theta=theta,
-                      positions=[e[1] for r, e in enumerate(every) if r not in servers])
+        self._pending = {"held": held, "theta": theta, "every": every}
+        if not (self._set_up and self.state.ft.grow_back and K == 1):
+            self._set_up_taken_over()       # (else after the grow: regrow, or settle)
         version = every[server][0] if sources is None else min(v for _, v in sources)
         self._new_server = (server, version, not self._set_up, sources and [
             (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources])
+
+    def _set_up_taken_over(self, positions: list | None = None) -> None:
+        """The takeover's set-up (:meth:`ParameterServer.take_over`) over the current world:
+        the elected server serves, each worker's clock at its pushes (``positions``, default
+        the votes'). Collective."""
+        p, self._pending = self._pending, None
+        if positions is None:
+            servers = self.topo.servers
+            positions = [e[1] for r, e in enumerate(p["every"]) if r not in servers]
+        self.ps.take_over(self.topo.world, self.topo.ps_rank, p["held"],
+                          ps_ranks=self.topo.ps_ranks, theta=p["theta"], positions=positions)
+
+    def settle(self, grew: dict | None) -> None:
+        super().settle(grew)
+        if self._pending is not None:       # the grow-back after a takeover spawned nothing
+            self._set_up_taken_over()
 
     def shrunk(self, record: dict) -> None:
         if self.ps is None or record.get("absorbed"):
@@ -247,8 +264,23 @@ class _FrontDoor(_core.Membership):
             log.warning("rank(s) %s died, a parameter server among them; rank %d serves from "
                         "θ of version %d, %d worker(s) go on from their last commits%s",
                         ", ".join(map(str, record["dead_ranks"])), record["server"], version,
-                        self.roles.num_workers, " (taken over, not grown back)"
-                        if self.state.ft.grow_back else "")
+                        self.roles.num_workers, " (a replacement takes rank %d's worker place)"
+                        % record["server"] if self._pending is not None else "")
+
+    def _regrow_taken_over(self, to_grown: list[int]) -> None:
+        """After a server's death, with grow-back: the takeover's set-up over the grown world
+        (the replacement's constructor makes the same collectives), each replacement in the new
+        server's former worker place: at its committed pushes, from its last commit (its plain
+        values, its samplers' position and shard, its LR schedulers), which the new server holds
+        itself (:meth:`State._place`) and gives at the first sync."""
+        votes = {to_grown[r]: e[1] for r, e in enumerate(self._pending["every"])}
+        server = self.topo.ps_rank
+        workers = [g for g in range(self.topo.size) if g != server]
+        self._set_up_taken_over([votes.get(g, votes[server]) for g in workers])
+        if self.topo.rank == server:
+            self.ps._grown_places = {w: {"commit": self.state._place(), "steps": votes[server]}
+                                     for w, g in enumerate(workers) if g not in votes}
+        self.grown = True
 
     def move(self, opt, *, after_death: bool) -> None:
         """``opt`` onto the current topology. DASO (``set_topology``) keeps its node groups;
@@ -272,14 +304,16 @@ class _FrontDoor(_core.Membership):
         from .runtime.ft import translate
         from .topology import default_topology
 
-        ps = self.ps
-        server = ({"ps_rank": translate(self.topo.ps_rank, self.topo.world, grown)}
-                  if ps is not None else {})
+        ps, before = self.ps, self.topo.world
+        to_grown = [translate(r, before, grown) for r in range(before.Get_size())]
+        server = {"ps_rank": to_grown[self.topo.ps_rank]} if ps is not None else {}
         api.release(self.roles, free_world=self._own_world)       # local
         options = {**api.INIT_OPTIONS, **server}
         api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(), **options)
         self.topo, self._own_world = default_topology(), True
-        if ps is not None:              # (a replacement's constructor comes before its State)
+        if ps is not None and self._pending is not None:    # after a takeover: its set-up here
+            self._regrow_taken_over(to_grown)
+        elif ps is not None:            # (a replacement's constructor comes before its State)
             ps.regrow(self.topo.world, self.topo.ps_rank)
             self.grown = True
         self.roles = api.roles_on(self.topo, self.algorithm)
@@ -357,11 +391,14 @@ class State(_core.TorchState):
             ps.checkpoints.send_commit(self._place())
 
     def _place(self) -> dict:
-        """What places a PS worker in your loop: the plain values and the samplers' and LR
-        schedulers' committed states (every other handler starts from the server's θ)."""
+        """What places a PS worker in your loop: the plain values, the samplers' and LR
+        schedulers' committed states and the samplers' shards (every other handler starts from
+        the server's θ)."""
         return {"values": dict(self._saved_state), "handlers": {
             k: h.saved for k, h in self._handlers.items()
-            if isinstance(h.value, (ElasticSampler, torch.optim.lr_scheduler.LRScheduler))}}
+            if isinstance(h.value, (ElasticSampler, torch.optim.lr_scheduler.LRScheduler))},
+            "shards": {k: (h.value.rank, h.value.num_replicas) for k, h in self._handlers.items()
+                       if isinstance(h.value, ElasticSampler)}}
 
     def _take_place(self, place: dict, steps: int) -> None:
         """A replacement: the dead worker's last commit the server took (:meth:`_place`)."""
@@ -371,8 +408,10 @@ class State(_core.TorchState):
         self._saved_state = dict(place["values"])
         self._set_attrs()
         m.ps.steps = steps
-        for sampler in self._samplers():
-            sampler.set_world(m.roles.shard_index, m.roles.num_shards)
+        for k, h in self._handlers.items():     # the place's shard (a taken-over server's)
+            if isinstance(h.value, ElasticSampler):
+                h.value.set_world(*place.get("shards", {}).get(k, (m.roles.shard_index,
+                                                           m.roles.num_shards)))
         self.save()
 
     def restore(self) -> None:
@@ -415,7 +454,8 @@ class State(_core.TorchState):
             super().sync()
         elif m.grown:                   # grown back: the server gives each replacement its place
             m.grown, self.ft.check_pending = False, False       # (each rank's state is its own)
-            places = m.bcast_object(ps.grown_places() if m.is_root() else None)
+            places = m.comm.bcast(ps.grown_places() if m.roles.is_server else None,
+                                  root=m.topo.ps_rank)
             mine = places.get(m.roles.worker_index)     # (a survivor holds no dead place)
             if mine is not None:
                 self._take_place(mine["commit"], mine["steps"])

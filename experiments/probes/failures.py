@@ -229,9 +229,11 @@ ROUTES = {
     "own-loop-elastic-smega2": ("elastic", "smega2", (0, 1, 2, 3)),
     "own-loop-elastic-shat": ("elastic", "shat", (0, 1, 2, 3)),
     # the same with HPCASYNC_GROW_BACK=1: a dead worker replaced by the server's spawn, from its
-    # last commit; a dead server taken over (not grown back)
+    # last commit; a dead server taken over, and replaced in the new server's worker place
     "own-loop-elastic-asgd-grow": ("elastic", "asgd", (0, 1, 2, 3)),
     "own-loop-elastic-shat-grow": ("elastic", "shat", (0, 1, 2, 3)),
+    # the server killed, with grow-back: taken over, a replacement in the new server's place
+    "own-loop-elastic-asgd-grow-server": ("elastic", "asgd", (0,)),
     # two shard servers (ranks 0 and 1, ps_ranks=2), two workers: a dead shard server taken over
     "own-loop-elastic-asgd-shards": ("elastic", "asgd", (0, 1, 2, 3)),
     "own-loop-elastic-asgd-shard-servers": ("elastic", "asgd", (0, 1)),    # a server killed
@@ -326,7 +328,7 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
     cmd, progress = _route_cmd(route, rid, runs)
     env = child_env()
     env.update(PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
-    if kind == "elastic" and route.endswith("-grow"):
+    if kind == "elastic" and "-grow" in route:
         env["HPCASYNC_GROW_BACK"] = "1"
     stdout, stderr = runs / f"{rid}.out", runs / f"{rid}.err"
     row = {"route": route, "run": rid, "kill_at_s": None if kill_at is None else round(kill_at, 2),

@@ -445,6 +445,45 @@ def test_own_ps_loop_grows_back_a_dead_worker_from_its_last_commit_under_ulfm(tm
 
 
 @pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", ["asgd", "shat"])
+def test_own_ps_loop_grows_back_a_dead_server_into_the_new_servers_worker_place(tmp_path,
+                                                                                algorithm):
+    """``HPCASYNC_GROW_BACK=1``: the server (rank 0) dies after its 20th served push. The
+    survivors take it over (the worker with the newest reply serves), and the reset grows back:
+    a replacement at rank 0 takes the new server's former worker place, from the new server's
+    last commit (its step count, its sampler's position and shard, its LR scheduler), while the
+    other two go on from theirs. Exit 0, 4 ranks, one θ, 3 x 16 pushes served (each worker's
+    budget, the pushes before its commit counted), every worker 16 steps and 16 scheduler
+    steps, the replacement having executed 16 minus the new server's committed steps, and every
+    sample of each epoch in exactly one worker's committed batches."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, kill_rank="", kill_at="",
+               extra=["--algorithm", algorithm, "--lr-decay", "0.99"],
+               env={"HPCASYNC_INJECT_KILL": "0:20", "HPCASYNC_GROW_BACK": "1",
+                    "HPCASYNC_JOIN_TIMEOUT": "120"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == [0, 1, 2, 3], out.stderr[-3000:]
+    assert len({r["params"] for r in results.values()}) == 1, results
+    assert all(r["size"] == 4 and r["joined"] == (rank == 0) for rank, r in results.items())
+    record = results[1]["failures"][0]
+    server = record["server"]
+    assert record["dead_ranks"] == [0] and record["server_version"] == 20, record
+    assert results[server]["joins"][0]["ranks"] == [0], results[server]
+    assert results[server]["served"] == 3 * PS_BUDGET, results[server]
+    workers = [r for r in results if r != server]
+    assert all(results[r]["steps"] == results[r]["scheduler_steps"] == PS_BUDGET
+               for r in workers), results
+    committed = results[server]["reset_steps"][-1]      # the new server's last commit
+    assert 0 < results[0]["executed"] == PS_BUDGET - committed, (committed, results[0])
+    # the replacement dealt the new server's shard: every sample of each epoch committed once
+    for epoch in range(2):
+        flat = [i for f in tmp_path.glob("windows*.jsonl") for line in f.read_text().splitlines()
+                for i in json.loads(line)["indices"] if json.loads(line)["epoch"] == epoch]
+        assert sorted(flat) == list(range(LENGTH)), (epoch, len(flat), len(set(flat)))
+
+
+@pytest.mark.rank0
 def test_own_ps_loop_grows_back_a_server_dead_at_set_up_with_a_worker_in_its_place(tmp_path):
     """``HPCASYNC_GROW_BACK=1``, smega2: the server (rank 0) dies before the set-up. The reset
     sets the server up on the lowest survivor (rank 1) and grows back in it (every survivor
