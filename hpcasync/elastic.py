@@ -226,7 +226,7 @@ class _FrontDoor(_core.Membership):
             assemble=self._set_up)
         self._reinit(new, ps_rank=server)
         self._pending = {"held": held, "theta": theta, "every": every}
-        if not (self._set_up and self.state.ft.grow_back and K == 1):
+        if not (self._set_up and self.state.ft.grow_back):    # (ps_ranks 1: _check_growth)
             self._set_up_taken_over()       # (else after the grow: regrow, or settle)
         version = every[server][0] if sources is None else min(v for _, v in sources)
         self._new_server = (server, version, not self._set_up, sources and [
@@ -305,7 +305,8 @@ class _FrontDoor(_core.Membership):
         from .topology import default_topology
 
         ps, before = self.ps, self.topo.world
-        to_grown = [translate(r, before, grown) for r in range(before.Get_size())]
+        to_grown = ([translate(r, before, grown) for r in range(before.Get_size())]
+                    if ps is not None else [])
         server = {"ps_rank": to_grown[self.topo.ps_rank]} if ps is not None else {}
         api.release(self.roles, free_world=self._own_world)       # local
         options = {**api.INIT_OPTIONS, **server}

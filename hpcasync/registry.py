@@ -108,10 +108,10 @@ def register(alg: Algorithm) -> Algorithm:
                           "(rule='module:Class')")
     if alg.rule is not None and alg.rule.count(":") != 1:
         raise ConfigError(f"algorithm {alg.name!r}: rule {alg.rule!r} is not 'module:Class'")
+    declared = {p.dest: p for a in _TABLE.values() for p in a.options if isinstance(p, Option)}
     for o in alg.options:
-        other = next((p for a in _TABLE.values() for p in a.options
-                      if p[0] == o[0] and isinstance(p, Option)), None)
-        if other is not None and isinstance(o, Option) and other.type is not o.type:
+        other = declared.get(o[0])
+        if isinstance(o, Option) and other is not None and other.type is not o.type:
             raise ConfigError(f"algorithm {alg.name!r}: option --{o.dest.replace('_', '-')} is "
                               f"already declared with type {other.type.__name__}, not "
                               f"{o.type.__name__}")
@@ -302,14 +302,16 @@ for _alg in (
               arguments="hpcasync.ssgd.options"),
     ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
     ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
-                 rule_kwargs=(("mode", "constant"),), options=(Option("dc_lambda", "lam", float, "constant λ (0.04)"),)),
+                 rule_kwargs=(("mode", "constant"),),
+                 options=(Option("dc_lambda", "lam", float, "constant λ (0.04)"),)),
     ps_algorithm("dcasgd-a", _RULES + "dcasgd:DCASGD", "DC-ASGD-a, adaptive λ",
                  rule_kwargs=(("mode", "adaptive"),),
                  options=(Option("dc_lambda0", "lam", float, "λ₀ (2.0)"),
                           Option("dc_ms_momentum", "ms_momentum", float,
                                  "mean-square momentum m (0.95)"))),
     ps_algorithm("lcasgd", _RULES + "lcasgd:LCASGD", "LC-ASGD, loss-prediction compensation",
-                 options=(Option("lc_predictor", "predictor", str, "linear (default), ema, lstm, oracle"),
+                 options=(Option("lc_predictor", "predictor", str,
+                                 "linear (default), ema, lstm, oracle"),
                           Option("lc_lambda", "lam", float, "λ (1.0)"),
                           Option("lc_anchor", "anchor", str, "push (default) or fit"),
                           Option("lc_window", "window", int, "history points K (32)"),
@@ -324,8 +326,9 @@ for _alg in (
     ps_algorithm("asp", _RULES + "shat:SHAT", "SHAT with α = 1 (= ASGD)",
                  rule_kwargs=(("alpha_mode", "asp"),)),
     ps_algorithm("smega2", _RULES + "smega2:SMEGA2", "SMEGA2, one momentum buffer, look-ahead reply",
-                 momentum_rule=True, options=(Option("smega2_estimate", "estimate", str,
-                                         "advanced (default) or naive"),)),
+                 momentum_rule=True,
+                 options=(Option("smega2_estimate", "estimate", str,
+                                 "advanced (default) or naive"),)),
     ps_algorithm("dana", _RULES + "dana:DANAZero", "DANA-Zero, N momentum buffers, look-ahead reply",
                  momentum_rule=True),
     # default_lr: NAG-ASGD's one shared Nesterov buffer turns the other workers' in-flight pushes
