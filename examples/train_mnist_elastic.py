@@ -26,8 +26,12 @@ took (each worker's commit is sent to the server); a rank dead before the server
 replaced too (from the start of its shard). A dead server (or, with ``--ps-ranks 2``, a dead
 shard server) is taken over by the worker holding the newest reply (not grown back).
 
-Testing hooks (tests/mpi/reliability/test_loop_elastic.py): ``--kill-rank R --kill-at N`` makes
-world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
+Without ULFM, ``--checkpoint-dir DIR`` writes the commits to DIR (``State.persist``) and a run
+started again goes on from the newest: ``hpcasync launch -n 4 --max-restarts 2 --
+examples/train_mnist_elastic.py --checkpoint-dir ckpt`` restarts the job after a death.
+
+Testing hooks (tests/mpi/reliability/test_loop_elastic.py, test_restarts.py): ``--kill-rank R
+--kill-at N`` makes world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
 N-th step (counted from 0; N = the steps of the whole run: after its last step, before ``train``
 returns; N = -1: after loading the data, before the optimizer's first broadcast); ``--out DIR``
 writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and
@@ -36,7 +40,8 @@ one of the local model a SHAT/ENSEMBLE worker goes on from; ``joined``: a replac
 a replacement too, under the dead rank's number, which it took) and on every rank
 ``DIR/windows<R>.jsonl``: at each commit, the data indices this rank trained on since the
 previous commit, with the sampler's position before and after, the resets so far and a digest of
-the parameters. A replacement ignores ``--kill-rank``.
+the parameters. A replacement and a restart (``HPCASYNC_RESTART_COUNT`` > 0) ignore
+``--kill-rank``.
 """
 import argparse
 import hashlib
@@ -72,14 +77,19 @@ parser.add_argument("--lr-decay", type=float, default=None,
                     help="an LR scheduler: the lr times this factor after each step")
 parser.add_argument("--limit", type=int, default=384, help="training images used")
 parser.add_argument("--dataset", default="fashion-mnist-mini")
+parser.add_argument("--checkpoint-dir", default=None, help="write every --checkpoint-every-th "
+                    "commit there, and go on from the newest one (restarts without ULFM: "
+                    "hpcasync launch -n 4 --max-restarts 2 -- examples/train_mnist_elastic.py ...)")
+parser.add_argument("--checkpoint-every", type=int, default=1, help="commits between checkpoints")
 parser.add_argument("--out", default=None)
 parser.add_argument("--kill-rank", default="", help="world ranks, comma-separated")
 parser.add_argument("--kill-at", default="", help="their step counts, comma-separated")
 args = parser.parse_args()
 kills = dict(zip(map(int, filter(None, args.kill_rank.split(","))),
                  map(int, filter(None, args.kill_at.split(",")))))
-if hpcasync.elastic.is_joiner():           # a replacement takes a dead rank's number: the kills
-    kills = {}                             # name ranks of the first launch
+if hpcasync.elastic.is_joiner() or int(os.environ.get("HPCASYNC_RESTART_COUNT", 0)):
+    kills = {}      # a replacement takes a dead rank's number, a restart goes on from a commit:
+                    # the kills name ranks and steps of the first launch
 
 ctx = hpcasync.init(args.algorithm, seed=0, ranks_per_node=args.ranks_per_node,
                     ps_ranks=args.ps_ranks)
@@ -107,6 +117,9 @@ sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda step: args.lr_decay ** st
          if args.lr_decay else None)      # committed with the state, restored after a death
 state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
                                steps=0, **({"scheduler": sched} if sched else {}))
+restored = (state.steps if args.checkpoint_dir and state.persist(args.checkpoint_dir,
+                                                                 every=args.checkpoint_every)
+            else None)                     # (the step count of the commit loaded, if any)
 
 me, resets, executed, pending = ctx.rank, [], [0], []      # me: the rank at the start
 reset_params = []                          # a digest of the parameters in each reset callback
@@ -207,4 +220,5 @@ if args.out:
         "reset_local": reset_local,
         "failures": state.ft.failures, "joins": state.ft.joins, "reset_steps": reset_steps,
         "served": opt.server.stats.accepted if ps and state.roles.is_server else None,
-        "scheduler_steps": sched.last_epoch if sched is not None else None}))
+        "scheduler_steps": sched.last_epoch if sched is not None else None,
+        "restored": restored}))

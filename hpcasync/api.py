@@ -130,6 +130,9 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
             ps_rank = join.joined().get("ps_rank", ps_rank)     # (a PS: where the server is)
     if fail_fast:
         install_fail_fast()
+    from .supervisor import announce
+
+    announce()                  # under `hpcasync launch`: this rank's pid, for its lines
     topo = Topology.build(comm, ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank)
     set_default_topology(topo)
     if fail_fast and topo.size > 1:

@@ -47,9 +47,10 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     add_train_arguments(train)
     from .supervisor import add_arguments as add_launch_arguments
     add_launch_arguments(sub.add_parser(
-        "launch", help="start `train` on N ranks and restart it from its newest checkpoint after "
-        "a death (--max-restarts; not under mpiexec)", usage="hpcasync launch -n N "
-        "[--max-restarts K] [--launcher mpiexec|srun] [--ft] -- train OPTIONS"))
+        "launch", help="start `train` (or your own script) on N ranks and restart it from its "
+        "newest checkpoint after a death (--max-restarts; not under mpiexec)",
+        usage="hpcasync launch -n N [--max-restarts K] [--launcher mpiexec|srun] [--ft] -- "
+        "train OPTIONS | loop.py ARGS"))
     bench = sub.add_parser("bench", help="benchmarks (run under mpiexec)")
     bsub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (module, summary) in BENCHMARKS.items():
@@ -108,13 +109,12 @@ def _srun_world_check() -> None:
 
 
 def _launch(ns) -> int:
-    from .errors import ConfigError
     from .runtime import algorithms
-    from .supervisor import Supervisor
+    from .supervisor import Supervisor, script_program
 
-    if ns.job[:1] != ["train"]:
-        raise ConfigError("launch runs `train`: hpcasync launch -n N [--max-restarts K] -- train "
-                          "OPTIONS")
+    if ns.job[:1] != ["train"]:         # your own script: it resumes from its own checkpoints
+        return Supervisor(ns.np, [], max_restarts=ns.max_restarts, launcher=ns.launcher,
+                          ft=ns.ft, script=script_program(ns.job)).run()
     cfg = config_from_args(_parse(ns.job)).validate(algorithms())    # bad options: no job at all
     return Supervisor(ns.np, ns.job[1:], max_restarts=ns.max_restarts, launcher=ns.launcher,
                       ft=ns.ft, checkpoint_dir=cfg.checkpoint_dir, metrics=cfg.metrics).run()

@@ -3,9 +3,10 @@ dies — the torchrun ``--max-restarts`` way, for MPIs without ULFM (MPICH, Open
 ``--with-ft``, ``--backend horovod``).
 
 Each attempt is a new ``mpiexec`` (or, inside a Slurm allocation, a new ``srun`` step) of ``hpcasync
-train``; a restart adds ``--resume <newest good checkpoint>``. Only a death is restarted: a rank
-that stopped on bad input, on a bug or on a signal the supervisor forwarded is not
-(:func:`decide`). One line on stderr per restart, one when it gives up; the exit status is the
+train``; a restart adds ``--resume <newest good checkpoint>``. Your own script (``-- loop.py``)
+is run again as it was and resumes from its own checkpoints (``State.persist``). Only a death is
+restarted: a rank that stopped on bad input, on a bug or on a signal the supervisor forwarded is
+not (:func:`decide`). One line on stderr per restart, one when it gives up; the exit status is the
 last attempt's.
 
 Example::
@@ -44,6 +45,9 @@ NOT_A_DEATH = {"error": "stopped on an error", "crash": "crashed (a Python excep
                "interrupt": "was interrupted"}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SAY = "hpcasync launch:"
+#: the attempt's number of restarts before it (0, 1, ...), in every rank's environment (torchrun's
+#: ``TORCHELASTIC_RESTART_COUNT``)
+RESTART_ENV = "HPCASYNC_RESTART_COUNT"
 
 
 # --- the ranks' side -------------------------------------------------------------------------------
@@ -149,15 +153,34 @@ def resume_args(train_args: list[str], checkpoint: str | None) -> list[str]:
     return [*out, "--resume", checkpoint]
 
 
+def script_program(job: list[str]) -> list[str]:
+    """What each rank runs for ``job``, the words after ``--`` that are not ``train``: your own
+    script (``loop.py ARGS``, run by this Python, or ``python loop.py ARGS`` as given)."""
+    words = list(job)
+    if words and os.path.basename(words[0]).startswith("python"):
+        script = next((w for w in words[1:] if not w.startswith("-")), None)
+    else:
+        script = words[0] if words else None
+        words = [sys.executable, *words]
+    if script is None or not script.endswith(".py"):
+        raise ConfigError("hpcasync launch runs `train OPTIONS` or your script: hpcasync launch -n "
+                          f"N [--max-restarts K] -- train OPTIONS | loop.py ARGS; got {job!r}")
+    if not Path(script).is_file():
+        raise ConfigError(f"hpcasync launch: no script {script!r}")
+    return words
+
+
 def job_command(n: int, train_args: list[str], *, launcher: str = "mpiexec", ft: bool = False,
-                vendor: str | None = None, python: str | None = None) -> list[str]:
+                vendor: str | None = None, python: str | None = None,
+                program: list[str] | None = None) -> list[str]:
     """The argv of one attempt: ``mpiexec`` (this Python's MPI, :func:`hpcasync.launch.
     mpiexec_command`) or ``srun`` (a new step of the allocation: ``--mpi=pmix``, MPICH
-    ``pmi2``; ``--kill-on-bad-exit``) starting ``python -m hpcasync.cli train ARGS``."""
+    ``pmi2``; ``--kill-on-bad-exit``) starting ``python -m hpcasync.cli train ARGS``, or
+    ``program`` (a script's, :func:`script_program`)."""
     from .launch import MPICH, mpi_vendor, mpiexec_command
 
     python = python or sys.executable
-    program = [python, "-m", "hpcasync.cli", "train", *train_args]
+    program = program or [python, "-m", "hpcasync.cli", "train", *train_args]
     if launcher == "mpiexec":
         return [*mpiexec_command(n, ft=ft, vendor=vendor), *program]
     if launcher == "srun":
@@ -179,20 +202,24 @@ def say(text: str) -> None:
 class Supervisor:
     """Runs the attempts of one job (module doc). ``train_args``: the ``hpcasync train`` options;
     ``checkpoint_dir`` and ``metrics``: theirs (a restart resumes from the first and keeps the
-    previous attempt's ``METRICS.partial`` as ``METRICS.attempt-K.partial``)."""
+    previous attempt's ``METRICS.partial`` as ``METRICS.attempt-K.partial``). ``script``: your
+    own script's argv instead (:func:`script_program`): a restart runs it again as it was, with
+    ``HPCASYNC_RESTART_COUNT`` (0 in the first attempt) in its environment, and it resumes from
+    its own checkpoints (``hpcasync.elastic.State.persist``, ``hpcasync.load_checkpoint``)."""
 
     def __init__(self, n: int, train_args: list[str], *, max_restarts: int = 0,
                  launcher: str = "mpiexec", ft: bool = False, checkpoint_dir: str | None = None,
-                 metrics: str | None = None):
+                 metrics: str | None = None, script: list[str] | None = None):
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
-        if max_restarts > 0 and not checkpoint_dir:
+        if max_restarts > 0 and not checkpoint_dir and script is None:
             raise ConfigError("--max-restarts needs the job's --checkpoint-dir: a restart resumes "
                               "from its newest checkpoint")
         self.n, self.train_args, self.max_restarts = n, list(train_args), max_restarts
-        self.launcher, self.ft = launcher, ft
+        self.launcher, self.ft, self.script = launcher, ft, script
         self.checkpoint_dir, self.metrics = checkpoint_dir, metrics
-        job_command(n, self.train_args, launcher=launcher, ft=ft)      # checks the launcher now
+        job_command(n, self.train_args, launcher=launcher, ft=ft,       # checks the launcher now
+                    program=script)
         self._job: subprocess.Popen | None = None
         self._signalled: int | None = None
         self._events: dict[str, float] = {}
@@ -233,8 +260,9 @@ class Supervisor:
 
     def attempt(self, args: list[str], folder: Path) -> Outcome:
         folder.mkdir(parents=True)
-        env = {**os.environ, SUPERVISOR_ENV: str(folder)}
-        cmd = job_command(self.n, args, launcher=self.launcher, ft=self.ft)
+        env = {**os.environ, SUPERVISOR_ENV: str(folder),
+               RESTART_ENV: str(int(folder.name.split("-")[-1]) - 1)}
+        cmd = job_command(self.n, args, launcher=self.launcher, ft=self.ft, program=self.script)
         say(f"attempt {folder.name.split('-')[-1]}: {' '.join(cmd)}")
         dead: list[int] = []
         self._job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -295,7 +323,8 @@ class Supervisor:
             checkpoint = self._newest_checkpoint()
             self._keep_metrics(restarts)
             self._restart = (restarts, min(self._events.get("death_seen", t_end), t_end))
-            source = (f"resuming from {checkpoint}" if checkpoint else
+            source = ("the script resumes from its own checkpoints" if self.script else
+                      f"resuming from {checkpoint}" if checkpoint else
                       "no checkpoint yet: starting again as the first attempt did")
             say(f"restart {restarts} of {self.max_restarts}: {why} {t_end - t0:.1f} s into "
                 f"attempt {restarts}; {source}")
@@ -341,4 +370,5 @@ def add_arguments(p) -> None:
     p.add_argument("--ft", action="store_true",
                    help="mpiexec --with-ft ulfm (Open MPI): survive deaths in the job, restart "
                         "after those it cannot survive")
-    p.add_argument("job", nargs="*", help="-- train <hpcasync train options>")
+    p.add_argument("job", nargs="*", help="-- train <hpcasync train options> | -- loop.py <its "
+                   "arguments> (your own script, which resumes from its own checkpoints)")

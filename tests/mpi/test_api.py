@@ -343,6 +343,63 @@ def test_checkpoint_resume_from_a_user_loop_is_bitwise(data, tmp_path_factory):
 
 
 @needs4
+def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data,
+                                                                          tmp_path_factory):
+    """``State.persist(DIR, every=2)``: rank 0 writes every 2nd commit (numbered by the commit
+    count); a state built afresh (other initial weights) loads the newest on every rank: model,
+    optimizer (momentum), sampler position, plain values, and the commit count, so that its next
+    checkpoints sort after it. Bad calls are one-line errors."""
+    from pathlib import Path
+
+    from hpcasync.data.sharding import ElasticSampler
+
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("persist")) if RANK == 0 else None)
+
+    def make(seed):
+        model = make_model(seed)
+        opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                                momentum=0.9))
+        sampler = ElasticSampler(data, batch_size=16, rank=RANK, num_replicas=SIZE, seed=1)
+        return model, opt, sampler, hpcasync.elastic.State(model=model, optimizer=opt,
+                                                           sampler=sampler, epoch=0, steps=0)
+
+    model, opt, sampler, state = make(0)
+    assert state.persist(directory, every=2) is False           # nothing there yet
+    for s in range(5):
+        idx = list(sampler)[:16]
+        opt.zero_grad()
+        F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
+        opt.step()
+        sampler.record_batch()
+        state.steps += 1
+        state.commit()
+        if s == 3:                                              # the 4th commit: written
+            want = (digest(model), [v["momentum_buffer"].clone()
+                                    for v in opt.state_dict()["state"].values()],
+                    sampler.state_dict())
+    COMM.Barrier()
+    names = sorted(p.name for p in Path(directory).glob("ckpt-*.pt"))
+    assert names == ["ckpt-e0000-s00000002.pt", "ckpt-e0000-s00000004.pt"], names
+
+    model2, opt2, sampler2, state2 = make(1)
+    assert digest(model2) != want[0]
+    assert state2.persist(directory, every=2) is True
+    assert (state2.steps, state2.epoch, digest(model2), sampler2.state_dict()) == \
+        (4, 0, want[0], want[2])
+    got = [v["momentum_buffer"] for v in opt2.state_dict()["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want[1])) and len(got) == len(want[1])
+    state2.commit(), state2.commit()                            # commits 5 and 6: 6 written
+    COMM.Barrier()
+    newest = hpcasync.checkpoint.latest_checkpoint(directory)
+    assert newest.name == "ckpt-e0000-s00000006.pt", newest
+    with pytest.raises(ConfigError, match="every must be a whole number"):
+        state2.persist(directory, every=0)
+    other = hpcasync.elastic.State(model=model2, optimizer=opt2, epoch=0)    # no sampler
+    with pytest.raises(ConfigError, match="is not a commit of this state"):
+        other.persist(directory)
+
+
+@needs4
 def test_metrics_stream_from_a_user_loop(tmp_path_factory):
     from hpcasync.metrics import read_metrics
 

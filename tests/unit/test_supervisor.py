@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from hpcasync.errors import ConfigError
-from hpcasync.supervisor import Outcome, Supervisor, dead_ranks, decide, job_command, resume_args
+from hpcasync.supervisor import (Outcome, Supervisor, dead_ranks, decide, job_command, resume_args,
+                                 script_program)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,6 +85,37 @@ def test_job_command_per_launcher():
     else:
         with pytest.raises(ConfigError, match="no srun on PATH"):
             job_command(2, [], launcher="srun")
+
+
+def test_your_own_script_is_a_job_too(tmp_path):
+    """``-- loop.py ARGS`` runs with this Python, ``-- python loop.py ARGS`` as given; anything
+    else (or a script that is not there) is one line before any job; a script needs no
+    ``--checkpoint-dir`` of the supervisor's (it resumes from its own)."""
+    loop = tmp_path / "loop.py"
+    loop.write_text("pass\n")
+    assert script_program([str(loop), "--x", "1"]) == [sys.executable, str(loop), "--x", "1"]
+    assert script_program(["python3", "-u", str(loop)]) == ["python3", "-u", str(loop)]
+    cmd = job_command(2, [], program=script_program([str(loop)]))
+    assert cmd[-2:] == [sys.executable, str(loop)] and cmd[cmd.index("-n") + 1] == "2"
+    for bad, words in ((["bench", "allreduce"], "runs `train OPTIONS` or your script"),
+                       ([str(tmp_path / "nope.py")], "no script")):
+        with pytest.raises(ConfigError, match=words):
+            script_program(bad)
+    Supervisor(2, [], max_restarts=2, script=script_program([str(loop)]))
+
+
+def test_each_attempt_is_told_its_restart_count(tmp_path):
+    """``HPCASYNC_RESTART_COUNT`` (torchrun's ``TORCHELASTIC_RESTART_COUNT``): 0, then 1, ...; a
+    script that dies twice by itself (no rank marks: a death) is restarted, then finishes."""
+    loop = tmp_path / "loop.py"
+    loop.write_text("import os, signal, sys\n"
+                    "n = int(os.environ['HPCASYNC_RESTART_COUNT'])\n"
+                    "d = os.environ['HPCASYNC_SUPERVISOR_DIR']\n"
+                    "open(os.path.join(d, 'rank-0'), 'w').write('host %d\\n' % os.getpid())\n"
+                    f"open({str(tmp_path / 'seen')!r}, 'a').write(str(n))\n"
+                    "if n < 2: os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert Supervisor(1, [], max_restarts=2, script=script_program([str(loop)])).run() == 0
+    assert (tmp_path / "seen").read_text() == "012"
 
 
 def test_restarts_need_a_checkpoint_dir():

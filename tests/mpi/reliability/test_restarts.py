@@ -6,6 +6,7 @@ bitwise). A failure that is not a death (bad input found once MPI runs) is not r
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import time
 import pytest
 
 from hpcasync.metrics import read_metrics
-from tests.mpi_util import REPO, clean_env, last_summary, run_mpi, wait_for
+from tests.mpi_util import REPO, clean_env, last_summary, mpiexec, run_mpi, wait_for
 
 ARGS = ["--algorithm", "ssgd", "--dataset", "fashion-mnist-mini", "--train-limit", "512",
         "--test-limit", "100", "--epochs", "2", "--progress", "off", "--seed", "5",
@@ -121,3 +122,82 @@ def test_bad_input_found_under_mpi_is_not_restarted(tmp_path):
     line = said[1]                      # after the one attempt's command: why it stops
     assert re.match(r"hpcasync launch: rank 0 stopped on an error, not a death: not restarting "
                     r"\(status 2\): TopologyError: 2 ranks .* virtual nodes of 3", line), line
+
+
+SCRIPT = str(REPO / "examples" / "train_mnist_elastic.py")
+LOOP = ["--limit", "384", "--batch-size", "16", "--epochs", "2", "--commit-every", "2"]
+
+
+def _ranks(folder, n: int = 4) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", [
+    "ssgd", *(pytest.param(a, marks=pytest.mark.one_mpi) for a in ("daso", "odsgd", "asgd"))])
+def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tmp_path):
+    """Your own loop without ULFM (examples/train_mnist_elastic.py, ``State.persist``): rank 2
+    SIGKILLs itself after its 7th step (a commit every 2 steps and at each epoch's end); the
+    launcher ends the job, ``hpcasync launch`` runs the script again, and every rank goes on from
+    the newest commit written. Synchronous (6 steps an epoch): rank 0's 5th commit (6 steps, the
+    first epoch's end) on every rank, then the other 6 steps; SSGD and DASO (at an epoch's end
+    its replicas are equal) finish bitwise as the undisturbed run, OD-SGD from rank 0's local
+    state (a valid state, not a replay) with equal replicas. A parameter server (8 steps a
+    worker's epoch): the server wrote commit c once every worker had asked for it (c = 3, or 2
+    if a worker's request came after the death): each worker goes on from its own commit c (2c
+    steps), the server from θ and its clock, and every rank ends with the served model.
+    (The ssgd case runs under every MPI; the others' launch and restart are its.)"""
+    ps = algorithm == "asgd"
+    extra = ["--algorithm", algorithm] + (["--ranks-per-node", "2"] if algorithm == "daso"
+                                          else [])
+    ref_dir, run_dir, ckpt = tmp_path / "ref", tmp_path / "run", tmp_path / "ckpt"
+    ref_dir.mkdir(), run_dir.mkdir()
+    bitwise = algorithm in ("ssgd", "daso")
+    if bitwise:
+        ref = subprocess.run([*mpiexec(4), sys.executable, SCRIPT, *LOOP, *extra, "--out",
+                              str(ref_dir)], env=clean_env(), cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert ref.returncode == 0, ref.stderr[-2000:]
+    job = _launch(tmp_path, "-n", "4", "--max-restarts", "1", "--", SCRIPT, *LOOP, *extra,
+                  "--checkpoint-dir", str(ckpt), "--out", str(run_dir), "--kill-rank", "2",
+                  "--kill-at", "7")
+    out, err = _end(job, 200)
+    assert job.returncode == 0, err[-3000:]
+    [line] = [x for x in err.splitlines() if x.startswith("hpcasync launch: restart 1 of 1:")]
+    assert "rank 2 died" in line and "the script resumes from its own checkpoints" in line, line
+    assert "finished after 1 restart(s)" in err
+    resumed = re.search(r"resuming from \S+ckpt-e000(\d)-s0000000(\d)\.pt \(commit (\d)", err)
+    assert resumed, err[-3000:]
+    got = _ranks(run_dir)
+    assert len({g["params"] for g in got}) == 1               # one model on every rank
+    if ps:
+        c = int(resumed.group(3))
+        assert c in (2, 3) and resumed.group(2) == str(c), resumed.group(0)
+        workers = got[1:]
+        assert [g["restored"] for g in workers] == [2 * c] * 3, got
+        assert [g["executed"] for g in workers] == [16 - 2 * c] * 3        # this attempt's
+        assert [g["steps"] for g in workers] == [16] * 3
+        assert got[0]["served"] >= 48 - 6 * c                 # (pushes after a request: again)
+        return
+    assert resumed.group(1, 2, 3) == ("1", "5", "5"), resumed.group(0)
+    assert [g["restored"] for g in got] == [6] * 4            # the commit at the first epoch's end
+    assert [g["executed"] for g in got] == [6] * 4            # (this attempt's steps)
+    assert [g["steps"] for g in got] == [12] * 4
+    if bitwise:
+        assert got[0]["params"] == _ranks(ref_dir)[0]["params"]      # as if never killed
+
+
+@pytest.mark.rank0
+@pytest.mark.one_mpi
+def test_persist_refuses_a_sharded_parameter_server_with_one_line(tmp_path):
+    """Shard servers (``ps_ranks`` > 1) each hold a slice of θ and of the rule: ``State.persist``
+    is a one-line error on every rank, before any training (as ``hpcasync.save_checkpoint``;
+    the CLI checkpoints every shard). (The launch paths: the test above, under every MPI.)"""
+    out = subprocess.run([*mpiexec(4), sys.executable, SCRIPT, *LOOP, "--algorithm", "asgd",
+                          "--ps-ranks", "2", "--checkpoint-dir", str(tmp_path / "ckpt")],
+                         env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [x for x in out.stderr.splitlines() if x.startswith("hpcasync: error")]
+    assert len(lines) == 1 and "hpcasync.elastic.State.persist of a sharded parameter server " \
+        "(ps_ranks=2) is not supported" in lines[0], out.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists()
