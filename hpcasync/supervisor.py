@@ -81,9 +81,10 @@ class Outcome:
 def decide(out: Outcome, restarts_done: int, max_restarts: int) -> tuple[bool, str]:
     """``(restart?, why)`` for an attempt that ended with ``out``. Restarted: a non-zero exit with
     no sign of anything but a death (ranks killed by a signal, or ranks that saw a peer's death as
-    an MPI error), while restarts remain. Not restarted: success, a forwarded signal, a
-    preemption stop (75: the scheduler's to requeue), a rank's mark of bad input, a bug or an
-    interrupt, a launcher that started no rank."""
+    an MPI error, or a rank the launcher says was killed before any rank left its pid), while
+    restarts remain. Not restarted: success, a forwarded signal, a preemption stop (75: the
+    scheduler's to requeue), a rank's mark of bad input, a bug or an interrupt, a launcher that
+    started no rank."""
     if out.status == 0:
         return False, "the job finished"
     if out.signalled is not None:
@@ -97,7 +98,7 @@ def decide(out: Outcome, restarts_done: int, max_restarts: int) -> tuple[bool, s
         if mark.get("kind") in NOT_A_DEATH:
             return False, (f"rank {rank} {NOT_A_DEATH[mark['kind']]}, not a death: not restarting "
                            f"(status {out.status}): {mark.get('message', '')}")
-    if out.started == 0:
+    if out.started == 0 and not out.dead:   # (a rank killed in its start-up: the launcher says)
         return False, (f"the launcher ended with status {out.status} before any rank started: "
                        "not restarting")
     who = f"rank {', '.join(map(str, out.dead))} died" if out.dead else "a rank died"

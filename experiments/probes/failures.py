@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -237,6 +238,11 @@ ROUTES = {
     # two shard servers (ranks 0 and 1, ps_ranks=2), two workers: a dead shard server taken over
     "own-loop-elastic-asgd-shards": ("elastic", "asgd", (0, 1, 2, 3)),
     "own-loop-elastic-asgd-shard-servers": ("elastic", "asgd", (0, 1)),    # a server killed
+    # without ULFM: `hpcasync launch --max-restarts 2 -- examples/train_mnist_elastic.py` with
+    # State.persist (--checkpoint-dir): the job ends, the supervisor runs it again, every rank goes
+    # on from the newest commit written
+    "own-loop-restart": ("restart", "ssgd", (0, 1, 2, 3)),
+    "own-loop-restart-asgd": ("restart", "asgd", (0, 1, 2, 3)),
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -258,6 +264,13 @@ def _rank_pids(launcher: int) -> dict[int, int]:
             if kv.startswith(b"OMPI_COMM_WORLD_RANK="):
                 found[int(kv.split(b"=", 1)[1])] = int(d.name)
     return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _session_pids(pgid: int) -> list[int]:
@@ -291,6 +304,13 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         for f in outdir.iterdir():
             f.unlink()
     outdir.mkdir(exist_ok=True)
+    if kind == "restart":
+        ckpt = runs / f"{rid}.ckpt"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        return [sys.executable, "-m", "hpcasync.cli", "launch", "-n", "4", "--max-restarts", "2",
+                "--", *LOOP_ELASTIC, "--algorithm", algorithm, "--epochs", "30",
+                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50", "--out", str(outdir)], \
+            runs / f"{rid}.out"
     script = {"own-loop-elastic": LOOP_ELASTIC,
               "own-loop-elastic-daso": [*LOOP_ELASTIC, "--algorithm", "daso", "--ranks-per-node",
                                         "2"]}.get(route, ELASTIC)
@@ -353,7 +373,10 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
             if proc.poll() is not None:
                 break
             if killed_unix is None and kill_at is not None and now - t0 >= kill_at:
-                pid = _rank_pids(proc.pid).get(rank)
+                launcher = proc.pid if kind != "restart" else next(    # (the supervisor's child,
+                    (int(d.name) for d in Path("/proc").iterdir()     # in a session of its own)
+                     if d.name.isdigit() and _parent(int(d.name)) == proc.pid), proc.pid)
+                pid = _rank_pids(launcher).get(rank)
                 if pid is not None:          # not forked yet: killed as soon as it is
                     os.kill(pid, signal.SIGKILL)
                     killed_unix = time.time()
@@ -367,10 +390,16 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
             time.sleep(0.02)
         if proc.poll() is None:              # HANG: every rank's Python stacks, then SIGKILL
             row["outcome"] = "HANG"
-            for p in _rank_pids(proc.pid).values():
+            jobs = [proc.pid] + [int(d.name) for d in Path("/proc").iterdir()   # (restart: the
+                                 if d.name.isdigit() and _parent(int(d.name)) == proc.pid]  # job)
+            for p in [r for j in jobs for r in _rank_pids(j).values()]:
                 os.kill(p, signal.SIGABRT)   # PYTHONFAULTHANDLER=1: all threads' tracebacks
             time.sleep(3)
-            os.killpg(proc.pid, signal.SIGKILL)
+            for j in jobs:
+                try:
+                    os.killpg(j, signal.SIGKILL)
+                except OSError:
+                    pass
             proc.wait()
         end = time.time()
         for p in _session_pids(proc.pid):    # ranks left behind by an ended launcher
@@ -431,7 +460,16 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
                 return f"worker after {r['pushes']} pushes (PS version {r['ps_version']})"
         if s and not s.get("failed_ranks") and not s.get("failed_workers"):
             return "end: training over, no failure recorded (the rank was exiting)"
-    if kind == "elastic" and outdir.exists():
+    if kind == "restart" and outdir.exists():
+        said = (metrics.parent / f"{row['run']}.err").read_text(errors="replace")
+        restored = {json.loads(p.read_text()).get("restored") for p in outdir.glob("rank*.json")}
+        if "restart 1 of" not in said:
+            return ("end (the job finished: the kill came after the killed rank's end)"
+                    if row.get("rc") == 0 else "start-up (not restarted)")
+        if restored - {None, 0}:
+            return f"training (restarted from a written commit: steps {sorted(restored - {None})})"
+        return "start-up or before the first commit was written (restarted from the beginning)"
+    if kind in ("elastic", "restart") and outdir.exists():
         results = {p.stem: (p.stat().st_mtime, json.loads(p.read_text()))
                    for p in outdir.glob("rank*.json")}
         if f"rank{row['rank']}" in results and results[f"rank{row['rank']}"][0] <= killed_unix:

@@ -50,6 +50,9 @@ def test_success_signals_preemption_and_launcher_failures_are_not_restarted():
     assert not again and "preemption (status 75)" in why
     again, why = decide(Outcome(1, started=0), 0, 3)
     assert not again and "before any rank started" in why
+    # a rank killed in its start-up (imports), before it left its pid: the launcher names it
+    again, why = decide(Outcome(137, started=0, dead=[3]), 0, 3)
+    assert again and why == "rank 3 died (status 137)"
 
 
 def test_dead_rank_from_each_launchers_line():
