@@ -350,7 +350,6 @@ class State(_core.TorchState):
         ft = _core.FaultTolerance(membership)
         object.__setattr__(self, "ft", ft)
         object.__setattr__(self, "_membership", membership)
-        object.__setattr__(self, "_disk", None)     # persist()'s (checkpoints, every)
         self._check_growth()
         for opt in values.values():     # a PS worker's death: retired, absorbed at the close
             if ft.ulfm and getattr(opt, "algorithm", None) in api.PS_ALGORITHMS:
@@ -388,98 +387,50 @@ class State(_core.TorchState):
         """Save the state (in memory); a parameter server's worker under grow-back also sends
         its committed plain values and samplers (not the model) to the server, which gives them
         to its replacement if it dies; with :meth:`persist`, every ``every``-th commit is also
-        written to disk by rank 0."""
+        written to disk."""
         super().commit()
         ps = self._membership.ps
         if ps is not None and ps.growth is not None and ps.attached and not ps.is_server:
             ps.checkpoints.send_commit(self._place())
-        disk, every = self._disk or (None, 0)
-        if disk is None or self._commit_count % every:
-            return
-        if ps is not None:          # a worker asks the server, which writes (every part in)
-            if ps.attached and not ps.is_server and not ps.finished:
-                ps.checkpoints.request(disk.directory, epoch=0, step=self._commit_count,
-                                       keep=disk.keep, extra={"state": self._place()},
-                                       header=self._disk_header())
-        elif self.rank == 0:
-            values = self._saved_state
-            epoch = values.get("epoch")
-            disk.save({"values": dict(values), "commits": self._commit_count, "handlers": {
-                k: h.saved for k, h in self._handlers.items()}},
-                epoch=epoch if isinstance(epoch, int) and epoch >= 0 else 0,
-                step=self._commit_count, world_size=self.size, **self._disk_header())
 
     def persist(self, directory, *, every: int = 1, keep: int = 3) -> bool:
-        """Restarts without ULFM: write every ``every``-th commit to ``directory`` and load the
-        newest one written there now, so that a job started again after a death (``hpcasync
-        launch --max-restarts K -- loop.py``, a requeue, or by hand) goes on from it.
+        """Restarts without ULFM (:meth:`hpcasync.runtime.elastic.TorchState.persist`: rank 0
+        writes every ``every``-th commit to ``directory``, the newest is loaded now). A parameter
+        server's worker asks the server for the checkpoint of its commit instead
+        (``hpcasync.save_checkpoint``'s way, its committed values and samplers in its part); the
+        server writes θ, the rule and every worker's part once all have asked for that commit or
+        finished, and a restart gives each worker its place. Shard servers: a one-line error."""
+        if self._membership.ps is not None:
+            api._check_unsharded(self._membership.ps, "elastic.State.persist")
+        return super().persist(directory, every=every, keep=keep)
 
-        Rank 0 writes its committed state (atomic and checksummed, the newest ``keep`` kept): what
-        a reset's sync gives every rank, so a restart goes on as a reset to rank 0's commit
-        would (each rank's own parts, such as PowerSGD's error memory or local SGD's replicas
-        between averages, are rank 0's then). A parameter server's worker asks the server for
-        the checkpoint of its commit (``hpcasync.save_checkpoint``'s way, its committed values
-        and samplers in its part), and the server writes θ, the rule and every worker's part
-        once all have asked for that commit or finished; a restart gives each worker its place.
-        Call it on every rank after constructing the state and before ``train(state)``; a
-        replacement spawned by a grow-back loads nothing (it gets the survivors' state at its
-        first sync). Returns True when a commit was loaded::
+    def _write_commit(self, disk) -> None:
+        ps = self._membership.ps
+        if ps is None:
+            return super()._write_commit(disk, world_size=self.size)
+        if ps.attached and not ps.is_server and not ps.finished:    # the server writes
+            ps.checkpoints.request(disk.directory, epoch=0, step=self._commit_count,
+                                   keep=disk.keep, extra={"state": self._place()},
+                                   header=self._disk_header())
 
-            state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
-            state.persist("ckpt", every=10)     # after a restart: the last commit written
-        """
-        from .checkpoint import CheckpointManager
-
-        m = self._membership
-        if m.ps is not None:
-            api._check_unsharded(m.ps, "elastic.State.persist")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f"State.persist: every must be a whole number of commits >= 1, got "
-                              f"{every!r}")
-        disk = CheckpointManager(directory, keep=keep)
-        object.__setattr__(self, "_disk", (disk, every))
-        found = None if _core.is_joiner() else disk.load_latest(expect=self._disk_header())
-        if found is None:
-            return False
-        path, header, blob = found
-        if m.ps is not None:
-            return self._load_ps(path, blob)
-        theirs = sorted(blob.get("handlers", ())) if isinstance(blob, dict) else None
-        if theirs != sorted(self._handlers):
-            raise ConfigError(f"State.persist: {path} is not a commit of this state (its objects "
-                              f"{theirs}, this state's {sorted(self._handlers)})")
-        for k, h in self._handlers.items():
-            h.saved = blob["handlers"][k]
-            h.restore()
-        self._saved_state = {**self._saved_state, **blob["values"]}
-        self._set_attrs()
-        self.save()
-        self._commit_count = blob["commits"]
-        if self.rank == 0:
-            log.info("hpcasync.elastic: resuming from %s (commit %d, written by %d ranks)", path,
-                     blob["commits"], header.get("world_size") or 0)
-        return True
-
-    def _load_ps(self, path, blob: dict) -> bool:
-        """A parameter server's checkpoint (:meth:`persist`): θ, the rule and the server's clock
-        on the server, each worker its part and its committed place (its shard is this job's)."""
+    def _load_commit(self, path, header: dict, blob) -> bool:
+        """A parameter server's (:meth:`persist`): θ, the rule and the server's clock on the
+        server, each worker its part and its committed place (its shard is this job's)."""
         m, ps = self._membership, self._membership.ps
+        if ps is None:
+            return super()._load_commit(path, header, blob)
         ps.flat.module.load_state_dict(blob["model"])
-        position = ps.checkpoints.restore(blob)
-        place = position.get("state")
+        place = ps.checkpoints.restore(blob).get("state")
         if place is not None:
-            place = {**place, "shards": {}}
-            self._take_place(place, ps.steps)
+            self._take_place({**place, "shards": {}}, ps.steps)
         self.save()
         self._commit_count = int(blob["step"])
         if m.roles.is_server:
-            log.info("hpcasync.elastic: resuming from %s (commit %d)", path, blob["step"])
+            log.info("elastic: resuming from %s (commit %d)", path, blob["step"])
         return True
 
     def _disk_header(self) -> dict:
-        model = self._handlers.get("model")
-        return {"algorithm": self._membership.algorithm or "torch",
-                "model": type(model.value).__name__ if model is not None else "State"}
+        return {**super()._disk_header(), "algorithm": self._membership.algorithm or "torch"}
 
     def _place(self) -> dict:
         """What places a PS worker in your loop: the plain values, the samplers' and LR

@@ -4,7 +4,8 @@ model, ``TorchState`` with model, optimizer, sampler and counters, ``@hvd.elasti
 
     mpirun --with-ft ulfm -n 4 python tests/horovod_elastic_script.py --out DIR --kill-rank 3 --kill-at 3
 
-Rank ``--kill-rank`` SIGKILLs itself before its ``--kill-at``-th step (counted from 0); each
+Rank ``--kill-rank`` SIGKILLs itself before its ``--kill-at``-th step (counted from 0; not in a
+restart by ``hpcasync launch``, which ``--checkpoint-dir``, ``state.persist``, resumes); each
 survivor writes ``DIR/rank<original rank>.json``: the final size, the sizes its reset callback saw,
 the steps it executed, the state's step count and a digest of its parameters.
 """
@@ -32,7 +33,10 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--commit-every", type=int, default=2)
 parser.add_argument("--limit", type=int, default=384)
+parser.add_argument("--checkpoint-dir", default=None, help="state.persist: restarts without ULFM")
 args = parser.parse_args()
+if int(os.environ.get("HPCASYNC_RESTART_COUNT", 0)):    # a restart (hpcasync launch): the kill
+    args.kill_rank = -1                                 # names a step of the first attempt
 
 hvd.init()
 torch.manual_seed(0)
@@ -42,6 +46,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=1)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0)
+restored = (state.steps if args.checkpoint_dir and state.persist(args.checkpoint_dir)
+            else None)
 
 me, resets, executed = hvd.rank(), [], [0]
 
@@ -80,4 +86,4 @@ train(state)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 Path(args.out, f"rank{me}.json").write_text(json.dumps({
     "size": hvd.size(), "resets": resets, "executed": executed[0], "steps": state.steps,
-    "epoch": state.epoch, "params": digest.hexdigest()}))
+    "epoch": state.epoch, "params": digest.hexdigest(), "restored": restored}))

@@ -906,6 +906,73 @@ class TorchState(ObjectState):
             h.sync()
         super().sync()
 
+    # -- restarts without ULFM: the commits on disk ------------------------------------------------
+    _disk: tuple | None = None          # persist()'s (CheckpointManager, every)
+
+    def persist(self, directory, *, every: int = 1, keep: int = 3) -> bool:
+        """Restarts without ULFM: write every ``every``-th commit to ``directory`` and load the
+        newest one written there now, so that a job started again after a death (``hpcasync
+        launch --max-restarts K -- loop.py``, a requeue, or by hand) goes on from it.
+
+        Rank 0 writes its committed state (atomic and checksummed, the newest ``keep`` kept): what
+        a reset's sync gives every rank, so a restart goes on as a reset to rank 0's commit would
+        (each rank's own parts, such as PowerSGD's error memory or local SGD's replicas between
+        averages, are rank 0's then). Call it on every rank after constructing the state and
+        before ``train(state)``; a replacement spawned by a grow-back loads nothing (it gets the
+        survivors' state at its first sync). Returns True when a commit was loaded::
+
+            state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
+            state.persist("ckpt", every=10)     # after a restart: the last commit written
+        """
+        from ..checkpoint import CheckpointManager
+
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"State.persist: every must be a whole number of commits >= 1, got "
+                              f"{every!r}")
+        disk = CheckpointManager(directory, keep=keep)
+        self._disk = (disk, every)
+        found = None if join.is_joiner() else disk.load_latest(expect=self._disk_header())
+        return found is not None and self._load_commit(*found)
+
+    def commit(self) -> None:
+        super().commit()
+        if self._disk is not None and self._commit_count % self._disk[1] == 0:
+            self._write_commit(self._disk[0])
+
+    def _write_commit(self, disk, **header) -> None:
+        """Rank 0: the commit just taken to ``disk``, named by the plain ``epoch`` value (if
+        any) and the commit count (``header``: more header fields)."""
+        if self._rank() != 0:
+            return
+        values, epoch = self._saved_state, self._saved_state.get("epoch")
+        disk.save({"values": dict(values), "commits": self._commit_count,
+                   "handlers": {k: h.saved for k, h in self._handlers.items()}},
+                  epoch=epoch if isinstance(epoch, int) and epoch >= 0 else 0,
+                  step=self._commit_count, **self._disk_header(), **header)
+
+    def _load_commit(self, path, header: dict, blob) -> bool:
+        theirs = sorted(blob.get("handlers", ())) if isinstance(blob, dict) else None
+        if theirs != sorted(self._handlers):
+            raise ConfigError(f"State.persist: {path} is not a commit of this state (its objects "
+                              f"{theirs}, this state's {sorted(self._handlers)})")
+        for k, h in self._handlers.items():
+            h.saved = blob["handlers"][k]
+            h.restore()
+        self._saved_state = {**self._saved_state, **blob["values"]}
+        self._set_attrs()
+        self.save()
+        self._commit_count = blob["commits"]
+        if self._rank() == 0:
+            log.info("elastic: resuming from %s (commit %d, written by %s ranks)", path,
+                     blob["commits"], header.get("world_size") or "?")
+        return True
+
+    def _disk_header(self) -> dict:
+        """What a commit on disk must match to be loaded (one-line error otherwise)."""
+        model = self._handlers.get("model")
+        return {"algorithm": "state",
+                "model": type(model.value).__name__ if model is not None else "State"}
+
     def __setattr__(self, name, value):
         if name in self.__dict__.get("_handlers", {}):
             self._handlers[name].set_value(value)

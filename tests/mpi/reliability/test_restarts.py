@@ -189,6 +189,33 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
 
 @pytest.mark.rank0
 @pytest.mark.one_mpi
+def test_a_horovod_elastic_script_is_restarted_from_its_last_persisted_commit_bitwise(tmp_path):
+    """``hvd.elastic.TorchState.persist`` (the same core as your own loop's State): a Horovod
+    elastic script (tests/horovod_elastic_script.py, SSGD, a commit every 2 steps) whose rank 2
+    SIGKILLs itself after 3 steps is run again by ``hpcasync launch`` and goes on from rank 0's
+    commit at step 2, bitwise as the undisturbed run. (The launch paths under every MPI: the
+    test above's ssgd case.)"""
+    script = str(REPO / "tests" / "horovod_elastic_script.py")
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir(), run_dir.mkdir()
+    ref = subprocess.run([*mpiexec(4), sys.executable, script, "--out", str(ref_dir)],
+                         env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    job = _launch(tmp_path, "-n", "4", "--max-restarts", "1", "--", script, "--out",
+                  str(run_dir), "--checkpoint-dir", str(tmp_path / "ckpt"), "--kill-rank", "2",
+                  "--kill-at", "3")
+    out, err = _end(job, 200)
+    assert job.returncode == 0, err[-3000:]
+    assert "finished after 1 restart(s)" in err and re.search(
+        r"resuming from \S+ckpt-e0000-s00000001\.pt \(commit 1", err), err[-3000:]
+    got, want = _ranks(run_dir), _ranks(ref_dir)
+    assert [g["restored"] for g in got] == [2] * 4 and [g["executed"] for g in got] == [10] * 4
+    assert [g["steps"] for g in got] == [w["steps"] for w in want] == [12] * 4
+    assert {g["params"] for g in got} == {want[0]["params"]}        # as if never killed
+
+
+@pytest.mark.rank0
+@pytest.mark.one_mpi
 def test_persist_refuses_a_sharded_parameter_server_with_one_line(tmp_path):
     """Shard servers (``ps_ranks`` > 1) each hold a slice of θ and of the rule: ``State.persist``
     is a one-line error on every rank, before any training (as ``hpcasync.save_checkpoint``;
