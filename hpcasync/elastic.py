@@ -414,11 +414,18 @@ class State(_core.TorchState):
                                    header=self._disk_header())
 
     def _load_commit(self, path, header: dict, blob) -> bool:
-        """A parameter server's (:meth:`persist`): θ, the rule and the server's clock on the
-        server, each worker its part and its committed place (its shard is this job's)."""
+        """Rank 0's commit on every rank, then, as after a reset, DASO inside a cycling epoch
+        drops the global messages that were in flight (they were rank 0's node's: their
+        receives are skipped; ``set_topology``, collective). A parameter server's: θ, the rule
+        and the server's clock on the server, each worker its part and its committed place (its
+        shard is this job's)."""
         m, ps = self._membership, self._membership.ps
         if ps is None:
-            return super()._load_commit(path, header, blob)
+            super()._load_commit(path, header, blob)
+            for opt in self._optimizers():
+                if hasattr(opt, "set_topology") and not opt.replicas_equal:
+                    opt.set_topology(m.topo, average=False)
+            return True
         ps.flat.module.load_state_dict(blob["model"])
         place = ps.checkpoints.restore(blob).get("state")
         if place is not None:

@@ -243,6 +243,8 @@ ROUTES = {
     # on from the newest commit written
     "own-loop-restart": ("restart", "ssgd", (0, 1, 2, 3)),
     "own-loop-restart-asgd": ("restart", "asgd", (0, 1, 2, 3)),
+    "own-loop-restart-daso": ("restart", "daso", (0, 1, 2, 3)),
+    "own-loop-restart-odsgd": ("restart", "odsgd", (0, 1, 2, 3)),
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -309,6 +311,7 @@ def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:
         shutil.rmtree(ckpt, ignore_errors=True)
         return [sys.executable, "-m", "hpcasync.cli", "launch", "-n", "4", "--max-restarts", "2",
                 "--", *LOOP_ELASTIC, "--algorithm", algorithm, "--epochs", "30",
+                *(["--ranks-per-node", "2"] if algorithm == "daso" else []),
                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50", "--out", str(outdir)], \
             runs / f"{rid}.out"
     script = {"own-loop-elastic": LOOP_ELASTIC,

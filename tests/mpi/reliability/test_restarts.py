@@ -140,19 +140,22 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
     SIGKILLs itself after its 7th step (a commit every 2 steps and at each epoch's end); the
     launcher ends the job, ``hpcasync launch`` runs the script again, and every rank goes on from
     the newest commit written. Synchronous (6 steps an epoch): rank 0's 5th commit (6 steps, the
-    first epoch's end) on every rank, then the other 6 steps; SSGD and DASO (at an epoch's end
-    its replicas are equal) finish bitwise as the undisturbed run, OD-SGD from rank 0's local
-    state (a valid state, not a replay) with equal replicas. A parameter server (8 steps a
-    worker's epoch): the server wrote commit c once every worker had asked for it (c = 3, or 2
-    if a worker's request came after the death): each worker goes on from its own commit c (2c
-    steps), the server from θ and its clock, and every rank ends with the served model.
-    (The ssgd case runs under every MPI; the others' launch and restart are its.)"""
-    ps = algorithm == "asgd"
+    first epoch's end) on every rank, then the other 6 steps; SSGD finishes bitwise as the
+    undisturbed run, OD-SGD from rank 0's local state (a valid state, not a replay) with equal
+    replicas. DASO (2 nodes of 2; the first epoch cycles, the second blocks) dies after its 5th
+    step instead: its commit at step 4 is inside the cycling epoch, with global messages in
+    flight that were rank 0's node's; they are dropped as after a reset, and it ends with equal
+    replicas. A parameter server (8 steps a worker's epoch): the server wrote commit c once
+    every worker had asked for it (c = 3, or 2 if a worker's request came after the death): each
+    worker goes on from its own commit c (2c steps), the server from θ and its clock, and every
+    rank ends with the served model. (The ssgd case runs under every MPI; the others' launch and
+    restart are its.)"""
+    ps, daso = algorithm == "asgd", algorithm == "daso"
     extra = ["--algorithm", algorithm] + (["--ranks-per-node", "2"] if algorithm == "daso"
                                           else [])
     ref_dir, run_dir, ckpt = tmp_path / "ref", tmp_path / "run", tmp_path / "ckpt"
     ref_dir.mkdir(), run_dir.mkdir()
-    bitwise = algorithm in ("ssgd", "daso")
+    bitwise = algorithm == "ssgd"
     if bitwise:
         ref = subprocess.run([*mpiexec(4), sys.executable, SCRIPT, *LOOP, *extra, "--out",
                               str(ref_dir)], env=clean_env(), cwd=REPO, capture_output=True,
@@ -160,7 +163,7 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
         assert ref.returncode == 0, ref.stderr[-2000:]
     job = _launch(tmp_path, "-n", "4", "--max-restarts", "1", "--", SCRIPT, *LOOP, *extra,
                   "--checkpoint-dir", str(ckpt), "--out", str(run_dir), "--kill-rank", "2",
-                  "--kill-at", "7")
+                  "--kill-at", "5" if daso else "7")
     out, err = _end(job, 200)
     assert job.returncode == 0, err[-3000:]
     [line] = [x for x in err.splitlines() if x.startswith("hpcasync launch: restart 1 of 1:")]
@@ -179,9 +182,10 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
         assert [g["steps"] for g in workers] == [16] * 3
         assert got[0]["served"] >= 48 - 6 * c                 # (pushes after a request: again)
         return
-    assert resumed.group(1, 2, 3) == ("1", "5", "5"), resumed.group(0)
-    assert [g["restored"] for g in got] == [6] * 4            # the commit at the first epoch's end
-    assert [g["executed"] for g in got] == [6] * 4            # (this attempt's steps)
+    at = 4 if daso else 6                                    # (DASO: inside its cycling epoch)
+    assert resumed.group(1, 2, 3) == (("0", "2", "2") if daso else ("1", "5", "5")), resumed[0]
+    assert [g["restored"] for g in got] == [at] * 4           # the commit loaded
+    assert [g["executed"] for g in got] == [12 - at] * 4      # (this attempt's steps)
     assert [g["steps"] for g in got] == [12] * 4
     if bitwise:
         assert got[0]["params"] == _ranks(ref_dir)[0]["params"]      # as if never killed
