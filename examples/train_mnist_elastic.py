@@ -31,13 +31,14 @@ started again goes on from the newest: ``hpcasync launch -n 4 --max-restarts 2 -
 examples/train_mnist_elastic.py --checkpoint-dir ckpt`` restarts the job after a death.
 
 Testing hooks (tests/mpi/reliability/test_loop_elastic.py, test_restarts.py): ``--kill-rank R
---kill-at N`` makes world rank R SIGKILL itself (comma-separated lists: several ranks, each at its N) before its
-N-th step (counted from 0; N = the steps of the whole run: after its last step, before ``train``
-returns; N = -1: after loading the data, before the optimizer's first broadcast); ``--out DIR``
-writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset sizes, steps executed and
-committed, a digest of the parameters, and one in each reset callback, before the sync, with
-one of the local model a SHAT/ENSEMBLE worker goes on from; ``joined``: a replacement; written by
-a replacement too, under the dead rank's number, which it took) and on every rank
+--kill-at N`` makes world rank R SIGKILL itself (comma-separated lists: several ranks, each at
+its N) before its N-th step (counted from 0; N = the steps of the whole run: after its last step,
+before ``train`` returns; N = -1: after loading the data, before the optimizer's first
+broadcast); ``--out DIR`` writes, on each survivor, ``DIR/rank<R>.json`` (final size, reset
+sizes, steps executed and committed, a digest of the parameters, and one in each reset callback,
+before the sync, with one of the local model a SHAT/ENSEMBLE worker goes on from; ``joined``: a
+replacement; written by a replacement too, under the dead rank's number, which it took) and on
+every rank
 ``DIR/windows<R>.jsonl``: at each commit, the data indices this rank trained on since the
 previous commit, with the sampler's position before and after, the resets so far and a digest of
 the parameters. A replacement and a restart (``HPCASYNC_RESTART_COUNT`` > 0) ignore

@@ -428,9 +428,10 @@ class State(_core.TorchState):
             return True
         ps.flat.module.load_state_dict(blob["model"])
         place = ps.checkpoints.restore(blob).get("state")
-        if place is not None:
+        if place is not None:       # (saves the state, as a replacement's place does)
             self._take_place({**place, "shards": {}}, ps.steps)
-        self.save()
+        else:                       # the server, or a worker that had asked for no commit
+            self.save()
         self._commit_count = int(blob["step"])
         if m.roles.is_server:
             log.info("elastic: resuming from %s (commit %d)", path, blob["step"])

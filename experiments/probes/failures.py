@@ -253,26 +253,29 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     """MPI rank -> pid of the launcher's direct children that carry a rank (the CLI's start-up
     watchers are the ranks' own children, so they are never picked)."""
     found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid in _children(launcher):
         try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher:
-                continue
-            env = (d / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
             continue
         for kv in env:
             if kv.startswith(b"OMPI_COMM_WORLD_RANK="):
-                found[int(kv.split(b"=", 1)[1])] = int(d.name)
+                found[int(kv.split(b"=", 1)[1])] = pid
     return found
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent`` (``hpcasync launch``: its job's launcher, which runs
+    in a session of its own)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
 
 
 def _session_pids(pgid: int) -> list[int]:
@@ -376,9 +379,8 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
             if proc.poll() is not None:
                 break
             if killed_unix is None and kill_at is not None and now - t0 >= kill_at:
-                launcher = proc.pid if kind != "restart" else next(    # (the supervisor's child,
-                    (int(d.name) for d in Path("/proc").iterdir()     # in a session of its own)
-                     if d.name.isdigit() and _parent(int(d.name)) == proc.pid), proc.pid)
+                launcher = (proc.pid if kind != "restart" else       # (the supervisor's child)
+                            next(iter(_children(proc.pid)), proc.pid))
                 pid = _rank_pids(launcher).get(rank)
                 if pid is not None:          # not forked yet: killed as soon as it is
                     os.kill(pid, signal.SIGKILL)
@@ -393,8 +395,7 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
             time.sleep(0.02)
         if proc.poll() is None:              # HANG: every rank's Python stacks, then SIGKILL
             row["outcome"] = "HANG"
-            jobs = [proc.pid] + [int(d.name) for d in Path("/proc").iterdir()   # (restart: the
-                                 if d.name.isdigit() and _parent(int(d.name)) == proc.pid]  # job)
+            jobs = [proc.pid, *_children(proc.pid)]     # (restart: the supervisor's job too)
             for p in [r for j in jobs for r in _rank_pids(j).values()]:
                 os.kill(p, signal.SIGABRT)   # PYTHONFAULTHANDLER=1: all threads' tracebacks
             time.sleep(3)
@@ -472,7 +473,7 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
         if restored - {None, 0}:
             return f"training (restarted from a written commit: steps {sorted(restored - {None})})"
         return "start-up or before the first commit was written (restarted from the beginning)"
-    if kind in ("elastic", "restart") and outdir.exists():
+    if kind == "elastic" and outdir.exists():
         results = {p.stem: (p.stat().st_mtime, json.loads(p.read_text()))
                    for p in outdir.glob("rank*.json")}
         if f"rank{row['rank']}" in results and results[f"rank{row['rank']}"][0] <= killed_unix:
