@@ -407,23 +407,25 @@ class State(_core.TorchState):
     def _write_commit(self, disk) -> None:
         ps = self._membership.ps
         if ps is None:
-            return super()._write_commit(disk, world_size=self.size)
+            return super()._write_commit(disk)
         if ps.attached and not ps.is_server and not ps.finished:    # the server writes
             ps.checkpoints.request(disk.directory, epoch=0, step=self._commit_count,
                                    keep=disk.keep, extra={"state": self._place()},
                                    header=self._disk_header())
 
     def _load_commit(self, path, header: dict, blob) -> bool:
-        """Rank 0's commit on every rank, then, as after a reset, DASO inside a cycling epoch
-        drops the global messages that were in flight (they were rank 0's node's: their
-        receives are skipped; ``set_topology``, collective). A parameter server's: θ, the rule
+        """The commit (this rank's own, else rank 0's: :meth:`persist`); where rank 0's was
+        loaded, DASO inside a cycling epoch then drops the global messages that were in flight,
+        as after a reset (they were rank 0's node's: their receives are skipped;
+        ``set_topology``, collective). A parameter server's: θ, the rule
         and the server's clock on the server, each worker its part and its committed place (its
         shard is this job's)."""
         m, ps = self._membership, self._membership.ps
         if ps is None:
             super()._load_commit(path, header, blob)
-            for opt in self._optimizers():
-                if hasattr(opt, "set_topology") and not opt.replicas_equal:
+            for opt in self._optimizers():      # (each rank's own commit: nothing to drop)
+                if hasattr(opt, "set_topology") and not opt.replicas_equal and not header.get(
+                        "own"):
                     opt.set_topology(m.topo, average=False)
             return True
         ps.flat.module.load_state_dict(blob["model"])
@@ -479,6 +481,12 @@ class State(_core.TorchState):
 
     def default_rank(self) -> int:
         return self._membership.rank()
+
+    def _size(self) -> int:
+        return self._membership.size()
+
+    def _allgather(self, obj) -> list:
+        return self._membership.comm.allgather(obj)
 
     def handler_for(self, value):
         m = self._membership

@@ -52,7 +52,8 @@ from . import basics as _basics
 from . import collectives as _coll
 from . import state as _st
 from .agree import HorovodInternalError  # noqa: F401 (what a facade collective raises)
-from .functions import (broadcast_object, broadcast_optimizer_state, broadcast_parameters)
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
 
 log = logging.getLogger("hpcasync")
 
@@ -74,6 +75,12 @@ class State(_core.State):
 
     def default_rank(self) -> int:
         return _basics.rank()
+
+    def _size(self) -> int:
+        return _basics.size()
+
+    def _allgather(self, obj) -> list:
+        return allgather_object(obj)
 
 
 class ObjectState(_core.ObjectState, State):

@@ -211,13 +211,26 @@ class ODSGD(AlgorithmOptimizer):
     # -- state ------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
         """This rank's view: the global state (identical on every rank) and its own local
-        weights, mean square and buffers (a user checkpoint written by rank 0 resumes every rank
-        from rank 0's local state: a valid OD-SGD state, not a bitwise replay)."""
+        weights, mean square and buffers (:meth:`local_state_dict`)."""
         self.worker.synchronize()
         return {"global": global_state(self.worker), "local": local_state(self.worker)}
 
     def _load_extra(self, extra: dict) -> None:
         load_state(self.worker, extra["global"], extra["local"])
+
+    def local_state_dict(self) -> dict:
+        """This rank's own part: its local weights, mean square and buffers (after the round in
+        flight). ``hpcasync.save_checkpoint`` keeps every rank's, ``State.persist`` writes every
+        rank's commit, and a resume on as many ranks loads its own
+        (:meth:`load_local_state_dict`): the resumed run is the uninterrupted one."""
+        self.worker.synchronize()
+        return local_state(self.worker)
+
+    def load_local_state_dict(self, local: dict | None) -> None:
+        """Load what :meth:`local_state_dict` gave on this rank (after :meth:`load_state_dict`,
+        whose local part, another rank's, it replaces)."""
+        if local:
+            load_state(self.worker, global_state(self.worker), local)
 
     def _load_plain(self, base: dict, *, ours: bool) -> None:
         """A plain torch optimizer's state (e.g. ``torch.optim.SGD``): its lr, momentum and weight

@@ -710,6 +710,17 @@ def check_synced(membership: Membership, state: "State") -> None:
                             "sync")
 
 
+def own_part(value) -> tuple[bool, Any]:
+    """Whether ``value`` (a :class:`TorchState`'s object) holds, on this rank, state that is not
+    the other ranks', and its ``local_state_dict()`` (None if it has none): replicas that differ
+    now (``replicas_equal`` False: DASO inside a cycling epoch, local SGD between averages) or a
+    part of its own (OD-SGD's local weights, the inner optimizer's state of local SGD, SlowMo
+    and DiLoCo, PowerSGD's error memory)."""
+    local = getattr(value, "local_state_dict", None)
+    local = local() if callable(local) else None
+    return local is not None or not getattr(value, "replicas_equal", True), local
+
+
 def state_digest(state: "State") -> str:
     """SHA-256 of what ``state`` holds: its handlers' state dicts (tensors as bytes, other leaves
     by ``repr``; a rank's own part, under :data:`LOCAL_KEY`, left out) and its plain values."""
@@ -785,6 +796,14 @@ class State:
         raise NotImplementedError
 
     def default_rank(self) -> int:
+        raise NotImplementedError
+
+    def _size(self) -> int:
+        """The number of ranks now (the front end's)."""
+        raise NotImplementedError
+
+    def _allgather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (the front end's collective)."""
         raise NotImplementedError
 
     def register_reset_callbacks(self, callbacks) -> None:
@@ -902,24 +921,33 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        if self._own_loaded:        # every rank loaded its own commit (persist): nothing to send
+            self._own_loaded = False
+            return
         for h in self._handlers.values():
             h.sync()
         super().sync()
 
     # -- restarts without ULFM: the commits on disk ------------------------------------------------
     _disk: tuple | None = None          # persist()'s (CheckpointManager, every)
+    _own_loaded = False                 # persist() gave every rank its own commit
 
     def persist(self, directory, *, every: int = 1, keep: int = 3) -> bool:
         """Restarts without ULFM: write every ``every``-th commit to ``directory`` and load the
         newest one written there now, so that a job started again after a death (``hpcasync
         launch --max-restarts K -- loop.py``, a requeue, or by hand) goes on from it.
 
-        Rank 0 writes its committed state (atomic and checksummed, the newest ``keep`` kept): what
-        a reset's sync gives every rank, so a restart goes on as a reset to rank 0's commit would
-        (each rank's own parts, such as PowerSGD's error memory or local SGD's replicas between
-        averages, are rank 0's then). Call it on every rank after constructing the state and
-        before ``train(state)``; a replacement spawned by a grow-back loads nothing (it gets the
-        survivors' state at its first sync). Returns True when a commit was loaded::
+        Rank 0 writes its committed state (atomic and checksummed, the newest ``keep`` kept).
+        Where a rank's state is its own (:func:`own_part`: OD-SGD's local weights, local
+        SGD's replicas between averages, PowerSGD's error memory, DASO inside a cycling epoch),
+        every rank also writes its own commit, under ``DIR/rank-R``: a restart on as many ranks
+        then gives each rank its own of the newest commit every rank wrote, and goes on as if
+        nothing had died. On another number of ranks, or with no such commit, every rank goes on
+        from rank 0's (said in one line), as a reset would. Call it on every rank after the
+        state is built and before ``train(state)`` (collective when own files are read); a
+        replacement spawned by a grow-back loads nothing (it gets the survivors' state at its
+        first sync).
+        Returns True when a commit was loaded::
 
             state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
             state.persist("ckpt", every=10)     # after a restart: the last commit written
@@ -932,7 +960,48 @@ class TorchState(ObjectState):
         disk = CheckpointManager(directory, keep=keep)
         self._disk = (disk, every)
         found = None if join.is_joiner() else disk.load_latest(expect=self._disk_header())
-        return found is not None and self._load_commit(*found)
+        return found is not None and self._load_commit(*self._own_commit(*found))
+
+    def _own_commit(self, path, header: dict, blob) -> tuple:
+        """The commit this rank loads, given rank 0's newest (``path``): where commits have own
+        files and were written by as many ranks, the newest commit of which every rank holds its
+        own file (``header["own"]`` True; the files of later commits are removed: the run goes
+        on from this one), else rank 0's newest on every rank. Collective in the first case."""
+        from ..checkpoint import CheckpointError, CheckpointManager, read_checkpoint
+
+        me, main = self._rank(), CheckpointManager(path.parent)
+        if not header.get("own_files") or header.get("world_size") != self._size():
+            if header.get("own_files") and me == 0:
+                log.warning("elastic: %s was written by %s ranks, this job has %d: every rank "
+                            "goes on from rank 0's state (not a replay of an undisturbed run)",
+                            path, header.get("world_size"), self._size())
+            return path, header, blob
+        mine = main if me == 0 else CheckpointManager(self._own_dir(path.parent))
+        held = self._allgather([p.name for p in mine.checkpoints()])
+        pick = next((p.name for p in main.checkpoints() if all(p.name in h for h in held)), None)
+        got = None
+        if pick is not None:
+            try:
+                got = read_checkpoint(mine.directory / pick, expect=self._disk_header())
+            except CheckpointError as exc:
+                log.warning("elastic: rank %d: %s", me, exc)
+        if not all(self._allgather(got is not None)):
+            if me == 0:
+                log.warning("elastic: no commit in %s of which every rank holds its own intact "
+                            "file: every rank goes on from rank 0's newest, %s", path.parent,
+                            path.name)
+            return path, header, blob
+        for p in mine.checkpoints():        # later commits (newest first): not every rank's
+            if p.name == pick:
+                break
+            p.unlink(missing_ok=True)
+        if me == 0 and pick != path.name:
+            log.warning("elastic: %s is the newest commit every rank wrote its own file of",
+                        pick)
+        return main.directory / pick, {**got[0], "own": True}, got[1]
+
+    def _own_dir(self, directory):
+        return directory / f"rank-{self._rank()}"
 
     def commit(self) -> None:
         super().commit()
@@ -940,15 +1009,26 @@ class TorchState(ObjectState):
             self._write_commit(self._disk[0])
 
     def _write_commit(self, disk, **header) -> None:
-        """Rank 0: the commit just taken to ``disk``, named by the plain ``epoch`` value (if
-        any) and the commit count (``header``: more header fields)."""
+        """The commit just taken to ``disk``, named by the plain ``epoch`` value (if any) and the
+        commit count (``header``: more header fields): rank 0's, and every other rank's own
+        under ``rank-R`` where a rank's state is its own (:func:`own_part`; its
+        ``local_state_dict()`` is in the file too, loaded with ``load_local_state_dict``: a
+        part a new process's ``load_state_dict`` leaves out, such as PowerSGD's error memory)."""
+        from ..checkpoint import CheckpointManager
+
+        parts = {k: own_part(h.value) for k, h in self._handlers.items()}
+        own = any(mine for mine, _ in parts.values())
         if self._rank() != 0:
-            return
+            if not own:
+                return
+            disk = CheckpointManager(self._own_dir(disk.directory), keep=disk.keep)
         values, epoch = self._saved_state, self._saved_state.get("epoch")
         disk.save({"values": dict(values), "commits": self._commit_count,
-                   "handlers": {k: h.saved for k, h in self._handlers.items()}},
+                   "handlers": {k: h.saved for k, h in self._handlers.items()},
+                   "local": {k: local for k, (_, local) in parts.items() if local is not None}},
                   epoch=epoch if isinstance(epoch, int) and epoch >= 0 else 0,
-                  step=self._commit_count, **self._disk_header(), **header)
+                  step=self._commit_count, world_size=self._size(), own_files=own,
+                  **self._disk_header(), **header)
 
     def _load_commit(self, path, header: dict, blob) -> bool:
         theirs = sorted(blob.get("handlers", ())) if isinstance(blob, dict) else None
@@ -958,13 +1038,17 @@ class TorchState(ObjectState):
         for k, h in self._handlers.items():
             h.saved = blob["handlers"][k]
             h.restore()
+            if header.get("own") and k in blob.get("local", {}):
+                h.value.load_local_state_dict(blob["local"][k])
         self._saved_state = {**self._saved_state, **blob["values"]}
         self._set_attrs()
         self.save()
         self._commit_count = blob["commits"]
+        self._own_loaded = bool(header.get("own"))
         if self._rank() == 0:
-            log.info("elastic: resuming from %s (commit %d, written by %s ranks)", path,
-                     blob["commits"], header.get("world_size") or "?")
+            log.info("elastic: resuming from %s (commit %d, written by %s ranks%s)", path,
+                     blob["commits"], header.get("world_size") or "?",
+                     "; each rank its own" if header.get("own") else "")
         return True
 
     def _disk_header(self) -> dict:

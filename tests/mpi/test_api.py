@@ -316,13 +316,18 @@ def test_a_forgotten_call_never_hangs(mode, tmp_path):
 # -- checkpoints and metrics from a user's loop --------------------------------------------------
 
 @needs4
-def test_checkpoint_resume_from_a_user_loop_is_bitwise(data, tmp_path_factory):
+@pytest.mark.parametrize("algorithm", ["ssgd", "odsgd"])
+def test_checkpoint_resume_from_a_user_loop_is_bitwise(algorithm, data, tmp_path_factory):
+    """``save_checkpoint`` at step 3, ``load_checkpoint`` in a new run: each rank ends bitwise
+    as the uninterrupted run (OD-SGD: each rank's local weights are its own, gathered into the
+    checkpoint and loaded by each rank)."""
     directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt")) if RANK == 0 else None)
+    hyper = {"warmup_iters": 1} if algorithm == "odsgd" else {}
 
     def run(steps, resume=False):
         model = make_model()
-        opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05,
-                                                                momentum=0.9))
+        opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                                   momentum=0.9), **hyper)
         first = 0
         if resume:
             state = hpcasync.load_checkpoint(directory, model, opt)
@@ -334,6 +339,8 @@ def test_checkpoint_resume_from_a_user_loop_is_bitwise(data, tmp_path_factory):
             opt.step()
             if s + 1 == 3 and not resume:
                 hpcasync.save_checkpoint(directory, model, opt, epoch=0, step=3, note="three")
+        if algorithm == "odsgd":
+            opt.finish()
         return model
 
     whole = run(6)
@@ -397,6 +404,81 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
     other = hpcasync.elastic.State(model=model2, optimizer=opt2, epoch=0)    # no sampler
     with pytest.raises(ConfigError, match="is not a commit of this state"):
         other.persist(directory)
+
+
+@needs4
+def test_persist_gives_each_rank_its_own_commit_where_its_state_is_its_own(data,
+                                                                          tmp_path_factory):
+    """Local SGD between two averages (each replica its own): ``persist`` writes every rank's
+    commit (rank 0's in DIR, the others' in DIR/rank-R); a fresh state on as many ranks loads
+    each rank's own, the first sync keeps it, and two more steps give what the undisturbed
+    states gave, bitwise. With one rank's newest own file gone, every rank loads its own of the
+    commit before (the later files are removed); with all of one rank's gone, every rank goes
+    on from rank 0's."""
+    from pathlib import Path
+
+    from hpcasync.data.sharding import ElasticSampler
+
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("persist_own")) if RANK == 0 else None)
+    own = Path(directory) / (f"rank-{RANK}" if RANK else "")
+
+    def make(seed):
+        model = make_model(seed)
+        opt = hpcasync.optimizer("localsgd", model, torch.optim.SGD(
+            model.parameters(), lr=0.05, momentum=0.9), period=8, warmup_steps=0)
+        sampler = ElasticSampler(data, batch_size=16, rank=RANK, num_replicas=SIZE, seed=1)
+        return model, opt, sampler, hpcasync.elastic.State(model=model, optimizer=opt,
+                                                           sampler=sampler, steps=0)
+
+    def train(model, opt, sampler, state, n, commit):
+        for _ in range(n):
+            idx = list(sampler)[:16]
+            opt.zero_grad()
+            F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
+            opt.step()
+            sampler.record_batch()
+            state.steps += 1
+            if commit:
+                state.commit()
+
+    model, opt, sampler, state = make(0)
+    state.persist(directory)
+    committed = []
+    for _ in range(3):                                          # commits 1-3: replicas differ
+        train(model, opt, sampler, state, 1, commit=True)
+        committed.append(COMM.allgather(digest(model)))
+    assert len(set(committed[-1])) == SIZE
+    train(model, opt, sampler, state, 2, commit=False)
+    want = digest(model)
+    COMM.Barrier()
+    assert (own / "ckpt-e0000-s00000003.pt").is_file()
+
+    model2, opt2, sampler2, state2 = make(1)
+    assert state2.persist(directory) is True
+    state2.sync()                                               # (the elastic loop's first)
+    assert digest(model2) == committed[2][RANK] and state2.steps == 3
+    train(model2, opt2, sampler2, state2, 2, commit=False)
+    assert digest(model2) == want                               # as if never restarted
+
+    COMM.Barrier()
+    if RANK == 1:                                               # it died before writing 3
+        (own / "ckpt-e0000-s00000003.pt").unlink()
+    COMM.Barrier()
+    model3, _, _, state3 = make(2)
+    assert state3.persist(directory) is True
+    state3.sync()
+    assert digest(model3) == committed[1][RANK] and state3.steps == 2
+    assert not (own / "ckpt-e0000-s00000003.pt").exists()       # the later commit removed
+
+    COMM.Barrier()
+    if RANK == 1:
+        for f in own.iterdir():
+            f.unlink()
+    COMM.Barrier()
+    model4, _, _, state4 = make(3)
+    assert state4.persist(directory) is True
+    state4.sync()
+    assert digest(model4) == committed[1][0]                    # rank 0's on every rank
 
 
 @needs4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,28 +136,29 @@ def _ranks(folder, n: int = 4) -> list[dict]:
 
 @pytest.mark.rank0
 @pytest.mark.parametrize("algorithm", [
-    "ssgd", *(pytest.param(a, marks=pytest.mark.one_mpi) for a in ("daso", "odsgd", "asgd"))])
+    "ssgd", *(pytest.param(a, marks=pytest.mark.one_mpi)
+              for a in ("daso", "odsgd", "localsgd", "asgd"))])
 def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tmp_path):
     """Your own loop without ULFM (examples/train_mnist_elastic.py, ``State.persist``): rank 2
     SIGKILLs itself after its 7th step (a commit every 2 steps and at each epoch's end); the
     launcher ends the job, ``hpcasync launch`` runs the script again, and every rank goes on from
-    the newest commit written. Synchronous (6 steps an epoch): rank 0's 5th commit (6 steps, the
-    first epoch's end) on every rank, then the other 6 steps; SSGD finishes bitwise as the
-    undisturbed run, OD-SGD from rank 0's local state (a valid state, not a replay) with equal
-    replicas. DASO (2 nodes of 2; the first epoch cycles, the second blocks) dies after its 5th
-    step instead: its commit at step 4 is inside the cycling epoch, with global messages in
-    flight that were rank 0's node's; they are dropped as after a reset, and it ends with equal
-    replicas. A parameter server (8 steps a worker's epoch): the server wrote commit c once
-    every worker had asked for it (c = 3, or 2 if a worker's request came after the death): each
-    worker goes on from its own commit c (2c steps), the server from θ and its clock, and every
-    rank ends with the served model. (The ssgd case runs under every MPI; the others' launch and
-    restart are its.)"""
+    the newest commit written. Synchronous (6 steps an epoch): the 5th commit (6 steps, the
+    first epoch's end), then the other 6 steps, bitwise as the undisturbed run: SSGD from rank
+    0's commit, OD-SGD (each rank's local weights its own) and local SGD (H = 2: rank 0 runs
+    ahead and wrote commit 6, which the dead rank never did) from each rank's own. DASO (2 nodes of
+    2; the first epoch cycles, the second blocks) dies after its 5th step instead: its commit at
+    step 4 is inside the cycling epoch, each rank's own (its node's global messages in flight
+    recorded), and it too ends bitwise. A parameter server (8 steps a worker's epoch): the
+    server wrote commit c once every worker had asked for it (c = 3, or 2 if a worker's request
+    came after the death): each worker goes on from its own commit c (2c steps), the server from
+    θ and its clock, and every rank ends with the served model. (The ssgd case runs under every
+    MPI; the others' launch and restart are its.)"""
     ps, daso = algorithm == "asgd", algorithm == "daso"
     extra = ["--algorithm", algorithm] + (["--ranks-per-node", "2"] if algorithm == "daso"
                                           else [])
     ref_dir, run_dir, ckpt = tmp_path / "ref", tmp_path / "run", tmp_path / "ckpt"
     ref_dir.mkdir(), run_dir.mkdir()
-    bitwise = algorithm == "ssgd"
+    bitwise = not ps
     if bitwise:
         ref = subprocess.run([*mpiexec(4), sys.executable, SCRIPT, *LOOP, *extra, "--out",
                               str(ref_dir)], env=clean_env(), cwd=REPO, capture_output=True,
@@ -195,6 +197,34 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
     assert [g["steps"] for g in got] == [12] * 4
     if bitwise:
         assert got[0]["params"] == _ranks(ref_dir)[0]["params"]      # as if never killed
+
+
+@pytest.mark.rank0
+@pytest.mark.one_mpi
+def test_a_daso_restart_without_every_ranks_own_commit_goes_on_from_rank_0s(tmp_path):
+    """DASO killed after its 5th step (its newest commit, at step 4, inside the cycling epoch),
+    then one rank's own files of it removed: the job started again loads rank 0's commit on
+    every rank (said in one line), drops the global messages in flight (rank 0's node's), and
+    ends with one model on every rank."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run_dir.mkdir()
+    args = [sys.executable, SCRIPT, *LOOP, "--algorithm", "daso", "--ranks-per-node", "2",
+            "--checkpoint-dir", str(ckpt), "--out", str(run_dir)]
+    first = subprocess.run([*mpiexec(4), *args, "--kill-rank", "2", "--kill-at", "5"],
+                           env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert first.returncode != 0
+    own = ckpt / "rank-3"
+    assert (own / "ckpt-e0000-s00000002.pt").is_file(), sorted(map(str, ckpt.rglob("*.pt")))
+    shutil.rmtree(own)
+    again = subprocess.run([*mpiexec(4), *args], env=clean_env(HPCASYNC_RESTART_COUNT="1"),
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = (r"no commit in \S+ of which every rank holds its own intact file: every rank goes on "
+            r"from rank 0's newest, ckpt-e0000-s00000002\.pt")
+    assert re.search(said, again.stderr), again.stderr[-3000:]
+    got = _ranks(run_dir)
+    assert [g["restored"] for g in got] == [4] * 4 and [g["steps"] for g in got] == [12] * 4
+    assert len({g["params"] for g in got}) == 1
 
 
 @pytest.mark.rank0
