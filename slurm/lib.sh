@@ -1,6 +1,7 @@
 # Shared part of the hpcasync sbatch templates (sourced, not run). It finds Python and mpirun,
-# names the metrics file after the job, launches `hpcasync train` with srun or mpirun, forwards the
-# preemption warning to the ranks, and requeues the job when training stopped for preemption.
+# names the metrics file after the job, launches `hpcasync train` (or your SCRIPT) with srun or
+# mpirun, forwards the preemption warning to the ranks, and requeues the job when training
+# stopped for preemption.
 #
 # Inputs (environment; every one optional):
 #   HPCASYNC_PYTHON   the Python to run (default: $HPCASYNC_VENV/bin/python, else the repo's
@@ -17,7 +18,10 @@
 #   REQUEUE           1 (default): requeue the job when training exits with status 75 (preempted)
 #   MAX_RESTARTS      N > 0: `hpcasync launch --max-restarts N` runs the training and, after a
 #                     rank's death, starts it again from the newest checkpoint (a new srun step in
-#                     the allocation, or a new mpirun); needs CHECKPOINT_DIR
+#                     the allocation, or a new mpirun); needs CHECKPOINT_DIR (not with SCRIPT)
+#   SCRIPT            your own training script instead of `hpcasync train`: EXTRA_ARGS and the
+#                     arguments after the template go to it (not the training options above; it
+#                     resumes from its own checkpoints, e.g. `hpcasync.elastic.State.persist`)
 # shellcheck shell=bash
 
 hpc_say() { echo "hpcasync-sbatch: $*" >&2; }
@@ -65,7 +69,10 @@ print(" ".join(m for m in ("hpcasync", "mpi4py", "torch") if u.find_spec(m) is N
     mkdir -p "$RUN_DIR" "$(dirname "$METRICS")" || hpc_die "cannot create $RUN_DIR"
     TRAIN_ARGS=(--algorithm "${ALGORITHM:-ssgd}" --epochs "${EPOCHS:-2}"
                 --dataset "${DATASET:-fashion-mnist}" --model "${MODEL:-lenet}" --metrics "$METRICS")
-    if [ -n "${CHECKPOINT_DIR:-}" ]; then
+    if [ -n "${SCRIPT:-}" ]; then           # your own script: only its own arguments
+        [ -f "$SCRIPT" ] || hpc_die "SCRIPT=$SCRIPT: no such file"
+        TRAIN_ARGS=()
+    elif [ -n "${CHECKPOINT_DIR:-}" ]; then
         mkdir -p "$CHECKPOINT_DIR" || hpc_die "cannot create $CHECKPOINT_DIR"
         TRAIN_ARGS+=(--checkpoint-dir "$CHECKPOINT_DIR" --resume auto)
     fi
@@ -73,21 +80,22 @@ print(" ".join(m for m in ("hpcasync", "mpi4py", "torch") if u.find_spec(m) is N
     if [ -n "${EXTRA_ARGS:-}" ]; then TRAIN_ARGS+=($EXTRA_ARGS); fi
 }
 
-# hpc_launch NPROCS [ARGS...]: run `hpcasync train` on NPROCS ranks; returns its exit status
+# hpc_launch NPROCS [ARGS...]: run `hpcasync train` (or SCRIPT) on NPROCS ranks; returns its status
 # (call it as `rc=0; hpc_launch ... || rc=$?` under set -e).
 hpc_launch() {
     local np=$1; shift
     local cmd
     if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then
         # the supervisor starts each attempt itself (python -m hpcasync.cli launch --help)
-        [ -n "${CHECKPOINT_DIR:-}" ] || hpc_die "MAX_RESTARTS needs CHECKPOINT_DIR (a restart resumes from it)"
+        [ -n "${CHECKPOINT_DIR:-}" ] || [ -n "${SCRIPT:-}" ] \
+            || hpc_die "MAX_RESTARTS needs CHECKPOINT_DIR (a restart resumes from it)"
         if [ "$(id -u)" = 0 ] && [ "$HPC_MPI" = openmpi ]; then
             export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
         fi
         local how=srun
         if [ "$LAUNCHER" = mpirun ]; then how=mpiexec; fi
         cmd=("$HPCASYNC_PYTHON" -m hpcasync.cli launch -n "$np" --launcher "$how"
-             --max-restarts "$MAX_RESTARTS" -- train)
+             --max-restarts "$MAX_RESTARTS" -- "${SCRIPT:-train}")
     elif [ "$LAUNCHER" = srun ]; then
         # --mpi=pmix is essential: Open MPI 5 started by srun without PMIx comes up as NPROCS
         # separate jobs of size 1 (hpcasync detects it and stops with an error). MPICH speaks PMI-2.
@@ -104,6 +112,7 @@ hpc_launch() {
         if [ "$(id -u)" = 0 ] && [ "$HPC_MPI" = openmpi ]; then cmd+=(--allow-run-as-root); fi
     fi
     if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then cmd+=("${TRAIN_ARGS[@]}" "$@")
+    elif [ -n "${SCRIPT:-}" ]; then cmd+=("$HPCASYNC_PYTHON" "$SCRIPT" "${TRAIN_ARGS[@]}" "$@")
     else cmd+=("$HPCASYNC_PYTHON" -m hpcasync.cli train "${TRAIN_ARGS[@]}" "$@")
     fi
     hpc_say "job ${SLURM_JOB_ID:-(none)} on ${SLURM_JOB_NODELIST:-$(hostname)}: ${cmd[*]}"

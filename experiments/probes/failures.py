@@ -245,6 +245,7 @@ ROUTES = {
     "own-loop-restart-asgd": ("restart", "asgd", (0, 1, 2, 3)),
     "own-loop-restart-daso": ("restart", "daso", (0, 1, 2, 3)),
     "own-loop-restart-odsgd": ("restart", "odsgd", (0, 1, 2, 3)),
+    "own-loop-restart-localsgd": ("restart", "localsgd", (0, 1, 2, 3)),
 }
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
@@ -471,7 +472,9 @@ def _refine_phase(row: dict, kind: str, metrics: Path, outdir: Path, killed_unix
             return ("end (the job finished: the kill came after the killed rank's end)"
                     if row.get("rc") == 0 else "start-up (not restarted)")
         if restored - {None, 0}:
-            return f"training (restarted from a written commit: steps {sorted(restored - {None})})"
+            own = "; each rank its own" if "each rank its own" in said else ""
+            return (f"training (restarted from a written commit: steps "
+                    f"{sorted(restored - {None})}{own})")
         return "start-up or before the first commit was written (restarted from the beginning)"
     if kind == "elastic" and outdir.exists():
         results = {p.stem: (p.stat().st_mtime, json.loads(p.read_text()))

@@ -946,8 +946,7 @@ class TorchState(ObjectState):
         from rank 0's (said in one line), as a reset would. Call it on every rank after the
         state is built and before ``train(state)`` (collective when own files are read); a
         replacement spawned by a grow-back loads nothing (it gets the survivors' state at its
-        first sync).
-        Returns True when a commit was loaded::
+        first sync). Returns True when a commit was loaded::
 
             state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
             state.persist("ckpt", every=10)     # after a restart: the last commit written
@@ -985,6 +984,9 @@ class TorchState(ObjectState):
                 got = read_checkpoint(mine.directory / pick, expect=self._disk_header())
             except CheckpointError as exc:
                 log.warning("elastic: rank %d: %s", me, exc)
+            if got is not None and (got[0].get("world_size"), got[0].get("own_files")) != (
+                    self._size(), True):        # (written before a reset shrank the world)
+                got = None
         if not all(self._allgather(got is not None)):
             if me == 0:
                 log.warning("elastic: no commit in %s of which every rank holds its own intact "
