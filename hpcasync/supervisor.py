@@ -259,12 +259,13 @@ class Supervisor:
                 say(f"restart {k}: training resumed {self._resumed:.1f} s after the death was "
                     "reported")
 
-    def attempt(self, args: list[str], folder: Path) -> Outcome:
+    def attempt(self, args: list[str], state: Path, restarts: int) -> Outcome:
+        """One job after ``restarts`` restarts, its marks in ``state/attempt-N`` (N from 1)."""
+        folder = state / f"attempt-{restarts + 1}"
         folder.mkdir(parents=True)
-        env = {**os.environ, SUPERVISOR_ENV: str(folder),
-               RESTART_ENV: str(int(folder.name.split("-")[-1]) - 1)}
+        env = {**os.environ, SUPERVISOR_ENV: str(folder), RESTART_ENV: str(restarts)}
         cmd = job_command(self.n, args, launcher=self.launcher, ft=self.ft, program=self.script)
-        say(f"attempt {folder.name.split('-')[-1]}: {' '.join(cmd)}")
+        say(f"attempt {restarts + 1}: {' '.join(cmd)}")
         dead: list[int] = []
         self._job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -308,7 +309,7 @@ class Supervisor:
         while True:
             self._events, self._resumed = {}, None
             t0 = time.time()
-            out = self.attempt(args, state / f"attempt-{restarts + 1}")
+            out = self.attempt(args, state, restarts)
             t_end = time.time()
             if self._resumed is not None:
                 lost.append(self._resumed)

@@ -405,7 +405,8 @@ class Rule:
             raise CheckpointError(f"rule state must be a dict, got {type(d).__name__}")
         if need(d, "num_workers") != self.num_workers:
             raise CheckpointError(f"rule state is for {d['num_workers']} workers, "
-                                  f"this run has {self.num_workers}")
+                                  f"this run has {self.num_workers}: resume a parameter server "
+                                  "with as many workers as wrote the checkpoint")
         self._theta = load_tensor(d, "theta", self._theta)
         self._version = int(need(d, "version"))
         lr = need(d, "lr")

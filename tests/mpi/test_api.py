@@ -349,6 +349,30 @@ def test_checkpoint_resume_from_a_user_loop_is_bitwise(algorithm, data, tmp_path
     assert digest(resumed) == digest(whole)
 
 
+def _persisted(algorithm, data, seed, **kw):
+    """A model, ``hpcasync.optimizer(algorithm)``, an ElasticSampler and their State (``steps``)."""
+    from hpcasync.data.sharding import ElasticSampler
+
+    model = make_model(seed)
+    opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                               momentum=0.9), **kw)
+    sampler = ElasticSampler(data, batch_size=16, rank=RANK, num_replicas=SIZE, seed=1)
+    return model, opt, sampler, hpcasync.elastic.State(model=model, optimizer=opt,
+                                                       sampler=sampler, epoch=0, steps=0)
+
+
+def _steps(data, model, opt, sampler, state, commit: bool = True):
+    """One step on the sampler's next batch (and a commit)."""
+    idx = list(sampler)[:16]
+    opt.zero_grad()
+    F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
+    opt.step()
+    sampler.record_batch()
+    state.steps += 1
+    if commit:
+        state.commit()
+
+
 @needs4
 def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data,
                                                                           tmp_path_factory):
@@ -358,28 +382,15 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
     checkpoints sort after it. Bad calls are one-line errors."""
     from pathlib import Path
 
-    from hpcasync.data.sharding import ElasticSampler
-
     directory = COMM.bcast(str(tmp_path_factory.mktemp("persist")) if RANK == 0 else None)
 
     def make(seed):
-        model = make_model(seed)
-        opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05,
-                                                                momentum=0.9))
-        sampler = ElasticSampler(data, batch_size=16, rank=RANK, num_replicas=SIZE, seed=1)
-        return model, opt, sampler, hpcasync.elastic.State(model=model, optimizer=opt,
-                                                           sampler=sampler, epoch=0, steps=0)
+        return _persisted("ssgd", data, seed)
 
     model, opt, sampler, state = make(0)
     assert state.persist(directory, every=2) is False           # nothing there yet
     for s in range(5):
-        idx = list(sampler)[:16]
-        opt.zero_grad()
-        F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
-        opt.step()
-        sampler.record_batch()
-        state.steps += 1
-        state.commit()
+        _steps(data, model, opt, sampler, state)
         if s == 3:                                              # the 4th commit: written
             want = (digest(model), [v["momentum_buffer"].clone()
                                     for v in opt.state_dict()["state"].values()],
@@ -417,29 +428,15 @@ def test_persist_gives_each_rank_its_own_commit_where_its_state_is_its_own(data,
     on from rank 0's."""
     from pathlib import Path
 
-    from hpcasync.data.sharding import ElasticSampler
-
     directory = COMM.bcast(str(tmp_path_factory.mktemp("persist_own")) if RANK == 0 else None)
     own = Path(directory) / (f"rank-{RANK}" if RANK else "")
 
     def make(seed):
-        model = make_model(seed)
-        opt = hpcasync.optimizer("localsgd", model, torch.optim.SGD(
-            model.parameters(), lr=0.05, momentum=0.9), period=8, warmup_steps=0)
-        sampler = ElasticSampler(data, batch_size=16, rank=RANK, num_replicas=SIZE, seed=1)
-        return model, opt, sampler, hpcasync.elastic.State(model=model, optimizer=opt,
-                                                           sampler=sampler, steps=0)
+        return _persisted("localsgd", data, seed, period=8, warmup_steps=0)
 
     def train(model, opt, sampler, state, n, commit):
         for _ in range(n):
-            idx = list(sampler)[:16]
-            opt.zero_grad()
-            F.cross_entropy(model(data.images[idx]), data.labels[idx]).backward()
-            opt.step()
-            sampler.record_batch()
-            state.steps += 1
-            if commit:
-                state.commit()
+            _steps(data, model, opt, sampler, state, commit)
 
     model, opt, sampler, state = make(0)
     state.persist(directory)
