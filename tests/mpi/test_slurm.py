@@ -3,7 +3,7 @@
 
 The cluster test runs on rank 0 only and is skipped — on every rank alike — when this is not root or
 the packages cannot be installed. All jobs are submitted at once and run side by side (the node
-declares 24 CPUs: the 2 preemption jobs take 2, the 4 template jobs and your own script's job 4
+declares 22 CPUs: the 2 preemption jobs and your own script's job take 2, the 4 template jobs 4
 each).
 Set HPCASYNC_SKIP_SLURM=1 to skip it. (The environment reader: tests/unit/test_slurm.py.)
 """
@@ -27,10 +27,10 @@ from tests.mpi_util import COMM, RANK, REPO, VENDOR, clean_env
 CLUSTER = REPO / "scripts" / "slurm-cluster.sh"
 LOCK = Path("/tmp/hpcasync-slurm-test.lock")        # one test cluster per machine at a time
 CURRENT = Path("/tmp/hpcasync-slurm-test.state")    # its state dir, to stop an orphan one
-# 24 CPUs declared on 2 cores: every job of the test runs at once (2 + 2 + 5 x 4 tasks; Slurm's
+# 22 CPUs declared on 2 cores: every job of the test runs at once (3 x 2 + 4 x 4 tasks; Slurm's
 # scheduling waits overlap)
 PORTS = {"SLURM_ONEBOX_CTLD_PORT": "16817", "SLURM_ONEBOX_SLURMD_PORT": "16818",
-         "SLURM_ONEBOX_CPUS": "24"}
+         "SLURM_ONEBOX_CPUS": "22"}
 JOB_TIMEOUT = 240
 POLL = 0.25          # s between two `scontrol show job` (~4 ms of CPU each); was 2 s: ~1 s lost a wait
 SMALL = "--train-limit 2048 --test-limit 500"
@@ -105,8 +105,9 @@ echo "rank $rank: no signal"
 PREEMPT = {"preempt-srun": "srun", "preempt-mpirun": "mpirun"}
 
 # your own script (examples/train_mnist_elastic.py, State.persist) under `SCRIPT=... sbatch
-# train-mpi.sbatch` with MAX_RESTARTS=1 and srun: rank 2 SIGKILLs itself after its 7th step of 12,
-# `hpcasync launch --launcher srun` starts a second srun step, which goes on from commit 5.
+# train-mpi.sbatch` with MAX_RESTARTS=1 and srun, 2 ranks: rank 1 SIGKILLs itself after its 7th
+# step of 12, `hpcasync launch --launcher srun` starts a second srun step, which goes on from
+# commit 5.
 # Open MPI only, as RESTART above.
 SCRIPT_JOB = "own-loop-srun" if VENDOR == OPEN_MPI else None
 
@@ -172,11 +173,11 @@ def cluster(tmp_path_factory):
         if SCRIPT_JOB:
             work = tmp_path_factory.mktemp(f"job-{SCRIPT_JOB}")
             (work / "out").mkdir()
-            args = (f"--limit 384 --epochs 2 --commit-every 2 --checkpoint-dir {work / 'ckpt'} "
-                    f"--out {work / 'out'} --kill-rank 2 --kill-at 7")
+            args = (f"--limit 192 --epochs 2 --commit-every 2 --checkpoint-dir {work / 'ckpt'} "
+                    f"--out {work / 'out'} --kill-rank 1 --kill-at 7")
             sub = subprocess.run(
                 ["sbatch", "--parsable", f"--chdir={work}", f"--output={work}/slurm-%j.out",
-                 f"--job-name=t-{SCRIPT_JOB}", "-N", "1", "-n", "4", "--ntasks-per-node=4",
+                 f"--job-name=t-{SCRIPT_JOB}", "-N", "1", "-n", "2", "--ntasks-per-node=2",
                  str(REPO / "slurm" / "train-mpi.sbatch")],
                 env=_job_env(conf, RUN_DIR=str(work / "runs"), LAUNCHER="srun", MAX_RESTARTS="1",
                              SCRIPT=str(REPO / "examples" / "train_mnist_elastic.py"),
@@ -299,9 +300,9 @@ def test_sbatch_template(cluster, name):
                     reason=str(SKIP or "srun restarts are tested under Open MPI"))
 def test_your_own_script_under_srun_is_restarted_from_its_last_commit(cluster):
     """``SCRIPT=examples/train_mnist_elastic.py MAX_RESTARTS=1 sbatch slurm/train-mpi.sbatch``:
-    the template runs ``hpcasync launch --launcher srun -- SCRIPT ARGS``; rank 2's death ends the
-    first srun step, a second step runs the script again and every rank goes on from the newest
-    commit written (commit 5, 6 steps), ending with 12 steps and one model."""
+    the template runs ``hpcasync launch --launcher srun -- SCRIPT ARGS`` on 2 ranks; rank 1's
+    death ends the first srun step, a second step runs the script again and every rank goes on
+    from the newest commit written (commit 5, 6 steps), ending with 12 steps and one model."""
     if cluster is None:
         return
     jobid, work = cluster["jobs"][SCRIPT_JOB]
@@ -311,10 +312,10 @@ def test_your_own_script_under_srun_is_restarted_from_its_last_commit(cluster):
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), \
         f"job {jobid}: {fields.get('JobState')} {fields.get('ExitCode')}\n{text[-3000:]}"
     assert "--launcher srun --max-restarts 1 -- " in text and "train_mnist_elastic.py" in text
-    assert re.search(r"hpcasync launch: restart 1 of 1: rank 2 died .*the script resumes from "
+    assert re.search(r"hpcasync launch: restart 1 of 1: rank 1 died .*the script resumes from "
                      r"its own checkpoints", text), text[-3000:]
     assert text.count("attempt 2: srun --mpi=pmix") == 1, text[-3000:]
     assert re.search(r"resuming from \S+ckpt-e0001-s00000005\.pt \(commit 5", text), text[-3000:]
-    got = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [g["restored"] for g in got] == [6] * 4 and [g["steps"] for g in got] == [12] * 4
+    got = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [g["restored"] for g in got] == [6] * 2 and [g["steps"] for g in got] == [12] * 2
     assert len({g["params"] for g in got}) == 1
