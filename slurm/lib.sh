@@ -67,14 +67,17 @@ print(" ".join(m for m in ("hpcasync", "mpi4py", "torch") if u.find_spec(m) is N
     RUN_DIR=${RUN_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs}
     METRICS=${METRICS:-$RUN_DIR/hpcasync-$jobid$restart.jsonl}
     mkdir -p "$RUN_DIR" "$(dirname "$METRICS")" || hpc_die "cannot create $RUN_DIR"
-    TRAIN_ARGS=(--algorithm "${ALGORITHM:-ssgd}" --epochs "${EPOCHS:-2}"
-                --dataset "${DATASET:-fashion-mnist}" --model "${MODEL:-lenet}" --metrics "$METRICS")
     if [ -n "${SCRIPT:-}" ]; then           # your own script: only its own arguments
         [ -f "$SCRIPT" ] || hpc_die "SCRIPT=$SCRIPT: no such file"
         TRAIN_ARGS=()
-    elif [ -n "${CHECKPOINT_DIR:-}" ]; then
-        mkdir -p "$CHECKPOINT_DIR" || hpc_die "cannot create $CHECKPOINT_DIR"
-        TRAIN_ARGS+=(--checkpoint-dir "$CHECKPOINT_DIR" --resume auto)
+    else
+        TRAIN_ARGS=(--algorithm "${ALGORITHM:-ssgd}" --epochs "${EPOCHS:-2}"
+                    --dataset "${DATASET:-fashion-mnist}" --model "${MODEL:-lenet}"
+                    --metrics "$METRICS")
+        if [ -n "${CHECKPOINT_DIR:-}" ]; then
+            mkdir -p "$CHECKPOINT_DIR" || hpc_die "cannot create $CHECKPOINT_DIR"
+            TRAIN_ARGS+=(--checkpoint-dir "$CHECKPOINT_DIR" --resume auto)
+        fi
     fi
     # shellcheck disable=SC2206
     if [ -n "${EXTRA_ARGS:-}" ]; then TRAIN_ARGS+=($EXTRA_ARGS); fi

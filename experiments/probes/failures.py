@@ -265,30 +265,28 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     return found
 
 
-def _children(parent: int) -> list[int]:
-    """The pids whose parent is ``parent`` (``hpcasync launch``: its job's launcher, which runs
-    in a session of its own)."""
+def _procs_where(field: int, value: int) -> list[int]:
+    """The pids whose ``/proc/PID/stat`` field ``field`` (counted after the command: 1 the
+    parent, 2 the process group) is ``value``."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[field]) == value:
                     out.append(int(d.name))
             except (OSError, ValueError, IndexError):
                 pass
     return out
 
 
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent`` (``hpcasync launch``: its job's launcher, which runs
+    in a session of its own)."""
+    return _procs_where(1, parent)
+
+
 def _session_pids(pgid: int) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                    pids.append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return pids
+    return _procs_where(2, pgid)
 
 
 def _route_cmd(route: str, rid: str, runs: Path) -> tuple[list[str], Path]:

@@ -710,7 +710,7 @@ def check_synced(membership: Membership, state: "State") -> None:
                             "sync")
 
 
-def own_part(value) -> tuple[bool, Any]:
+def rank_own_state(value) -> tuple[bool, Any]:
     """Whether ``value`` (a :class:`TorchState`'s object) holds, on this rank, state that is not
     the other ranks', and its ``local_state_dict()`` (None if it has none): replicas that differ
     now (``replicas_equal`` False: DASO inside a cycling epoch, local SGD between averages) or a
@@ -938,7 +938,7 @@ class TorchState(ObjectState):
         launch --max-restarts K -- loop.py``, a requeue, or by hand) goes on from it.
 
         Rank 0 writes its committed state (atomic and checksummed, the newest ``keep`` kept).
-        Where a rank's state is its own (:func:`own_part`: OD-SGD's local weights, local
+        Where a rank's state is its own (:func:`rank_own_state`: OD-SGD's local weights, local
         SGD's replicas between averages, PowerSGD's error memory, DASO inside a cycling epoch),
         every rank also writes its own commit, under ``DIR/rank-R``: a restart on as many ranks
         then gives each rank its own of the newest commit every rank wrote, and goes on as if
@@ -978,8 +978,8 @@ class TorchState(ObjectState):
         mine = main if me == 0 else CheckpointManager(self._own_dir(path.parent))
         held = self._allgather([p.name for p in mine.checkpoints()])
         pick = next((p.name for p in main.checkpoints() if all(p.name in h for h in held)), None)
-        got = None
-        if pick is not None:
+        got = (header, blob) if me == 0 and pick == path.name else None    # (read already)
+        if pick is not None and got is None:
             try:
                 got = read_checkpoint(mine.directory / pick, expect=self._disk_header())
             except CheckpointError as exc:
@@ -1013,12 +1013,12 @@ class TorchState(ObjectState):
     def _write_commit(self, disk, **header) -> None:
         """The commit just taken to ``disk``, named by the plain ``epoch`` value (if any) and the
         commit count (``header``: more header fields): rank 0's, and every other rank's own
-        under ``rank-R`` where a rank's state is its own (:func:`own_part`; its
+        under ``rank-R`` where a rank's state is its own (:func:`rank_own_state`; its
         ``local_state_dict()`` is in the file too, loaded with ``load_local_state_dict``: a
         part a new process's ``load_state_dict`` leaves out, such as PowerSGD's error memory)."""
         from ..checkpoint import CheckpointManager
 
-        parts = {k: own_part(h.value) for k, h in self._handlers.items()}
+        parts = {k: rank_own_state(h.value) for k, h in self._handlers.items()}
         own = any(mine for mine, _ in parts.values())
         if self._rank() != 0:
             if not own:
