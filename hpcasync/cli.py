@@ -251,6 +251,9 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()
+    from hpcasync import quick_exit
+
+    atexit.unregister(quick_exit.freeze)     # (its collection is for Python's exit: none here)
     atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit would run next
     for stream in (sys.stdout, sys.stderr):
         try:

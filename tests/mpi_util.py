@@ -29,14 +29,18 @@ def idle_barrier(comm=COMM, poll: float = 0.002) -> None:
     idle_wait(comm.Ibarrier(), poll=poll)
 
 
-def idle_wait(request, timeout: float | None = None, poll: float = 0.002) -> bool:
-    """Wait for a non-blocking MPI request, sleeping between polls; False if ``timeout`` seconds
-    passed first (the request is then still pending)."""
+def idle_wait(request, timeout: float | None = None, poll: float = 0.002,
+              longest: float = 0.02) -> bool:
+    """Wait for a non-blocking MPI request, sleeping between polls (``poll`` s, doubled after
+    each up to ``longest``: the three ranks waiting out a rank0 test's own jobs poll 50 times a
+    second, not 500); False if ``timeout`` seconds passed first (the request is then still
+    pending)."""
     end = None if timeout is None else time.monotonic() + timeout
     while not request.Test():
         if end is not None and time.monotonic() > end:
             return False
         time.sleep(poll)
+        poll = min(2 * poll, max(poll, longest))
     return True
 
 

@@ -417,6 +417,49 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
         other.persist(directory)
 
 
+def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
+    """``hpcasync.elastic.run`` in this job's world (no death, no ULFM; the deaths:
+    reliability/test_loop_elastic.py): ``run`` starts from rank 0's model, optimizer, sampler
+    position and values on every rank; ``restore()`` brings the commit back bitwise."""
+    import hpcasync
+
+    torch.manual_seed(RANK)                          # every rank a different model
+    model = torch.nn.Linear(5, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = hpcasync.elastic.ElasticSampler(384, batch_size=16, rank=COMM.Get_rank(),
+                                              num_replicas=COMM.Get_size(), seed=1)
+    sampler.set_epoch(RANK)
+    state = hpcasync.elastic.State(model=model, optimizer=sgd, sampler=sampler, epoch=RANK,
+                                   batch=0)
+    seen = []
+
+    @hpcasync.elastic.run
+    def train(state):
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        seen.append((COMM.allgather(flat.numpy().tobytes()), COMM.allgather(state.epoch),
+                     COMM.allgather(state.sampler.epoch), state.rank, state.size))
+        model(torch.ones(2, 5)).sum().backward()
+        sgd.step()
+        state.sampler.record_batch()
+        state.commit()
+        committed = [p.detach().clone() for p in model.parameters()]
+        momentum = [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        sgd.step()
+        state.sampler.record_batch()
+        state.batch = 9
+        state.restore()
+        assert state.batch == 0 and state.sampler.processed == 16 * COMM.Get_size()
+        assert all(torch.equal(p, c) for p, c in zip(model.parameters(), committed))
+        assert all(torch.equal(sgd.state[p]["momentum_buffer"], m)
+                   for p, m in zip(model.parameters(), momentum))
+        return "done"
+
+    assert train(state) == "done"
+    params, epochs, sampler_epochs, rank, size = seen[0]
+    assert len(set(params)) == 1 and set(epochs) == {0} and set(sampler_epochs) == {0}
+    assert (rank, size) == (COMM.Get_rank(), COMM.Get_size())
+
+
 @needs4
 def test_persist_gives_each_rank_its_own_commit_where_its_state_is_its_own(data,
                                                                           tmp_path_factory):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hpcasync.data.datasets as ds
-from hpcasync.data import (ArrayDataset, Sharder, batches, epoch_permutation, load_dataset,
+from hpcasync.data import (ArrayDataset, EpochShards, Sharder, batches, epoch_permutation, load_dataset,
                            num_batches, read_idx, read_idx_pair, safe_unpickle, shard_indices,
                            write_idx)
 from hpcasync.data.cifar import read_bin_batch, read_pickle_batch
@@ -427,3 +427,20 @@ def test_sharding_rejects_bad_arguments():
         batches(_tiny_dataset(), torch.arange(10), 5, start_batch=3)
     with pytest.raises(ConfigError, match="batch size"):
         num_batches(10, 0)
+
+
+# -- the re-sharding plan after a death (EpochShards) ----------------------------------------------------------------
+
+def test_epoch_shards_match_shard_indices_and_reshard_the_rest_exactly():
+    plan = EpochShards(1000, num_shards=4, seed=3, epoch=2)
+    for s in range(4):                  # without a failure: the batches every run trains on
+        assert torch.equal(plan.shards[s], shard_indices(1000, shard_index=s, num_shards=4,
+                                                         seed=3, epoch=2))
+    after = plan.reshard(5, num_shards=3, batch_size=16)      # 5 batches of 16 done per shard
+    seen = torch.cat([s[:80] for s in plan.shards])
+    rest = torch.cat(after.shards)
+    assert len(set(seen.tolist()) & set(rest.tolist())) == 0          # nothing trained twice
+    assert all(len(s) == (4 * 250 - 4 * 80) // 3 for s in after.shards)   # equal shards
+    pool = torch.cat([s[80:] for s in plan.shards])
+    assert torch.equal(rest, pool[:len(rest)])                        # in shard order
+    assert len(pool) - len(rest) < 3

@@ -142,3 +142,15 @@ def test_diverging_simulation_stops_with_one_line(tmp_path, algorithm):
 
 def test_diverged_error_is_a_user_error():
     assert issubclass(DivergedError, HpcasyncError)
+
+
+def test_divergence_guard_state_round_trips():
+    g = DivergenceGuard(factor=3.0, window=4)
+    for i, loss in enumerate([2.0, 1.0, 0.5, 0.4, 0.3]):
+        g.check(loss, step=i)
+    h = DivergenceGuard(factor=3.0, window=4)
+    h.load_state_dict(g.state_dict())
+    assert (list(h.recent), h.best, h.first, h.seen) == (list(g.recent), g.best, g.first, g.seen)
+    fresh = DivergenceGuard(factor=3.0, window=4)
+    fresh.load_state_dict(DivergenceGuard(factor=3.0, window=4).state_dict())
+    assert fresh.best == math.inf and fresh.first is None

@@ -19,10 +19,9 @@ import time
 from collections import defaultdict
 
 import pytest
-import torch
 
 from hpcasync.data.sharding import epoch_permutation
-from tests.mpi_util import COMM, REPO, RANK, clean_env, mpiexec, need_ulfm
+from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
 
 SCRIPT = str(REPO / "examples" / "train_mnist_elastic.py")
 LENGTH, BATCH, SEED = 384, 16, 1
@@ -503,45 +502,3 @@ def test_own_ps_loop_grows_back_a_server_dead_at_set_up_with_a_worker_in_its_pla
     assert results[1]["joins"][0]["ranks"] == [0], results[1]
     assert results[1]["served"] == 3 * PS_BUDGET, results[1]
     assert all(results[r]["steps"] == results[r]["executed"] == PS_BUDGET for r in (0, 2, 3))
-
-
-def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
-    """In this job's world (no death, no ULFM): ``run`` starts from rank 0's model, optimizer,
-    sampler position and values on every rank; ``restore()`` brings the commit back bitwise."""
-    import hpcasync
-
-    torch.manual_seed(RANK)                          # every rank a different model
-    model = torch.nn.Linear(5, 3)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sampler = hpcasync.elastic.ElasticSampler(LENGTH, batch_size=BATCH, rank=COMM.Get_rank(),
-                                              num_replicas=COMM.Get_size(), seed=SEED)
-    sampler.set_epoch(RANK)
-    state = hpcasync.elastic.State(model=model, optimizer=sgd, sampler=sampler, epoch=RANK,
-                                   batch=0)
-    seen = []
-
-    @hpcasync.elastic.run
-    def train(state):
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        seen.append((COMM.allgather(flat.numpy().tobytes()), COMM.allgather(state.epoch),
-                     COMM.allgather(state.sampler.epoch), state.rank, state.size))
-        model(torch.ones(2, 5)).sum().backward()
-        sgd.step()
-        state.sampler.record_batch()
-        state.commit()
-        committed = [p.detach().clone() for p in model.parameters()]
-        momentum = [sgd.state[p]["momentum_buffer"].clone() for p in model.parameters()]
-        sgd.step()
-        state.sampler.record_batch()
-        state.batch = 9
-        state.restore()
-        assert state.batch == 0 and state.sampler.processed == BATCH * COMM.Get_size()
-        assert all(torch.equal(p, c) for p, c in zip(model.parameters(), committed))
-        assert all(torch.equal(sgd.state[p]["momentum_buffer"], m)
-                   for p, m in zip(model.parameters(), momentum))
-        return "done"
-
-    assert train(state) == "done"
-    params, epochs, sampler_epochs, rank, size = seen[0]
-    assert len(set(params)) == 1 and set(epochs) == {0} and set(sampler_epochs) == {0}
-    assert (rank, size) == (COMM.Get_rank(), COMM.Get_size())

@@ -16,10 +16,8 @@ import sys
 import time
 
 import pytest
-import torch
 
 from hpcasync.checkpoint import load_checkpoint
-from hpcasync.data import EpochShards, shard_indices
 from hpcasync.metrics import read_metrics
 from hpcasync.launch import OPEN_MPI
 from tests.mpi_util import REPO, VENDOR, clean_env, last_summary, mpiexec, need_ulfm
@@ -75,23 +73,6 @@ def _survived(out, metrics, dead: list[int], *, params_digest: bool = True) -> d
         assert 0 <= f["recovery_s"] < 2.0
         assert f["next_step_s"] is None or f["next_step_s"] >= f["recovery_s"]
     return s
-
-
-# -- the re-sharding plan (no MPI) ----------------------------------------------------------------
-
-def test_epoch_shards_match_shard_indices_and_reshard_the_rest_exactly():
-    plan = EpochShards(1000, num_shards=4, seed=3, epoch=2)
-    for s in range(4):                  # without a failure: the batches every run trains on
-        assert torch.equal(plan.shards[s], shard_indices(1000, shard_index=s, num_shards=4,
-                                                         seed=3, epoch=2))
-    after = plan.reshard(5, num_shards=3, batch_size=16)      # 5 batches of 16 done per shard
-    seen = torch.cat([s[:80] for s in plan.shards])
-    rest = torch.cat(after.shards)
-    assert len(set(seen.tolist()) & set(rest.tolist())) == 0          # nothing trained twice
-    assert all(len(s) == (4 * 250 - 4 * 80) // 3 for s in after.shards)   # equal shards
-    pool = torch.cat([s[80:] for s in plan.shards])
-    assert torch.equal(rest, pool[:len(rest)])                        # in shard order
-    assert len(pool) - len(rest) < 3
 
 
 # -- SSGD -----------------------------------------------------------------------------------------
