@@ -30,17 +30,19 @@ def idle_barrier(comm=COMM, poll: float = 0.002) -> None:
 
 
 def idle_wait(request, timeout: float | None = None, poll: float = 0.002,
-              longest: float = 0.02) -> bool:
-    """Wait for a non-blocking MPI request, sleeping between polls (``poll`` s, doubled after
-    each up to ``longest``: the three ranks waiting out a rank0 test's own jobs poll 50 times a
-    second, not 500); False if ``timeout`` seconds passed first (the request is then still
-    pending)."""
-    end = None if timeout is None else time.monotonic() + timeout
+              longest: float = 0.02, patience: float = 0.5) -> bool:
+    """Wait for a non-blocking MPI request, sleeping ``poll`` s between polls, ``longest`` once
+    ``patience`` s have passed (the three ranks waiting out a rank0 test's own jobs poll 50 times
+    a second, not 500; an in-process test's barriers keep their 2 ms); False if ``timeout``
+    seconds passed first (the request is then still pending)."""
+    now = time.monotonic()
+    end = None if timeout is None else now + timeout
+    slow = now + patience
     while not request.Test():
-        if end is not None and time.monotonic() > end:
+        now = time.monotonic()
+        if end is not None and now > end:
             return False
-        time.sleep(poll)
-        poll = min(2 * poll, max(poll, longest))
+        time.sleep(longest if now > slow else poll)
     return True
 
 
