@@ -12,8 +12,7 @@
 # aborts the job.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k ssgd`; a test path among them goes to
 # the pass it belongs to (`bash scripts/test.sh tests/mpi/test_ssgd.py` runs only the MPI pass).
-# HPCASYNC_TEST_PASSES="unit mpi" (the default) picks the passes; "mpi" runs the MPI pass alone
-# (HPCASYNC_TEST_MPI_PARTS=reliability or =rest: one of its two runs, below).
+# HPCASYNC_TEST_PASSES="unit mpi" (the default) picks the passes; "mpi" runs the MPI pass alone.
 # "nompi" runs tests/mpi's tests marked no_mpi (they start no MPI job: simulated studies, errors
 # raised before MPI_Init) in one process; .ci/run runs it beside the unit pass and leaves them out of
 # the MPI pass (-m "not no_mpi"), where rank 0 ran them alone while the other three ranks waited.
@@ -103,18 +102,12 @@ for pass in $passes; do
                 # died of SIGSEGV inside MPI_Bcast in the first test after that directory
                 # (tests/mpi/test_api.py, the first to use COMM_WORLD in-process; cause not found,
                 # not reproduced alone); a crash in one no longer takes the other's results.
-                # HPCASYNC_TEST_MPI_PARTS picks one of them ("reliability" or "rest"; default both)
-                parts=" ${HPCASYNC_TEST_MPI_PARTS:-reliability rest} " r1=5 r2=5
-                if [[ $parts == *" reliability "* ]]; then
-                    echo "test.sh: tests/mpi/reliability in one process (every test there is rank0)" >&2
-                    timeout "$(left)" "$venv/bin/python" -m mpi4py -m pytest "${opts[@]}" \
-                        tests/mpi/reliability
-                    r1=$?
-                fi
-                if [[ $parts == *" rest "* ]]; then
-                    run_mpi tests/mpi --ignore=tests/mpi/reliability
-                    r2=$?
-                fi
+                echo "test.sh: tests/mpi/reliability in one process (every test there is rank0)" >&2
+                timeout "$(left)" "$venv/bin/python" -m mpi4py -m pytest "${opts[@]}" \
+                    tests/mpi/reliability
+                r1=$?
+                run_mpi tests/mpi --ignore=tests/mpi/reliability
+                r2=$?
                 if [ $r1 = 5 ] && [ $r2 = 5 ]; then r=5
                 elif [ $r1 != 0 ] && [ $r1 != 5 ]; then r=$r1
                 elif [ $r2 != 0 ] && [ $r2 != 5 ]; then r=$r2
