@@ -274,14 +274,19 @@ def read_checkpoint(path: str | os.PathLike, *, expect: dict | None = None,
         actual = None
     if not isinstance(payload, dict) or stored != actual:
         raise CheckpointError(f"checkpoint {path}: corrupt (checksum mismatch)")
-    for key, want in (expect or {}).items():
-        if header.get(key) != want:
-            raise CheckpointError(f"checkpoint {path}: {key} is {header.get(key)!r}, "
-                                  f"this run has {want!r}")
+    _check_expected(path, header, expect)
     if "allreduce_auto" in header:
         from .comm import tune
         tune.pin(header["allreduce_auto"])
     return header, payload
+
+
+def _check_expected(path, header: dict, expect: dict | None) -> None:
+    """One line when a header field differs from what ``expect`` asks."""
+    for key, want in (expect or {}).items():
+        if header.get(key) != want:
+            raise CheckpointError(f"checkpoint {path}: {key} is {header.get(key)!r}, "
+                                  f"this run has {want!r}")
 
 
 def _allreduce_choices() -> dict:
@@ -316,8 +321,7 @@ def _load_latest(directory: Path, expect: dict | None) -> tuple[Path, dict, dict
         except CheckpointError as exc:
             log.warning("skipping %s", exc)
             continue
-        if expect:       # an intact file that does not fit this run is an error, not a skip
-            read_checkpoint(path, expect=expect)
+        _check_expected(path, header, expect)    # an intact file that does not fit: an error
         return path, header, state
     return None
 

@@ -943,10 +943,11 @@ class TorchState(ObjectState):
         every rank also writes its own commit, under ``DIR/rank-R``: a restart on as many ranks
         then gives each rank its own of the newest commit every rank wrote, and goes on as if
         nothing had died. On another number of ranks, or with no such commit, every rank goes on
-        from rank 0's (said in one line), as a reset would. Call it on every rank after the
-        state is built and before ``train(state)`` (collective when own files are read); a
-        replacement spawned by a grow-back loads nothing (it gets the survivors' state at its
-        first sync). Returns True when a commit was loaded::
+        from rank 0's (said in one line), as a reset would. Rank 0 alone reads the newest commit
+        and broadcasts it (one read of the file, not one a rank). Call it on every rank after
+        the state is built and before ``train(state)`` (collective); a replacement spawned by a
+        grow-back loads nothing (it gets the survivors' state at its first sync). Returns True
+        when a commit was loaded::
 
             state = hpcasync.elastic.State(model=model, optimizer=opt, sampler=sampler, epoch=0)
             state.persist("ckpt", every=10)     # after a restart: the last commit written
@@ -958,8 +959,27 @@ class TorchState(ObjectState):
                               f"{every!r}")
         disk = CheckpointManager(directory, keep=keep)
         self._disk = (disk, every)
-        found = None if join.is_joiner() else disk.load_latest(expect=self._disk_header())
+        if join.is_joiner():
+            return False
+        found = self._newest_commit(disk)
         return found is not None and self._load_commit(*self._own_commit(*found))
+
+    def _newest_commit(self, disk):
+        """``disk.load_latest`` read by the broadcast's root alone and broadcast (collective);
+        an error there is raised on every rank, in the same line."""
+        from ..checkpoint import CheckpointError
+
+        got = None
+        if self._rank() == sync_root():
+            try:
+                got = ("found", disk.load_latest(expect=self._disk_header()))
+            except Exception as exc:        # noqa: BLE001 - said on every rank, none left waiting
+                got = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
+                    f"State.persist: reading {disk.directory}: {type(exc).__name__}: {exc}"))
+        kind, value = self._bcast_object(got)
+        if kind == "error":
+            raise value
+        return value
 
     def _own_commit(self, path, header: dict, blob) -> tuple:
         """The commit this rank loads, given rank 0's newest (``path``): where commits have own

@@ -375,12 +375,22 @@ def _steps(data, model, opt, sampler, state, commit: bool = True):
 
 @needs4
 def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data,
-                                                                          tmp_path_factory):
+                                                                          tmp_path_factory,
+                                                                          monkeypatch):
     """``State.persist(DIR, every=2)``: rank 0 writes every 2nd commit (numbered by the commit
     count); a state built afresh (other initial weights) loads the newest on every rank: model,
     optimizer (momentum), sampler position, plain values, and the commit count, so that its next
-    checkpoints sort after it. Bad calls are one-line errors."""
+    checkpoints sort after it; rank 0 alone reads the file (once), the others get it broadcast.
+    Bad calls are one-line errors, a commit of another model on every rank."""
     from pathlib import Path
+
+    import hpcasync.checkpoint as ckpt
+    from hpcasync.checkpoint import CheckpointError
+
+    reads: list = []
+    real_read = ckpt.read_checkpoint
+    monkeypatch.setattr(ckpt, "read_checkpoint",
+                        lambda path, **kw: reads.append(path) or real_read(path, **kw))
 
     directory = COMM.bcast(str(tmp_path_factory.mktemp("persist")) if RANK == 0 else None)
 
@@ -401,7 +411,9 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
 
     model2, opt2, sampler2, state2 = make(1)
     assert digest(model2) != want[0]
+    reads.clear()
     assert state2.persist(directory, every=2) is True
+    assert COMM.allgather(len(reads)) == [1] + [0] * (SIZE - 1)     # one read, on rank 0
     assert (state2.steps, state2.epoch, digest(model2), sampler2.state_dict()) == \
         (4, 0, want[0], want[2])
     got = [v["momentum_buffer"] for v in opt2.state_dict()["state"].values()]
@@ -415,6 +427,10 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
     other = hpcasync.elastic.State(model=model2, optimizer=opt2, epoch=0)    # no sampler
     with pytest.raises(ConfigError, match="is not a commit of this state"):
         other.persist(directory)
+    linear = torch.nn.Linear(3, 2)
+    foreign = hpcasync.elastic.State(model=linear, epoch=0)
+    with pytest.raises(CheckpointError, match=r"s00000006.pt: \w+ is '\w+', this run has "):
+        foreign.persist(directory)
 
 
 def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
