@@ -32,6 +32,11 @@ export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}  # one host: no UCX one-sided componen
 # hundreds of jobs the tests start; sm, tcp and self stay (nested jobs keep it: launch.KEEP).
 export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
 export PYTHONUNBUFFERED=1
+# Every Python process of the run (the ranks and the jobs the tests start) imports torch._dynamo
+# only when something besides its two eager no-ops is asked of it (tests/site/sitecustomize.py:
+# ~1.7 CPU-s in each process that builds or steps a torch optimizer); HPCASYNC_TEST_REAL_DYNAMO=1
+# imports it as torch does. The repo itself stays on the path (tests.mpi_util's jobs import tests.*).
+export PYTHONPATH="$repo/tests/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${HPCASYNC_MPI:-openmpi}" = mpich ]; then export HPCASYNC_HOROVOD=0; fi   # never built there
 cd "$repo"
 # Byte-compile the package and the tests once. Under PYTHONDONTWRITEBYTECODE=1 (set on the CI box) no

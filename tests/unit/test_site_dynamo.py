@@ -1,0 +1,53 @@
+"""tests/site/sitecustomize.py: the test run's ``torch._dynamo`` answers torch's two eager no-ops
+without the import, changes no result, and becomes the real module for anything else."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SITE = Path(__file__).resolve().parents[1] / "site"
+
+STEPS = """
+import sys, torch
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+for opt in (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+            torch.optim.Adam(m.parameters(), lr=0.01)):
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(8, 5)).square().mean().backward()
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+print(type(sys.modules["torch._dynamo"]).__name__)
+print(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().tobytes().hex())
+"""
+
+
+def run(code: str, real: bool) -> list[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]),
+               HPCASYNC_TEST_REAL_DYNAMO="1" if real else "0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_torch_optimizers_step_bitwise_as_with_the_real_module_without_importing_it():
+    stand_in, params = run(STEPS, real=False)
+    real, params_real = run(STEPS, real=True)
+    assert stand_in == "_Eager", "a torch optimizer's step imported the real torch._dynamo"
+    assert real == "module"
+    assert params == params_real
+
+
+def test_any_other_name_gives_the_real_module():
+    code = """
+import sys, torch
+import torch._dynamo
+mode = torch._dynamo.utils.get_optimize_ddp_mode()
+import torch._dynamo.config as config
+print(type(sys.modules["torch._dynamo"]).__name__, torch._dynamo is sys.modules["torch._dynamo"],
+      config is torch._dynamo.config, mode)
+print(torch.compile(lambda x: 2 * x + 1, backend="eager")(torch.ones(2)).tolist() == [3.0, 3.0])
+"""
+    assert run(code, real=False) == ["module", "True", "True", "ddp_optimizer", "True"]
