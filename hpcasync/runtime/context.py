@@ -188,32 +188,50 @@ class RunContext:
     def resume_state(self) -> dict[str, Any] | None:
         """The state to resume from (``--resume auto|PATH``), or None for a fresh start.
 
-        Every rank reads the file itself (it is small next to the data set), after checking that it
-        was written by the same algorithm, model and world size.
+        Collective over ``topo.world``: rank 0 reads the file, after checking that it was written
+        by the same algorithm, model and world size, and broadcasts it (a large model's file is
+        read once, not by every rank from a shared file system); an error reading it is raised
+        on every rank, in the same line.
         """
-        from ..checkpoint import load_checkpoint
         from ..errors import CheckpointError
 
         resume = self.cfg.resume
         if not resume:
             return None
-        expect = self.checkpoint_header()
-        if resume == "auto":
-            if self.checkpoints is None:
-                raise CheckpointError("--resume auto needs --checkpoint-dir")
-            found = self.checkpoints.load_latest(expect=expect)
-            if found is None:
-                log.info("no checkpoint in %s: starting fresh", self.checkpoints.directory)
-                return None
-            path, _, state = found
-        else:
-            path, state = resume, load_checkpoint(resume, expect=expect)
+        if resume == "auto" and self.checkpoints is None:
+            raise CheckpointError("--resume auto needs --checkpoint-dir")
+        world, got = self.topo.world, None
+        if world.Get_rank() == 0:
+            try:
+                got = ("found", self._read_resume(resume))
+            except Exception as exc:        # noqa: BLE001 - said on every rank, none left waiting
+                got = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
+                    f"--resume {resume}: {type(exc).__name__}: {exc}"))
+        kind, found = world.bcast(got, root=0)
+        if kind == "error":
+            raise found
+        if found is None:
+            return None
+        path, state = found
         if isinstance(state, dict) and isinstance(state.get("divergence"), dict):
             self.divergence.load_state_dict(state["divergence"])    # the writer's reference
         if self.topo.rank == 0:
             log.info("resuming from %s", path)
         self.metrics.write("resume", path=str(path))
         return state
+
+    def _read_resume(self, resume: str) -> tuple[str, dict] | None:
+        """``(path, state)`` of ``--resume`` (``auto``: the newest intact checkpoint), or None."""
+        from ..checkpoint import load_checkpoint
+
+        expect = self.checkpoint_header()
+        if resume != "auto":
+            return str(resume), load_checkpoint(resume, expect=expect)
+        found = self.checkpoints.load_latest(expect=expect)
+        if found is None:
+            log.info("no checkpoint in %s: starting fresh", self.checkpoints.directory)
+            return None
+        return str(found[0]), found[2]
 
     def consistent_point(self, comm, make_state, *, epoch: int, step: int, writer: bool,
                          force: bool = False, local_state=None,

@@ -466,3 +466,40 @@ def test_user_loop_checkpoint_keeps_the_workers_own_models(algorithm, tmp_path):
         assert torch.equal(first, saved)       # the worker trained on from its own model
         if algorithm == "ensemble":
             assert torch.equal(last, whole)
+
+
+def test_a_resume_is_read_by_rank_0_alone_and_broadcast(tmp_path, monkeypatch):
+    """``RunContext.resume_state`` (every CLI resume): rank 0 reads the checkpoint, once, and the
+    others receive it (planted: every rank reads -> caught); ``--resume PATH`` the same; a
+    checkpoint of another world size is the same CheckpointError on every rank; an empty
+    directory is a fresh start everywhere."""
+    import hpcasync.checkpoint as ckpt
+    from hpcasync.errors import CheckpointError
+
+    reads: list = []
+    real_read = ckpt.read_checkpoint
+    monkeypatch.setattr(ckpt, "read_checkpoint",
+                        lambda path, **kw: reads.append(path) or real_read(path, **kw))
+    ctx = _multi_ctx(tmp_path, "ssgd", resume=True)
+    assert ctx.resume_state() is None and reads == []                  # nothing there yet
+    state = {"model": {"w": torch.arange(5.0)}, "epoch": 1, "step": 3, "rank_failures": []}
+    path = None
+    if RANK == 0:
+        ctx.checkpoints.save({**state, "step": 2}, 1, 2, **ctx.checkpoint_header())
+        path = str(ctx.checkpoints.save(state, 1, 3, **ctx.checkpoint_header()))
+    path = COMM.bcast(path, root=0)
+    got = ctx.resume_state()
+    assert COMM.allgather(len(reads)) == [1] + [0] * (SIZE - 1)        # the newest, on rank 0
+    assert (got["step"], torch.equal(got["model"]["w"], torch.arange(5.0))) == (3, True)
+    reads.clear()
+    ctx.cfg.resume = path
+    assert ctx.resume_state()["step"] == 3
+    assert COMM.allgather(len(reads)) == [1] + [0] * (SIZE - 1)
+    if RANK == 0:
+        ctx.checkpoints.save(state, 1, 4, **{**ctx.checkpoint_header(), "world_size": SIZE + 1})
+    COMM.Barrier()
+    ctx.cfg.resume = "auto"
+    with pytest.raises(CheckpointError) as err:
+        ctx.resume_state()
+    assert len(set(COMM.allgather(str(err.value)))) == 1 and "world_size" in str(err.value), \
+        str(err.value)

@@ -35,14 +35,17 @@ def test_a_resumed_ssgd_run_keeps_the_divergence_reference(tmp_path):
     from hpcasync.runtime.context import RunContext   # resume_state() loads it into ctx
     from types import SimpleNamespace
 
+    from mpi4py import MPI
+
     from hpcasync.checkpoint import CheckpointManager
     from hpcasync.metrics import MetricsWriter
     from hpcasync.runtime.context import Progress
     cfg = SimpleNamespace(resume=str(path), algorithm="ssgd", model="lenet",
                           divergence_factor=3.0)
-    ctx = RunContext(cfg=cfg, topo=SimpleNamespace(rank=0, size=2), train=None, test=None,
-                     make_model=None, metrics=MetricsWriter(None, enabled=False),
-                     progress=Progress(False), checkpoints=CheckpointManager(ck))
+    ctx = RunContext(cfg=cfg, topo=SimpleNamespace(rank=0, size=2, world=MPI.COMM_SELF),
+                     train=None, test=None, make_model=None,
+                     metrics=MetricsWriter(None, enabled=False), progress=Progress(False),
+                     checkpoints=CheckpointManager(ck))
     ctx.resume_state()
     assert (ctx.divergence.best, ctx.divergence.first, ctx.divergence.seen) == \
         (d["best"], d["first"], d["seen"])
