@@ -295,6 +295,24 @@ def _allreduce_choices() -> dict:
     return tune.in_use() if tune is not None else {}
 
 
+def read_once(read, *, root: bool, bcast, what: str):
+    """``read()`` on the ``root`` rank alone, its result broadcast by ``bcast(obj)`` (collective:
+    every rank calls it): one read of a file that may hold a large model, not one a rank. An
+    exception there is raised on every rank, in the same line (a
+    :class:`~hpcasync.errors.CheckpointError`; ``what`` starts any other's line)."""
+    got = None
+    if root:
+        try:
+            got = ("found", read())
+        except Exception as exc:        # noqa: BLE001 - said on every rank, none left waiting
+            got = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"{what}: {type(exc).__name__}: {exc}"))
+    kind, value = bcast(got)
+    if kind == "error":
+        raise value
+    return value
+
+
 def load_checkpoint(path: str | os.PathLike, *, expect: dict | None = None,
                     map_location: str | torch.device = "cpu") -> dict:
     """The verified state of a checkpoint (see :func:`read_checkpoint`)."""

@@ -193,6 +193,7 @@ class RunContext:
         read once, not by every rank from a shared file system); an error reading it is raised
         on every rank, in the same line.
         """
+        from ..checkpoint import read_once
         from ..errors import CheckpointError
 
         resume = self.cfg.resume
@@ -200,16 +201,9 @@ class RunContext:
             return None
         if resume == "auto" and self.checkpoints is None:
             raise CheckpointError("--resume auto needs --checkpoint-dir")
-        world, got = self.topo.world, None
-        if world.Get_rank() == 0:
-            try:
-                got = ("found", self._read_resume(resume))
-            except Exception as exc:        # noqa: BLE001 - said on every rank, none left waiting
-                got = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
-                    f"--resume {resume}: {type(exc).__name__}: {exc}"))
-        kind, found = world.bcast(got, root=0)
-        if kind == "error":
-            raise found
+        world = self.topo.world
+        found = read_once(lambda: self._read_resume(resume), root=world.Get_rank() == 0,
+                          bcast=lambda obj: world.bcast(obj, root=0), what=f"--resume {resume}")
         if found is None:
             return None
         path, state = found

@@ -967,19 +967,11 @@ class TorchState(ObjectState):
     def _newest_commit(self, disk):
         """``disk.load_latest`` read by the broadcast's root alone and broadcast (collective);
         an error there is raised on every rank, in the same line."""
-        from ..checkpoint import CheckpointError
+        from ..checkpoint import read_once
 
-        got = None
-        if self._rank() == sync_root():
-            try:
-                got = ("found", disk.load_latest(expect=self._disk_header()))
-            except Exception as exc:        # noqa: BLE001 - said on every rank, none left waiting
-                got = ("error", exc if isinstance(exc, CheckpointError) else CheckpointError(
-                    f"State.persist: reading {disk.directory}: {type(exc).__name__}: {exc}"))
-        kind, value = self._bcast_object(got)
-        if kind == "error":
-            raise value
-        return value
+        return read_once(lambda: disk.load_latest(expect=self._disk_header()),
+                         root=self._rank() == sync_root(), bcast=self._bcast_object,
+                         what=f"State.persist: reading {disk.directory}")
 
     def _own_commit(self, path, header: dict, blob) -> tuple:
         """The commit this rank loads, given rank 0's newest (``path``): where commits have own

@@ -24,7 +24,8 @@ print(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().tobyte
 
 
 def run(code: str, real: bool) -> list[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]),
+    path = [str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
                HPCASYNC_TEST_REAL_DYNAMO="1" if real else "0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
