@@ -16,7 +16,6 @@ another run) leaves nothing behind: a metrics stream that holds no more than its
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import platform
@@ -72,10 +71,7 @@ def seed_everything(seed: int) -> None:
 
 def params_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the model's parameters and buffers, in order: equal digests = bitwise equal."""
-    h = hashlib.sha256()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return join.digest([*model.parameters(), *model.buffers()])
 
 
 _STARTUP_EVENTS = frozenset({"config", "resume"})

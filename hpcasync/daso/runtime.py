@@ -184,8 +184,8 @@ class Daso(driver.Family):
                 (opt.steps, opt.batches_per_epoch, opt._lost_before, len(opt.inflight),
                  sch.epoch, sch.batch, sch.nbatches, tuple(sch.knobs),
                  repr(sch.plateau.state_dict())),
-                join.tensors_digest([*self.model.state_dict().values(),
-                                     *optimizer_state_tensors(opt.optimizer)]))
+                join.digest([*self.model.state_dict().values(),
+                             *optimizer_state_tensors(opt.optimizer)]))
 
     def comms(self) -> tuple:
         return tuple(self.opt.comm.group_comms())

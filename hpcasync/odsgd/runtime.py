@@ -128,7 +128,7 @@ class OdSgd(driver.Family):
         w = self.worker
         g = w.glob
         return (tuple(self.cur.position), (w.steps, w.rounds),
-                join.tensors_digest([g.W, g.W_prev, g.buf, w.flat.params, w.flat.buffers]))
+                join.digest([g.W, g.W_prev, g.buf, w.flat.params, w.flat.buffers]))
 
     def position(self) -> tuple:
         return (*self.cur.position, self.worker.rounds)

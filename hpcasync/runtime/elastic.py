@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import logging
 import os
 import time
@@ -69,9 +68,7 @@ GROW_ENV, MAX_ENV = "HPCASYNC_GROW_BACK", "HPCASYNC_MAX_RANKS"
 _GROWN: dict[str, Any] = {}
 #: front ends' functions freeing their communicators at exit in a process of a grown job
 _RELEASE = join.AT_EXIT
-#: the key under which a ``state_dict`` keeps what is this rank's own and never the same on
-#: every rank (PowerSGD's error memory): :func:`state_digest` leaves it out
-LOCAL_KEY = "rank_local"
+LOCAL_KEY = join.LOCAL_KEY     # a state_dict's part that is this rank's own (join.digest)
 is_joiner = join.is_joiner
 
 
@@ -698,16 +695,9 @@ def sync_root() -> int:
 
 
 def check_synced(membership: Membership, state: "State") -> None:
-    """After the first sync on a grown world: every rank compares a SHA-256 of its state
-    (:func:`state_digest`) with the root's (one allgather); a replacement that holds something
-    else ends the job with one line on every rank instead of training on other state."""
-    every = membership.comm.allgather(state_digest(state))
-    root = sync_root()
-    bad = [r for r, d in enumerate(every) if d != every[root]]
-    if bad:
-        raise TopologyError(f"elastic grow-back: rank(s) {', '.join(map(str, bad))} of the grown "
-                            f"world do not hold the state of rank {root} (a survivor) after the "
-                            "sync")
+    """After the first sync on a grown world: every rank's :func:`state_digest` against the
+    root's (:func:`join.agree`: one line on every rank where a replacement holds other state)."""
+    join.agree(membership.comm, state_digest(state), sync_root())
 
 
 def rank_own_state(value) -> tuple[bool, Any]:
@@ -722,30 +712,11 @@ def rank_own_state(value) -> tuple[bool, Any]:
 
 
 def state_digest(state: "State") -> str:
-    """SHA-256 of what ``state`` holds: its handlers' state dicts (tensors as bytes, other leaves
-    by ``repr``; a rank's own part, under :data:`LOCAL_KEY`, left out) and its plain values."""
-    h = hashlib.sha256()
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            h.update(x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(x, dict):
-            for k in sorted(x, key=repr):
-                if k == LOCAL_KEY:
-                    continue
-                h.update(repr(k).encode())
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        else:
-            h.update(repr(x).encode())
-
-    for name, handler in sorted(getattr(state, "_handlers", {}).items()):
-        h.update(name.encode())
-        walk(handler.value.state_dict())
-    walk(getattr(state, "_saved_state", {}))
-    return h.hexdigest()
+    """:func:`join.digest` of what ``state`` holds: its handlers' state dicts (a rank's own part,
+    under :data:`LOCAL_KEY`, left out) and its plain values."""
+    return join.digest([{name: h.value.state_dict()
+                         for name, h in getattr(state, "_handlers", {}).items()},
+                        getattr(state, "_saved_state", {})])
 
 
 def defer_startup_failure(exc: BaseException, comms) -> bool:

@@ -80,6 +80,11 @@ AT_EXIT: list[Callable[[], None]] = []
 _registered: list[bool] = []
 
 
+#: the key under which a ``state_dict`` keeps what is this rank's own and never the same on
+#: every rank (PowerSGD's error memory): :func:`digest` leaves it out
+LOCAL_KEY = "rank_local"
+
+
 class JoinError(HpcasyncError, RuntimeError):
     """A joiner does not hold the survivors' state after the transfer (a bug, never a death)."""
 
@@ -408,40 +413,59 @@ def live_state(ctx, cur, ft, snapshot: dict) -> dict:
 
 def state_digest(model, opt, cur) -> tuple:
     """What every rank of a synchronous run holds alike once a joiner is in: the data position,
-    the optimizer's step count, and a SHA-256 of the model's parameters and buffers and of the
-    optimizer's state tensors (momentum), as bytes (any dtype: bfloat16 has no numpy type)."""
+    the optimizer's step count, and a :func:`digest` of the model's parameters and buffers and of
+    the optimizer's state tensors (momentum)."""
     import torch
 
     tensors = [*model.state_dict().values()]
     for state in opt.state_dict().get("state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return (tuple(cur.position), int(getattr(opt, "steps", 0)), tensors_digest(tensors))
+    return (tuple(cur.position), int(getattr(opt, "steps", 0)), digest(tensors))
 
 
-def tensors_digest(tensors) -> str:
-    """SHA-256 of ``tensors``' bytes, in order (any dtype: bfloat16 has no numpy type)."""
+def digest(x) -> str:
+    """SHA-256 of ``x``: tensors as their bytes (any dtype: bfloat16 has no numpy type), dicts
+    by sorted key (a rank's own part, under :data:`LOCAL_KEY`, left out), lists and tuples in
+    order, other leaves by ``repr``. A list of tensors hashes as their bytes back to back."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            h.update(x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=repr):
+                if k != LOCAL_KEY:
+                    h.update(repr(k).encode())
+                    walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    walk(x)
     return h.hexdigest()
 
 
 def agree(world, mine, ref: int) -> None:
-    """After the state transfer, every rank of the grown world compares ``mine``
-    (:func:`state_digest`) with everyone's (one allgather): a joiner that got or loaded less than
-    the survivors hold ends the job with one line on every rank instead of training on
-    something else (or waiting in a collective the others never call)."""
+    """After a state transfer to a replacement (the CLI's live state, your own loop's first
+    sync), every rank of the grown world compares ``mine`` (a :func:`digest`, or the CLI's
+    ``(position, steps, digest)``) with rank ``ref``'s (one allgather): a replacement that got or
+    loaded less than the survivors hold ends the job with one line on every rank instead of
+    training on something else (or waiting in a collective the others never call)."""
     every = world.allgather(mine)
     bad = [r for r, x in enumerate(every) if x != every[ref]]
     if bad:
+        got, want = every[bad[0]], every[ref]
+        detail = "" if isinstance(want, str) else (
+            f": position and steps {got[:-1]} against {want[:-1]}, state "
+            f"{'equal' if got[-1] == want[-1] else 'different'}")
         raise JoinError(f"grow-back: rank(s) {', '.join(map(str, bad))} of the grown world do "
-                        f"not hold the state of rank {ref} (a survivor) after the join: position "
-                        f"and steps {every[bad[0]][:2]} against {every[ref][:2]}, state "
-                        f"{'equal' if every[bad[0]][2] == every[ref][2] else 'different'}")
+                        f"not hold the state of rank {ref} (a survivor) after the join{detail}")
 
 
 def take_live_state(blob: dict, ctx, cur, ft, check: Callable[[], Any]) -> None:
