@@ -1,6 +1,6 @@
 """Start-up of every Python process the test suite runs (scripts/test.sh puts this directory on
 ``PYTHONPATH``): ``torch._dynamo`` imported only when something besides its two eager no-ops is
-asked of it.
+asked of it, ``torch._meta_registrations`` only when asked for.
 
 Why: in eager mode ``torch.optim`` reaches ``torch._dynamo`` for two calls -- the
 ``torch._disable_dynamo`` wrappers of ``Optimizer.add_param_group``/``state_dict``/``zero_grad``/...
@@ -16,7 +16,15 @@ asked of it (DDP's ``torch._dynamo.utils``, a submodule's import, ``__path__``) 
 ``torch._dynamo`` there and then and answers from it, and from then on ``torch._dynamo`` is the real
 module. (The ``disable`` answers given before stay cached on torch's methods: a process that
 ``torch.compile``\\ s an optimizer's methods would trace into them. No test compiles anything.)
-``HPCASYNC_TEST_REAL_DYNAMO=1`` turns this off. Nothing outside the tests uses it; ``hpcasync``
+Likewise ``torch._meta_registrations``, which ``import torch`` runs last (~0.8 CPU-s with the
+``torch._decomp``, ``torch._refs`` and ``torch._prims`` it imports): it registers Python kernels
+for the ``Meta`` dispatch key only -- shapes without data, for ``device="meta"`` tensors,
+``torch.compile``'s and ``torch.export``'s fake tensors -- never a kernel that computes on the CPU
+or a GPU. The test run's is an empty module that imports the real one when a name is asked of it
+or when the real ``torch._dynamo`` is imported; an op on a ``meta`` tensor without a C++ meta
+kernel fails loudly before that ("no fake impl or Meta kernel"). No test uses the ``meta`` device.
+
+``HPCASYNC_TEST_REAL_TORCH=1`` turns both off. Nothing outside the tests uses this; ``hpcasync``
 itself never imports ``torch._dynamo`` (hpcasync/optim.py).
 """
 import importlib
@@ -27,6 +35,7 @@ import sys
 import types
 
 NAME = "torch._dynamo"
+META = "torch._meta_registrations"
 
 
 def _disable(fn=None, recursive=True, *, wrapping=True, reason=None):
@@ -38,16 +47,20 @@ def _graph_break(msg=""):
     """``torch._dynamo.graph_break`` outside ``torch.compile``: nothing."""
 
 
-def _real():
-    """The real ``torch._dynamo``, imported now if it is not yet."""
-    module = sys.modules.get(NAME)
-    if module is None or isinstance(module, _Eager):
-        _FINDER.real = True
-        sys.modules.pop(NAME, None)
+def _real(name=NAME):
+    """The real ``torch._dynamo`` (or ``torch._meta_registrations``), imported now if it is not
+    yet; the real ``torch._dynamo`` brings the real meta kernels first (its fake tensors)."""
+    module = sys.modules.get(name)
+    if module is None or isinstance(module, (_Eager, _Deferred)):
+        if name == NAME:
+            _real(META)
+        _FINDER.real.add(name)
+        sys.modules.pop(name, None)
         torch = sys.modules["torch"]
-        if isinstance(vars(torch).get("_dynamo"), _Eager):
-            del torch._dynamo         # the real package's own import reaches it through torch
-        module = importlib.import_module(NAME)
+        attr = name.rpartition(".")[2]
+        if isinstance(vars(torch).get(attr), (_Eager, _Deferred)):
+            delattr(torch, attr)      # the real package's own import reaches it through torch
+        module = importlib.import_module(name)
     return module
 
 
@@ -60,12 +73,20 @@ class _Eager(types.ModuleType):
         return getattr(_real(), name)
 
 
+class _Deferred(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_real(META), name)
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    real = False              # the real torch._dynamo was imported: serve it
+    def __init__(self):
+        self.real = set()     # the modules whose real import was made: served by it
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == NAME and not self.real:
-            return importlib.machinery.ModuleSpec(NAME, self)
+        if fullname in (NAME, META) and fullname not in self.real:
+            return importlib.machinery.ModuleSpec(fullname, self)
         if fullname.startswith(NAME + ".") and fullname in sys.modules:
             # imported by the real package's own import, inside the __path__ access above:
             # hand that module back instead of executing it a second time
@@ -73,6 +94,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
+        if spec.name == META:
+            return _Deferred(META, "torch._meta_registrations, imported when asked for")
         if spec.name != NAME:
             return sys.modules[spec.name]
         module = _Eager(NAME, "torch._dynamo's eager no-ops for the test run")
@@ -82,8 +105,10 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         if isinstance(module, _Eager):
             module._ready = True
+        elif isinstance(module, _Deferred):
+            importlib.import_module("torch._prims")     # (its rng_prims sets torch.Generator up)
 
 
 _FINDER = _Finder()
-if os.environ.get("HPCASYNC_TEST_REAL_DYNAMO", "0") in ("", "0"):
+if os.environ.get("HPCASYNC_TEST_REAL_TORCH", "0") in ("", "0"):
     sys.meta_path.insert(0, _FINDER)

@@ -1,5 +1,6 @@
 """tests/site/sitecustomize.py: the test run's ``torch._dynamo`` answers torch's two eager no-ops
-without the import, changes no result, and becomes the real module for anything else."""
+without the import, its ``torch._meta_registrations`` is not imported, neither changes a result,
+and each becomes the real module for anything else."""
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ for opt in (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True)
         m(torch.randn(8, 5)).square().mean().backward()
         opt.step()
     opt.load_state_dict(opt.state_dict())
-print(type(sys.modules["torch._dynamo"]).__name__)
+print(type(sys.modules["torch._dynamo"]).__name__, "torch._decomp" in sys.modules,
+      type(sys.modules["torch._meta_registrations"]).__name__)
 print(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().tobytes().hex())
 """
 
@@ -26,7 +28,7 @@ print(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().tobyte
 def run(code: str, real: bool) -> list[str]:
     path = [str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
-               HPCASYNC_TEST_REAL_DYNAMO="1" if real else "0")
+               HPCASYNC_TEST_REAL_TORCH="1" if real else "0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -34,10 +36,10 @@ def run(code: str, real: bool) -> list[str]:
 
 
 def test_torch_optimizers_step_bitwise_as_with_the_real_module_without_importing_it():
-    stand_in, params = run(STEPS, real=False)
-    real, params_real = run(STEPS, real=True)
-    assert stand_in == "_Eager", "a torch optimizer's step imported the real torch._dynamo"
-    assert real == "module"
+    *stand_in, params = run(STEPS, real=False)
+    *real, params_real = run(STEPS, real=True)
+    assert stand_in == ["_Eager", "False", "_Deferred"], "a real torch._dynamo or meta import"
+    assert real == ["module", "True", "module"]
     assert params == params_real
 
 
@@ -50,5 +52,18 @@ import torch._dynamo.config as config
 print(type(sys.modules["torch._dynamo"]).__name__, torch._dynamo is sys.modules["torch._dynamo"],
       config is torch._dynamo.config, mode)
 print(torch.compile(lambda x: 2 * x + 1, backend="eager")(torch.ones(2)).tolist() == [3.0, 3.0])
+print(type(sys.modules["torch._meta_registrations"]).__name__)
 """
-    assert run(code, real=False) == ["module", "True", "True", "ddp_optimizer", "True"]
+    assert run(code, real=False) == ["module", "True", "True", "ddp_optimizer", "True", "module"]
+
+
+def test_a_name_asked_of_the_meta_registrations_imports_them():
+    code = """
+import sys, torch
+meta = sys.modules["torch._meta_registrations"]
+print(type(meta).__name__, callable(torch._meta_registrations.activate_meta))
+print(type(sys.modules["torch._meta_registrations"]).__name__,
+      torch._meta_registrations is sys.modules["torch._meta_registrations"],
+      torch.median(torch.empty(3, device="meta")).device)
+"""
+    assert run(code, real=False) == ["_Deferred", "True", "module", "True", "meta"]
