@@ -527,20 +527,23 @@ def _check_unsharded(optimizer, what: str) -> None:
                           "--checkpoint-dir DIR), which checkpoints every shard")
 
 
-def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer=None
-                    ) -> dict | None:
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
+                    comm=None) -> dict | None:
     """Restore the newest intact checkpoint of ``directory`` (or the file ``directory``) into
     ``model`` and ``optimizer``; returns the position to continue from, ``{"epoch", "step",
     **extra}``, or None when there is none (said in the log of the root rank, naming the
     directory). A torn or foreign file is skipped with a warning; one of another algorithm or
-    model is an error. Not collective (every rank reads the file).
+    model is an error. Not collective by default: every rank reads the file, as ``torch.load``
+    would. ``comm`` (an MPI communicator, every rank of it calling): its rank 0 reads the file
+    and broadcasts what it found, so that a large model is read once, not once a rank (Horovod's
+    load-on-rank-0-and-broadcast); an error is then the same line on every rank.
 
     A parameter-server algorithm (call it on every rank before ``serve()`` and the loop): the
     server takes θ, the rule's state and (when it serves) its clock; each worker its own position
     (returned: the labels it asked the checkpoint for; ``finished: True`` if it had finished),
     its BatchNorm buffers, its optimizer's param groups and (shat, shat-root, ensemble) its own
     model, which it trains from after the server's first reply."""
-    from .checkpoint import PER_RANK, CheckpointManager, own_part
+    from .checkpoint import PER_RANK, CheckpointManager, own_part, read_once
     from .checkpoint import load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
@@ -549,16 +552,21 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         _check_unsharded(optimizer, "load_checkpoint")
     expect = {"model": type(model).__name__, **({"algorithm": algorithm} if algorithm else {})}
     p = Path(directory)
-    if p.is_file():
-        state = load_file(p, expect=expect)
-    else:
+
+    def read() -> dict | None:
+        if p.is_file():
+            return load_file(p, expect=expect)
         found = CheckpointManager(p).load_latest(expect=expect) if p.is_dir() else None
-        if found is None:
-            if _is_root(optimizer, ps):
-                log.warning("hpcasync.load_checkpoint: no checkpoint in %s%s: starting from "
-                            "the beginning", p, "" if p.is_dir() else " (no such directory)")
-            return None
-        state = found[2]
+        return None if found is None else found[2]
+
+    state = read() if comm is None else read_once(
+        read, root=comm.Get_rank() == 0, bcast=lambda obj: comm.bcast(obj, root=0),
+        what="hpcasync.load_checkpoint")
+    if state is None:
+        if _is_root(optimizer, ps):
+            log.warning("hpcasync.load_checkpoint: no checkpoint in %s%s: starting from "
+                        "the beginning", p, "" if p.is_dir() else " (no such directory)")
+        return None
     model.load_state_dict(state["model"])
     if optimizer is None:
         return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}
@@ -566,8 +574,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         return optimizer.checkpoints.restore(state)
     optimizer.load_state_dict(state["optimizer"])
     if hasattr(optimizer, "load_local_state_dict"):     # this rank's own part, if written
-        comm = getattr(optimizer, "comm", None)
-        rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
+        group = getattr(optimizer, "comm", None)
+        rank, size = (0, 1) if group is None else (group.Get_rank(), group.Get_size())
         optimizer.load_local_state_dict(own_part(state.get(PER_RANK), rank, size,
                                                  "hpcasync.load_checkpoint"))
     return {"epoch": state["epoch"], "step": state["step"], **state.get("extra", {})}

@@ -349,6 +349,55 @@ def test_checkpoint_resume_from_a_user_loop_is_bitwise(algorithm, data, tmp_path
     assert digest(resumed) == digest(whole)
 
 
+@needs4
+def test_load_checkpoint_with_a_comm_is_read_by_its_rank_0_alone(data, tmp_path_factory,
+                                                                  monkeypatch):
+    """``load_checkpoint(..., comm=COMM)``: rank 0 reads the newest file, once, and the others
+    receive it (planted: every rank reads -> caught); each rank still loads its own OD-SGD part;
+    without ``comm`` every rank reads; a checkpoint of another model is the same one line on
+    every rank; an empty directory is None everywhere."""
+    import hpcasync.checkpoint as ckpt
+    from hpcasync.errors import CheckpointError
+
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt")) if RANK == 0 else None)
+    reads: list = []
+    real_read = ckpt.read_checkpoint
+    monkeypatch.setattr(ckpt, "read_checkpoint",
+                        lambda path, **kw: reads.append(path) or real_read(path, **kw))
+
+    def build():
+        model = make_model()
+        opt = hpcasync.optimizer("odsgd", model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                                 momentum=0.9), warmup_iters=1)
+        return model, opt
+
+    model, opt = build()
+    assert hpcasync.load_checkpoint(directory, model, opt, comm=COMM) is None and reads == []
+    for s in range(3):
+        opt.zero_grad()
+        x, y = batch(data, s)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    hpcasync.save_checkpoint(directory, model, opt, epoch=0, step=3)
+    mine = digest(model), [t.clone() for t in opt.local_state_dict().values()
+                           if isinstance(t, torch.Tensor)]
+    assert len(set(COMM.allgather(mine[1][0].numpy().tobytes()))) > 1     # parts of their own
+    opt.finish()
+    model2, opt2 = build()
+    assert hpcasync.load_checkpoint(directory, model2, opt2, comm=COMM)["step"] == 3
+    assert COMM.allgather(len(reads)) == [1] + [0] * (SIZE - 1)
+    local = [t for t in opt2.local_state_dict().values() if isinstance(t, torch.Tensor)]
+    assert digest(model2) == mine[0] and all(torch.equal(a, b) for a, b in zip(local, mine[1]))
+    reads.clear()
+    assert hpcasync.load_checkpoint(directory, model2, opt2)["step"] == 3      # torch.load's way
+    assert COMM.allgather(len(reads)) == [1] * SIZE
+    opt2.finish()
+    with pytest.raises(CheckpointError) as err:
+        hpcasync.load_checkpoint(directory, nn.Linear(2, 2), comm=COMM)
+    assert len(set(COMM.allgather(str(err.value)))) == 1 and "model" in str(err.value), \
+        str(err.value)
+
+
 def _persisted(algorithm, data, seed, **kw):
     """A model, ``hpcasync.optimizer(algorithm)``, an ElasticSampler and their State (``steps``)."""
     from hpcasync.data.sharding import ElasticSampler
