@@ -9,10 +9,10 @@ holds the first once and the others for every rank (gathered to rank 0, the writ
      "epoch": e, "batch": b, "loss_sum": …}           # where a resumed run continues
 
 On resume every rank receives the file from rank 0 (``ctx.resume_state()``) and takes its own
-row, so nothing needs to be scattered. Before writing, the round in flight is completed: that only
-applies W_t → W_{t+1} earlier than the next ``step()`` would, with the same operands (the next gradient is
-computed on W^l, not on W), so an interrupted and resumed run is bitwise equal to an uninterrupted
-one.
+row, so nothing needs to be scattered. Before writing, the round in flight is completed: that
+only applies W_t → W_{t+1} earlier than the next ``step()`` would, with the same operands (the
+next gradient is computed on W^l, not on W), so an interrupted and resumed run is bitwise equal
+to an uninterrupted one.
 
 Example (inside the OD-SGD loop, after ``worker.step()``)::
 

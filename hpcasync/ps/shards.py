@@ -250,9 +250,10 @@ def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, heade
 def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     """Server: the state to resume this shard from. ``state`` is shard 0's checkpoint (rank
     0 reads it, every rank receives it); server s > 0 reads its own file beside it
-    (``shard-<s>/``, same name) and checks that it was cut the same way, at the same number of pushes. A SIGTERM checkpoint
-    (kind ``signal``, written by each server the moment the signal reached it, so at its own push
-    count) is paired with the shard's newest checkpoint of the same epoch instead."""
+    (``shard-<s>/``, same name) and checks that it was cut the same way, at the same number of
+    pushes. A SIGTERM checkpoint (kind ``signal``, written by each server the moment the signal
+    reached it, so at its own push count) is paired with the shard's newest checkpoint of the
+    same epoch instead."""
     from pathlib import Path
 
     from ..checkpoint import load_checkpoint

@@ -16,8 +16,9 @@ asked of it (DDP's ``torch._dynamo.utils``, a submodule's import, ``__path__``) 
 ``torch._dynamo`` there and then and answers from it, and from then on ``torch._dynamo`` is the real
 module. (The ``disable`` answers given before stay cached on torch's methods: a process that
 ``torch.compile``\\ s an optimizer's methods would trace into them. No test compiles anything.)
-Likewise ``torch._meta_registrations``, which ``import torch`` runs last (~0.8 CPU-s with the
-``torch._decomp``, ``torch._refs`` and ``torch._prims`` it imports): it registers Python kernels
+Likewise ``torch._meta_registrations``, which ``import torch`` runs last (with the
+``torch._decomp`` and ``torch._refs`` it imports, ~0.45 CPU-s; ``torch._prims`` is still imported,
+as its ``rng_prims`` sets ``torch.Generator`` up): it registers Python kernels
 for the ``Meta`` dispatch key only -- shapes without data, for ``device="meta"`` tensors,
 ``torch.compile``'s and ``torch.export``'s fake tensors -- never a kernel that computes on the CPU
 or a GPU. The test run's is an empty module that imports the real one when a name is asked of it
