@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import platform
 import random
 import sys
@@ -102,7 +101,8 @@ def train(cfg: TrainConfig) -> dict:
     from . import plugins
     from .data import load_dataset
     from .models import build_model
-    from .topology import Topology, init_mpi
+    from . import api
+    from .topology import init_mpi
 
     # read (and so check) the data before MPI starts: a bad file is then said once, by rank 0
     setup_logging(launcher_rank())
@@ -125,19 +125,16 @@ def train(cfg: TrainConfig) -> dict:
     init_mpi()
     startup.done()          # from here a dead rank is ULFM's to report (errors.fail_fast)
     inject.point("mpi")
-    if join.is_joiner():        # merged into the running job's world
-        topo = join.joiner_topology(cfg)
-    else:
-        topo = Topology.build(ranks_per_node=cfg.ranks_per_node, device=cfg.device,
-                              ps_rank=cfg.ps_rank)
+    # your own loop's start (a replacement: merged into the running job's world); the roles are
+    # the runtime's, whose checks say the CLI's options (--ps-ranks), so none is asked here
+    topo = api.init(None, ranks_per_node=cfg.ranks_per_node, device=cfg.device,
+                    ps_rank=cfg.ps_rank, threads=cfg.threads or None, seed=cfg.seed,
+                    fail_fast=False).topology     # (the CLI's own: errors.run_main)
     # the rank that logs, writes metrics and shows progress (a PS runtime: the PS rank); a
     # joiner never does (a survivor holds the stream)
     report = runtime.reporting_rank(topo) if hasattr(runtime, "reporting_rank") else 0
     report = -1 if join.joined() else report
     setup_logging(topo.rank, report_rank=report)
-    threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // topo.local_size)
-    torch.set_num_threads(threads)
-    seed_everything(cfg.seed)
     if topo.rank == report:
         log.info("hpcasync %s: %s", cfg.algorithm, topo.describe())
         if cfg.device != "cpu" and topo.device == "cpu":
@@ -159,7 +156,7 @@ def train(cfg: TrainConfig) -> dict:
                                                       **opt_kwargs))
     metrics.write("config", config=cfg.to_record(), world_size=topo.size,
                   num_nodes=topo.num_nodes, ranks_per_node=topo.local_size, device=topo.device,
-                  threads_per_rank=threads, torch=torch.__version__, python=platform.python_version(),
+                  threads_per_rank=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
                   train_size=len(train_set), test_size=len(test_set),
                   slurm=SlurmEnv.from_environ().record(), **shape, **specs)
     t0 = time.time()

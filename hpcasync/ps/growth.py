@@ -211,7 +211,7 @@ def grow(ctx, core, growth: PSGrowth, payload: dict, position=None) -> dict | No
 
 
 def receive(ctx, core) -> dict:
-    """A replacement's side of :func:`grow` (after ``join.joiner_topology``): the server's
+    """A replacement's side of :func:`grow` (after ``hpcasync.init``'s join): the server's
     payload, its join records and the run's clocks."""
     topo = ctx.topo
     blob = topo.world.bcast(None, root=topo.ps_rank)

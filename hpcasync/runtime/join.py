@@ -269,13 +269,6 @@ def _topology(world, cfg, ps_rank: int = 0):
                           ps_rank=ps_rank)
 
 
-def joiner_topology(cfg):
-    """The CLI joiner's side of steps 2-3 (module doc), right after ``MPI_Init``: the grown
-    world (:func:`join_world`) and the topology over it."""
-    world = join_world()
-    return _topology(world, cfg, _joined.get("ps_rank", 0))
-
-
 # -- replacements spawned by one rank while the others go on (the parameter server) ----------------
 
 class Spawned:
