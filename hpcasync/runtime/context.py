@@ -31,7 +31,8 @@ log = logging.getLogger("hpcasync")
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 1000,
-             device: str = "cpu", loss_fn: Callable | None = None) -> tuple[float, float]:
+             device: str = "cpu", loss_fn: Callable | None = None,
+             predictions: bool = False) -> tuple:
     """Mean loss and accuracy of ``model`` on ``dataset``; collective over ``comm`` when given.
 
     Every rank of ``comm`` evaluates a contiguous slice and the sums are allreduced, so the result is
@@ -39,6 +40,9 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
 
     ``loss_fn(output, target)`` is the batch-mean loss (default cross entropy); it is summed as
     mean × batch size (torch's cross entropy and NLL are summed directly, ``reduction="sum"``).
+    With ``predictions`` a third value: the share of the images whose predicted class is the
+    most predicted one (1.0: a constant predictor; None for outputs that are not one row of
+    class scores per image).
     """
     if loss_fn is None:
         loss_fn = F.cross_entropy
@@ -48,7 +52,7 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
     lo, hi = n * rank // size, n * (rank + 1) // size
     was_training = model.training
     model.eval()
-    loss_sum, correct = 0.0, 0
+    loss_sum, correct, counts = 0.0, 0, None
     for start in range(lo, hi, batch_size):
         stop = min(hi, start + batch_size)
         x = dataset.images[start:stop].to(device, non_blocking=True)
@@ -59,14 +63,35 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
         else:
             loss_sum += float(loss_fn(out, y)) * (stop - start)
         correct += int((out.argmax(1) == y).sum())
+        if predictions and out.dim() == 2:
+            c = torch.bincount(out.argmax(1).cpu(), minlength=out.shape[1]).double().numpy()
+            counts = c if counts is None else counts + c
     model.train(was_training)
     if comm is not None and size > 1:
         from mpi4py import MPI
 
-        sums = np.array([loss_sum, correct], dtype=np.float64)   # exact for counts < 2**53
+        if predictions:     # (a rank with no image to score counted nothing: the widest row)
+            width = comm.allreduce(0 if counts is None else len(counts), op=MPI.MAX)
+            counts = np.zeros(width) if counts is None else counts
+        sums = np.array([loss_sum, correct, *(counts if predictions else ())],
+                        dtype=np.float64)   # exact for counts < 2**53
         comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-        loss_sum, correct = float(sums[0]), int(sums[1])
-    return loss_sum / n, correct / n
+        loss_sum, correct, counts = float(sums[0]), int(sums[1]), sums[2:]
+    if not predictions:
+        return loss_sum / n, correct / n
+    top = None if counts is None or not len(counts) else float(counts.max()) / n
+    return loss_sum / n, correct / n, top
+
+
+def constant_predictor(top_share: float, labels) -> bool:
+    """Whether a model that gives ``top_share`` of the test images one class (:func:`evaluate`'s
+    third value) has collapsed: at least 99 % of them, on a test set whose most common label
+    is under 90 % of its images (where one class is the right answer for nearly all, it is
+    not a sign of anything)."""
+    labels = torch.as_tensor(labels).reshape(-1)
+    if top_share < 0.99 or not len(labels) or labels.is_floating_point() or labels.min() < 0:
+        return False                # (not class indices: nothing to compare with)
+    return float(torch.bincount(labels.long()).max()) / len(labels) < 0.9
 
 
 def mean_over(comm, value: float) -> float:
@@ -280,10 +305,12 @@ class RunContext:
         comm = self.topo.world if eval_comm is None else eval_comm
         inject.point("epoch_end")
         self.divergence.check_weights(model, where=f"the end of epoch {epoch}")
-        test_loss, test_acc = evaluate(model, self.test, comm, device=self.topo.device,
-                                       loss_fn=self.loss_fn)
+        test_loss, test_acc, top = evaluate(model, self.test, comm, device=self.topo.device,
+                                            loss_fn=self.loss_fn, predictions=True)
         record = {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
                   "test_accuracy": test_acc, "wall_time_s": round(time.time() - self.t0, 3), **extra}
+        if top is not None:
+            record["top_class_share"] = round(top, 4)
         self.history = [r for r in self.history if r["epoch"] != epoch] + [record]
         self.progress.close()
         if epoch not in self.metrics.epochs:  # (an epoch end redone after a death: written once)
@@ -291,4 +318,9 @@ class RunContext:
         if comm.Get_rank() == 0:
             log.info("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%% (%.1f s)",
                      epoch, train_loss, test_loss, 100 * test_acc, record["wall_time_s"])
+            if top is not None and constant_predictor(top, self.test.labels):
+                log.warning("epoch %d: the model gives %.1f%% of the test images one class (test "
+                            "accuracy %.2f%%): it has collapsed to a constant predictor; the run "
+                            "goes on as torch would (docs/guide/troubleshooting.md)",
+                            epoch, 100 * top, 100 * test_acc)
         return record

@@ -2,7 +2,8 @@
 ``MODULE:FACTORY`` (:mod:`hpcasync.plugins`).
 
 * In-process (one process: tests/unit/test_plugins.py): spec parsing, the conversion of a user
-  data set, the optimizer keywords, ``evaluate`` with a loss.
+  data set, the optimizer keywords, ``evaluate`` with a loss; over the world (every rank, here):
+  ``evaluate``'s sums and its count of predicted classes equal one process's.
 * Bad user code (rank 0, singleton CLI): each problem is one ``hpcasync: error`` line, exit
   status 2, raised before MPI starts (a probe prints at exit whether ``mpi4py.MPI`` was
   initialised); two of them also under ``mpiexec -n 4`` (said once, with no rank tag). Each
@@ -421,6 +422,25 @@ def test_nll_loss_with_a_log_softmax_model(tmp_path):
     summary = last_summary(out)
     # seeds 0-2: accuracy 70.7 / 74.2 / 72.0 %, test loss (NLL) 0.79 / 0.79 / 0.76
     assert summary["test_accuracy"] > 0.66 and 0 < summary["test_loss"] < 1.0, summary
+
+
+@pytest.mark.parametrize("n", [3, 50])
+def test_evaluate_over_the_world_equals_one_process(n):
+    """Each rank scores its slice (with 3 images on 4 ranks one rank has none) and the sums are
+    allreduced: loss, accuracy and the share of the most predicted class are one process's."""
+    from hpcasync.data import ArrayDataset
+    from hpcasync.runtime.context import evaluate
+    from tests.mpi_util import COMM
+
+    torch.manual_seed(0)
+    data = ArrayDataset(torch.randn(n, 4), torch.arange(n) % 3, num_classes=3)
+    model = torch.nn.Linear(4, 3)
+    alone = evaluate(model, data, predictions=True)
+    loss, acc, top = evaluate(model, data, COMM, predictions=True)
+    assert loss == pytest.approx(alone[0], rel=1e-6) and (acc, top) == alone[1:]
+    with torch.no_grad():
+        model.bias.copy_(torch.tensor([0.0, 1e3, 0.0]))     # class 1 for every image
+    assert evaluate(model, data, COMM, predictions=True)[2] == 1.0
 
 
 @pytest.mark.e2e

@@ -127,6 +127,45 @@ def test_context_refuses_nan_loss_weights_and_checkpoints(tmp_path):
     assert [p.name for p in ctx.checkpoints.checkpoints()] == ["ckpt-e0001-s00000001.pt"]
 
 
+def test_a_model_collapsed_to_one_class_is_said_at_its_epoch_end(tmp_path, caplog):
+    """A constant predictor (smega2's collapse under contention: docs/developers/known-gaps.md)
+    exits 0 with an accuracy at chance, as torch's run would: its epoch record gives the share
+    of the most predicted class and the log says it in one warning; a model that learned, or a
+    test set of one class, is not flagged."""
+    from hpcasync.data import ArrayDataset
+    from hpcasync.runtime.context import constant_predictor, evaluate
+
+    ctx = _ctx(tmp_path)
+    labels = torch.arange(40) % 10
+    ctx.test = ArrayDataset(torch.randn(40, 1, 28, 28), labels, num_classes=10)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    with torch.no_grad():
+        net[1].weight.zero_()
+        net[1].bias.copy_(torch.arange(10.0) == 5)        # class 5 for every image
+    with caplog.at_level("WARNING", logger="hpcasync"):
+        record = ctx.epoch_end(1, net, train_loss=2.3)
+    assert record["top_class_share"] == 1.0 and record["test_accuracy"] == 0.1
+    said = [r.getMessage() for r in caplog.records if "constant predictor" in r.getMessage()]
+    assert said == ["epoch 1: the model gives 100.0% of the test images one class (test accuracy "
+                    "10.00%): it has collapsed to a constant predictor; the run goes on as torch "
+                    "would (docs/guide/troubleshooting.md)"]
+    with torch.no_grad():                                  # a model that separates the classes
+        net[1].bias.zero_()
+        net[1].weight.copy_(torch.randn(10, 784))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hpcasync"):
+        record = ctx.epoch_end(2, net, train_loss=2.0)
+    assert record["top_class_share"] < 0.99 and not caplog.records
+    assert constant_predictor(1.0, labels) and not constant_predictor(0.98, labels)
+    assert not constant_predictor(1.0, torch.zeros(40, dtype=torch.long))   # one class: right
+    assert not constant_predictor(1.0, torch.rand(40))                        # not classes
+    loss, acc, top = evaluate(net, ctx.test, predictions=True)
+    assert (loss, acc) == evaluate(net, ctx.test) and 0 < top < 0.99
+    ctx.metrics.close()
+    epochs = [r for r in read_metrics(tmp_path / "m.jsonl") if r["event"] == "epoch"]
+    assert [r["top_class_share"] for r in epochs][0] == 1.0
+
+
 @pytest.mark.rank0
 @pytest.mark.parametrize("algorithm", ["ssgd", "asgd"])
 def test_diverging_simulation_stops_with_one_line(tmp_path, algorithm):
