@@ -156,7 +156,8 @@ def train(cfg: TrainConfig) -> dict:
                                                       **opt_kwargs))
     metrics.write("config", config=cfg.to_record(), world_size=topo.size,
                   num_nodes=topo.num_nodes, ranks_per_node=topo.local_size, device=topo.device,
-                  threads_per_rank=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
+                  threads_per_rank=torch.get_num_threads(), torch=torch.__version__,
+                  python=platform.python_version(),
                   train_size=len(train_set), test_size=len(test_set),
                   slurm=SlurmEnv.from_environ().record(), **shape, **specs)
     t0 = time.time()
