@@ -155,7 +155,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
         threads = max(1, len(os.sched_getaffinity(0)) // topo.local_size)
     torch.set_num_threads(threads)
     if seed is not None:
-        from .train import seed_everything
+        from .runtime.context import seed_everything
 
         seed_everything(seed)
     return roles_on(topo, algorithm)

@@ -18,11 +18,9 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 
 from .config import OPTIMIZER_ALGORITHMS, TrainConfig
@@ -60,12 +58,6 @@ def precheck(cfg: TrainConfig):
 
     locate_dataset(cfg.dataset, data_dir=cfg.data_dir, warn=False)
     return runtime
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def params_digest(model: torch.nn.Module) -> str:

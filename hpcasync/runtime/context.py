@@ -13,6 +13,7 @@ recorded or saved.
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,13 @@ def constant_predictor(top_share: float, labels) -> bool:
     if top_share < 0.99 or not len(labels) or labels.is_floating_point() or labels.min() < 0:
         return False                # (not class indices: nothing to compare with)
     return float(torch.bincount(labels.long()).max()) / len(labels) < 0.9
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators with ``seed`` (every rank alike)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def mean_over(comm, value: float) -> float:

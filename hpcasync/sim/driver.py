@@ -85,9 +85,9 @@ def simulate(cfg) -> dict:
     from ..hetero import DelayModel
     from ..metrics import MetricsWriter
     from ..models import build_model
-    from ..runtime.context import Progress, RunContext
+    from ..runtime.context import Progress, RunContext, seed_everything
     from ..runtime.logs import setup_logging
-    from ..train import params_digest, seed_everything
+    from ..train import params_digest
 
     check(cfg)
     setup_logging(0)
