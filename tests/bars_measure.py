@@ -43,11 +43,12 @@ def main() -> None:
                 r = run_mpi(4, command(algorithm, metrics, seed=seed), timeout=900)
                 took = time.time() - t0
                 acc = last_summary(metrics)["test_accuracy"] if r.returncode == 0 else None
-                epochs = [(e["test_accuracy"], round(e["train_loss"], 3))
+                epochs = [(e["test_accuracy"], round(e["train_loss"], 3), e.get("top_class_share"))
                           for e in read_metrics(metrics) if e["event"] == "epoch"] \
                     if r.returncode == 0 else []
             row = {"algorithm": algorithm, "seed": seed, "accuracy": acc, "job_s": round(took, 1),
-                   "load": os.getloadavg()[0], "epochs": epochs}
+                   "load": os.getloadavg()[0], "epochs": epochs,
+                   "collapse_said": "constant predictor" in r.stderr}
             if acc is None:
                 row["stderr"] = r.stderr[-1500:]
             else:
