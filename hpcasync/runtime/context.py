@@ -63,9 +63,10 @@ def evaluate(model: torch.nn.Module, dataset, comm=None, *, batch_size: int = 10
             loss_sum += float(loss_fn(out, y, reduction="sum"))
         else:
             loss_sum += float(loss_fn(out, y)) * (stop - start)
-        correct += int((out.argmax(1) == y).sum())
+        predicted = out.argmax(1)
+        correct += int((predicted == y).sum())
         if predictions and out.dim() == 2:
-            c = torch.bincount(out.argmax(1).cpu(), minlength=out.shape[1]).double().numpy()
+            c = torch.bincount(predicted.cpu(), minlength=out.shape[1]).double().numpy()
             counts = c if counts is None else counts + c
     model.train(was_training)
     if comm is not None and size > 1:

@@ -51,7 +51,7 @@ def _graph_break(msg=""):
     """``torch._dynamo.graph_break`` outside ``torch.compile``: nothing."""
 
 
-def _real(name=NAME):
+def _real(name):
     """The real module ``name`` (one of :data:`DEFERRED`), imported now if it is not yet; the
     real ``torch._dynamo`` brings the real meta kernels and ``torch.export`` first."""
     module = sys.modules.get(name)
