@@ -544,6 +544,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     its BatchNorm buffers, its optimizer's param groups and (shat, shat-root, ensemble) its own
     model, which it trains from after the server's first reply."""
     from .checkpoint import PER_RANK, CheckpointManager, own_part, read_once
+    from .comm.objects import bcast_object
     from .checkpoint import load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
@@ -560,7 +561,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         return None if found is None else found[2]
 
     state = read() if comm is None else read_once(
-        read, root=comm.Get_rank() == 0, bcast=lambda obj: comm.bcast(obj, root=0),
+        read, root=comm.Get_rank() == 0, bcast=lambda obj: bcast_object(comm, obj, 0),
         what="hpcasync.load_checkpoint")
     if state is None:
         if _is_root(optimizer, ps):

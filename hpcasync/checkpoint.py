@@ -80,7 +80,9 @@ def gather_own(comm, local) -> list | None:
     """Collective over ``comm``: every rank's ``local()`` (its optimizer's
     ``local_state_dict()``) on rank 0, as the checkpoint's :data:`PER_RANK` list; None there
     when no rank holds anything of its own (and on the other ranks)."""
-    parts = comm.gather(local(), root=0)
+    from .comm.objects import gather_object
+
+    parts = gather_object(comm, local(), 0)
     return parts if parts is not None and any(x is not None for x in parts) else None
 
 

@@ -21,6 +21,7 @@ import collections.abc
 
 import torch
 
+from ..comm.objects import bcast_object
 from . import agree as _agree
 from .agree import Desc
 from .basics import _state
@@ -124,11 +125,12 @@ def _inner_step(optimizer) -> None:
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
-    """``root_rank``'s ``obj`` (pickled) on every rank."""
+    """``root_rank``'s ``obj`` (pickled; a copy on ``root_rank`` too) on every rank, any size
+    (its tensors travel as buffers: :func:`hpcasync.comm.objects.bcast_object`)."""
     comm, root, problem = _root(process_set, root_rank)
     _fresh(_key(name, process_set, "broadcast"))
     _agree.agree(comm, Desc("BROADCAST", name, None, (), root_rank, problem=problem))
-    return comm.bcast(obj, root=root)
+    return bcast_object(comm, obj, root, copy=True)
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:

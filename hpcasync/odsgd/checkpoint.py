@@ -20,6 +20,7 @@ Example (inside the OD-SGD loop, after ``worker.step()``)::
 """
 from __future__ import annotations
 
+from ..comm.objects import gather_object
 from ..errors import CheckpointError
 
 __all__ = ["global_state", "local_state", "load_state", "consistent_point"]
@@ -77,7 +78,8 @@ def consistent_point(ctx, worker, *, epoch: int, batch: int, loss_sum: float,
     if not due:
         return
     worker.synchronize()
-    rows = comm.gather(local_state(worker), root=0) if ctx.checkpoints is not None else None
+    rows = (gather_object(comm, local_state(worker), 0) if ctx.checkpoints is not None
+            else None)
 
     def snapshot() -> dict:
         return {"global": global_state(worker), "locals": rows, "epoch": epoch, "batch": batch,

@@ -50,6 +50,7 @@ import logging
 
 import torch
 
+from ..comm.objects import bcast_object
 from ..errors import ConfigError, ProcessFailedError
 from ..runtime import join
 from ..runtime.logs import setup_logging
@@ -198,8 +199,9 @@ def grow(ctx, core, growth: PSGrowth, payload: dict, position=None) -> dict | No
             growth._check_min(topo.size, growth.failed_spawn or "nothing spawned")
         return None
     topo = ctx.topo
-    blob = topo.world.bcast({**payload, "joins": core.joins, "clocks": (ctx.t0, ctx.metrics.t0)}
-                            if topo.rank == topo.ps_rank else None, root=topo.ps_rank)
+    blob = bcast_object(topo.world, {**payload, "joins": core.joins,
+                                     "clocks": (ctx.t0, ctx.metrics.t0)}
+                        if topo.rank == topo.ps_rank else None, topo.ps_rank)
     core.joins = list(blob["joins"])        # the server's records (its positions)
     if topo.rank == topo.ps_rank:
         rec = core.joins[-1]
@@ -214,7 +216,7 @@ def receive(ctx, core) -> dict:
     """A replacement's side of :func:`grow` (after ``hpcasync.init``'s join): the server's
     payload, its join records and the run's clocks."""
     topo = ctx.topo
-    blob = topo.world.bcast(None, root=topo.ps_rank)
+    blob = bcast_object(topo.world, None, topo.ps_rank)
     core.joins = list(blob["joins"])
     ctx.t0, ctx.metrics.t0 = blob["clocks"]
     setup_logging(topo.rank, report_rank=topo.ps_rank)

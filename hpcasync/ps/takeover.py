@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import inject
+from ..comm.objects import gather_object
 from ..errors import proc_failure, ranks_in
 from ..runtime import join
 from ..runtime.elastic import FaultTolerance, Membership, revoke_all, sync_root
@@ -364,8 +365,8 @@ def gather_shards(comm, sources: list, server: int, piece) -> torch.Tensor | Non
     (``sources[s] = (rank, version)``), which gives ``piece(s)``, its slice of shard ``s``; None
     elsewhere."""
     me = comm.Get_rank()
-    pieces = comm.gather({s: piece(s) for s, (r, _) in enumerate(sources) if r == me},
-                         root=server)
+    pieces = gather_object(comm, {s: piece(s) for s, (r, _) in enumerate(sources) if r == me},
+                           server)
     if pieces is None:
         return None
     merged = {s: t for part in pieces for s, t in part.items()}

@@ -228,6 +228,7 @@ class RunContext:
         on every rank, in the same line.
         """
         from ..checkpoint import read_once
+        from ..comm.objects import bcast_object
         from ..errors import CheckpointError
 
         resume = self.cfg.resume
@@ -237,7 +238,7 @@ class RunContext:
             raise CheckpointError("--resume auto needs --checkpoint-dir")
         world = self.topo.world
         found = read_once(lambda: self._read_resume(resume), root=world.Get_rank() == 0,
-                          bcast=lambda obj: world.bcast(obj, root=0), what=f"--resume {resume}")
+                          bcast=lambda obj: bcast_object(world, obj, 0), what=f"--resume {resume}")
         if found is None:
             return None
         path, state = found

@@ -179,8 +179,10 @@ class Membership:
         return self.comm.Get_size()
 
     def bcast_object(self, obj):
-        """``obj`` of :func:`sync_root`."""
-        return self.comm.bcast(obj, root=sync_root())
+        """``obj`` of :func:`sync_root` (a copy there too), any size (its tensors as buffers)."""
+        from ..comm.objects import bcast_object
+
+        return bcast_object(self.comm, obj, sync_root(), copy=True)
 
     def is_root(self) -> bool:
         return self.rank() == sync_root()

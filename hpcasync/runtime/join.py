@@ -379,7 +379,9 @@ def _bridge_joiner(sj, msg: dict):
 def receive(ctx) -> dict:
     """The replacement's side of step 4: the live state from the sync root (the broadcast of
     :meth:`~.recovery.SyncWorld.settle`). Collective over the grown world."""
-    blob = ctx.topo.world.bcast(None, root=_joined["src"])
+    from ..comm.objects import bcast_object
+
+    blob = bcast_object(ctx.topo.world, None, _joined["src"])
     log.warning("grow-back: rank %d took the live state at %s", ctx.topo.rank,
                 tuple(blob["record"]["position"]))
     return blob

@@ -29,6 +29,7 @@ import logging
 from typing import Any, Callable
 
 from .. import inject
+from ..comm.objects import bcast_object
 from . import join
 from .elastic import FaultTolerance, Membership, sync_root
 from .logs import setup_logging
@@ -79,8 +80,8 @@ class SyncWorld(Membership):
         """The root's state and epoch history on every survivor, the topology over them."""
         ctx, src = self.ctx, sync_root()
         self.position = tuple(self.commits[src])
-        blob, history = new.bcast((self.state(), ctx.history) if new.Get_rank() == src
-                                  else None, root=src)
+        blob, history = bcast_object(new, (self.state(), ctx.history) if new.Get_rank() == src
+                                     else None, src, copy=True)
         inject.point("recovery")
         ctx.topo = self._before.shrunk(new)
         self.load(blob)
@@ -121,8 +122,8 @@ class SyncWorld(Membership):
                 m.close(complete=False)             # stream and the log over
                 m.enabled = False
                 setup_logging(ctx.topo.rank, report_rank=0)
-            world.bcast({**self.payload(), "record": grew} if world.Get_rank() == src else None,
-                        root=src)
+            bcast_object(world, {**self.payload(), "record": grew} if world.Get_rank() == src
+                         else None, src)
             join.agree(world, self.check(), src)
         super().settle(grew)
 
