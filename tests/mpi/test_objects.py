@@ -126,3 +126,38 @@ def test_messages_over_2_gib_arrive_whole():
     sub.Free()
     idle_barrier()
     assert all(seen.values()), seen
+
+
+def test_the_state_sync_and_a_collective_checkpoint_read_send_tensors_as_buffers(
+        monkeypatch, tmp_path_factory):
+    """``hpcasync.elastic``'s sync and ``hpcasync.load_checkpoint(comm=)`` go through
+    ``comm.objects`` (a weight of 80 KB travels out of band), so a state over 2 GiB does too
+    (measured with such models: experiments/probes/big_messages.py). Planted: the sync back on
+    ``comm.bcast`` -> caught."""
+    import hpcasync
+
+    sent: list = []                                 # tensors this rank sent out of band
+    real = objects._dumps
+
+    def dumps(obj):
+        out = real(obj)
+        sent.append(len(out[1]))
+        return out
+
+    monkeypatch.setattr(objects, "_dumps", dumps)
+    torch.manual_seed(RANK)                          # every rank a different model
+    model = torch.nn.Linear(200, 100)
+    state = hpcasync.elastic.State(model=model, epoch=RANK)
+    state.sync()
+    synced = (COMM.allgather(_bytes(model.weight).numpy().tobytes()), state.epoch, sum(sent))
+    sent.clear()
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("big")) if RANK == 0 else None)
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    hpcasync.save_checkpoint(directory, model, opt, epoch=0)
+    want = _bytes(model.weight).clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    hpcasync.load_checkpoint(directory, model, opt, comm=COMM)
+    read = (torch.equal(_bytes(model.weight), want), sum(sent))
+    assert len(set(synced[0])) == 1 and synced[1] == 0 and (synced[2] > 0) == (RANK == 0)
+    assert read[0] and (read[1] > 0) == (RANK == 0), read
