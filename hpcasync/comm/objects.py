@@ -66,13 +66,14 @@ def gather_object(comm, obj, root: int = 0) -> list | None:
     from mpi4py import MPI
 
     me, size = comm.Get_rank(), comm.Get_size()
-    blob, items = _dumps(obj)
-    heads = comm.gather(_header(blob, items), root=root)
+    blob, items = _dumps(obj) if me != root else (b"", [])     # (the root keeps its own)
+    own = _header(blob, items)
+    heads = comm.gather(own, root=root)
     # who sends how many bytes, the same calls on every rank: from the root
     plan = comm.bcast(None if me != root else [
-        [] if r == root else ([] if isinstance(h[0], bytes) else [h[0]])
-        + [_nbytes(m) for m in h[1]] for r, h in enumerate(heads)], root=root)
-    mine = ([] if len(blob) <= OUT_OF_BAND else [np.frombuffer(blob, np.uint8)]) + [
+        ([] if isinstance(h[0], bytes) else [h[0]]) + [_nbytes(m) for m in h[1]]
+        for h in heads], root=root)
+    mine = ([] if isinstance(own[0], bytes) else [np.frombuffer(blob, np.uint8)]) + [
         data for _, data in items]
     out = [obj] if me == root else None
     for r, sizes in enumerate(plan):
@@ -141,8 +142,7 @@ def _header(blob, items: list) -> tuple:
 
 
 def _nbytes(meta) -> int:
-    dtype, shape = meta[0], meta[1]
-    return int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return int(np.prod(meta[1], dtype=np.int64)) * meta[0].itemsize
 
 
 def _empty(meta) -> tuple[torch.Tensor, np.ndarray]:
