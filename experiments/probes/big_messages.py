@@ -2,7 +2,8 @@
 2 GiB"). Two ranks; GIB is the model's size in GiB of float32 (a ``torch.nn.Linear(24000, n)``).
 
     P=experiments/probes/big_messages.py
-    mpiexec -n 2 python $P objects 2.2               # broadcast, bcast_object, gather_object
+    mpiexec -n 2 python $P objects 2.2               # broadcast, bcast_object, gather_object,
+                                                     # hvd.allgather_object
     mpiexec -n 2 python $P sync ssgd 2.2             # hpcasync.optimizer, elastic State.sync
     mpiexec -n 2 python $P ps asgd 2.1               # a PS rule: two pushes and the end
     mpiexec -n 2 python $P checkpoint localsgd 2.1   # save_checkpoint, load_checkpoint(comm=)
@@ -55,6 +56,13 @@ def objects(gib: float) -> None:
     parts = timed(r, f"gather_object {comm.Get_size()} x {gib / 2} GiB", lambda: gather_object(
         comm, {"w": torch.full((n // 2,), float(r))}, 0))
     assert r != 0 or all(p["w"][-1] == i for i, p in enumerate(parts))
+    del parts
+    import hpcasync.horovod as hvd
+
+    hvd.init()
+    every = timed(r, f"hvd.allgather_object {comm.Get_size()} x {gib / 2} GiB",
+                  lambda: hvd.allgather_object({"w": torch.full((n // 2,), float(r))}))
+    assert all(p["w"][-1] == i for i, p in enumerate(every))
 
 
 def sync(alg: str, gib: float) -> None:

@@ -13,6 +13,7 @@ Example::
 
     state = bcast_object(comm, model.state_dict() if comm.Get_rank() == 0 else None, root=0)
     parts = gather_object(comm, opt.local_state_dict(), root=0)     # a list on rank 0
+    every = allgather_object(comm, opt.local_state_dict())          # a list on every rank
 """
 from __future__ import annotations
 
@@ -93,6 +94,31 @@ def gather_object(comm, obj, root: int = 0) -> list | None:
         if me == root and r != root:
             out.insert(r, _loads(head[0] if isinstance(head[0], bytes) else recv[0],
                                  [_finish(m, t) for m, (t, _) in zip(head[1], made)]))
+    return out
+
+
+def allgather_object(comm, obj) -> list:
+    """Every rank's ``obj`` on every rank of ``comm`` (a list in rank order, each a copy, its
+    own too, as a pickled allgather gives); collective, any size: the small parts in one
+    allgather, each rank's large parts then broadcast from it in pieces of at most
+    :data:`PIECE` bytes."""
+    me = comm.Get_rank()
+    blob, items = _dumps(obj)
+    out = []
+    for r, head in enumerate(comm.allgather(_header(blob, items))):
+        if isinstance(head[0], bytes):
+            data = head[0]
+        else:                           # a large pickle follows as bytes
+            data = np.frombuffer(blob, np.uint8).copy() if r == me else np.empty(head[0], np.uint8)
+            bcast_bytes(comm, data, r)
+        tensors = []
+        for i, meta in enumerate(head[1]):
+            tensor, raw = _empty(meta)
+            if r == me:
+                raw[:] = items[i][1]
+            bcast_bytes(comm, raw, r)
+            tensors.append(_finish(meta, tensor))
+        out.append(_loads(data, tensors))
     return out
 
 

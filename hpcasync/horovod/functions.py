@@ -21,6 +21,7 @@ import collections.abc
 
 import torch
 
+from ..comm import objects
 from ..comm.objects import bcast_object
 from . import agree as _agree
 from .agree import Desc
@@ -134,8 +135,9 @@ def broadcast_object(obj, root_rank: int = 0, name=None, process_set=None):
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
-    """Every rank's ``obj`` (pickled), in rank order."""
+    """Every rank's ``obj`` (pickled; a copy of its own too), in rank order, any size (its
+    tensors travel as buffers: :func:`hpcasync.comm.objects.allgather_object`)."""
     comm = _comm(process_set, "Allgather")
     _fresh(_key(name, process_set, "allgather"))
     _agree.agree(comm, Desc("ALLGATHER", name))
-    return comm.allgather(obj)
+    return objects.allgather_object(comm, obj)

@@ -11,7 +11,7 @@ import torch
 
 from hpcasync.comm import objects
 from hpcasync.comm.broadcast import broadcast
-from hpcasync.comm.objects import bcast_object, gather_object
+from hpcasync.comm.objects import allgather_object, bcast_object, gather_object
 from tests.mpi_util import COMM, RANK, SIZE, idle_barrier
 
 pytestmark = pytest.mark.skipif(SIZE < 2, reason="needs several ranks")
@@ -90,6 +90,33 @@ def test_gather_object_gives_the_root_every_ranks_value_in_rank_order(piece):
     assert len(got) == SIZE and got[root] is mine
     for r, value in enumerate(got):
         assert _same({"rank": r} if r == 2 else _value(r), value), r
+
+
+@pytest.mark.parametrize("through", ["objects", "hvd"])
+def test_allgather_object_gives_every_rank_every_ranks_value_in_rank_order(piece, through):
+    """``comm.objects.allgather_object`` and ``hvd.allgather_object`` (on it): every rank gets
+    every rank's value, its own as a copy (as a pickled allgather gives)."""
+    mine = {"rank": RANK} if RANK == 2 else _value(RANK)
+    if through == "hvd":
+        import hpcasync.horovod as hvd
+        from hpcasync.topology import set_default_topology
+
+        hvd.shutdown()
+        hvd.init(comm=COMM)
+        try:
+            got = hvd.allgather_object(mine, name="objects")
+        finally:                        # later tests build their topology on COMM_WORLD
+            hvd.shutdown()
+            set_default_topology(None)
+    else:
+        got = allgather_object(COMM, mine)
+    assert len(got) == SIZE
+    for r, value in enumerate(got):
+        assert _same({"rank": r} if r == 2 else _value(r), value), r
+    assert got[RANK] is not mine
+    if RANK != 2:
+        assert got[RANK]["param"].data_ptr() != mine["param"].data_ptr()
+        assert got[RANK]["shared"][0] is got[RANK]["shared"][1]
 
 
 def test_a_flat_tensor_broadcast_in_pieces_lands_bitwise(piece):
