@@ -40,24 +40,33 @@ def bcast_object(comm, obj, root: int = 0, *, copy: bool = False):
     """``root``'s ``obj`` on every rank of ``comm`` (collective), any size. On ``root`` the
     result is ``obj`` itself, or with ``copy`` a copy (as a pickled broadcast gives)."""
     me = comm.Get_rank()
-    blob, items = _dumps(obj) if me == root else (None, None)
-    head = comm.bcast(_header(blob, items) if me == root else None, root=root)
+    sent = _dumps(obj) if me == root else None
+    head = comm.bcast(_header(*sent) if me == root else None, root=root)
+    got = _bcast_parts(comm, head, root, sent, copy=me != root or copy)
+    return obj if me == root and not copy else got
+
+
+def _bcast_parts(comm, head, root: int, sent=None, *, copy: bool = True):
+    """The rest of ``root``'s object after its header ``head`` (:func:`_header`): its large
+    pickle and tensors broadcast from it in pieces (collective), then the object unpickled.
+    ``sent``: on ``root``, its :func:`_dumps`; there, without ``copy``, nothing is made and
+    None is returned."""
     if isinstance(head[0], bytes):
         blob = head[0]
     else:                               # a large pickle follows as bytes
-        blob = np.frombuffer(blob, np.uint8) if me == root else np.empty(head[0], np.uint8)
+        blob = np.frombuffer(sent[0], np.uint8) if sent else np.empty(head[0], np.uint8)
         bcast_bytes(comm, blob, root)
     tensors = []
     for i, meta in enumerate(head[1]):
-        tensor, raw = _empty(meta) if me != root or copy else (None, None)
-        if me == root:
-            bcast_bytes(comm, items[i][1], root)
-            if raw is not None:
-                raw[:] = items[i][1]
+        tensor, raw = _empty(meta) if copy else (None, None)
+        if sent:
+            bcast_bytes(comm, sent[1][i][1], root)
+            if copy:
+                raw[:] = sent[1][i][1]
         else:
             bcast_bytes(comm, raw, root)
-        tensors.append(tensor if tensor is None else _finish(meta, tensor))
-    return obj if me == root and not copy else _loads(blob, tensors)
+        tensors.append(_finish(meta, tensor) if copy else None)
+    return _loads(blob, tensors) if copy else None
 
 
 def gather_object(comm, obj, root: int = 0) -> list | None:
@@ -103,23 +112,9 @@ def allgather_object(comm, obj) -> list:
     allgather, each rank's large parts then broadcast from it in pieces of at most
     :data:`PIECE` bytes."""
     me = comm.Get_rank()
-    blob, items = _dumps(obj)
-    out = []
-    for r, head in enumerate(comm.allgather(_header(blob, items))):
-        if isinstance(head[0], bytes):
-            data = head[0]
-        else:                           # a large pickle follows as bytes
-            data = np.frombuffer(blob, np.uint8).copy() if r == me else np.empty(head[0], np.uint8)
-            bcast_bytes(comm, data, r)
-        tensors = []
-        for i, meta in enumerate(head[1]):
-            tensor, raw = _empty(meta)
-            if r == me:
-                raw[:] = items[i][1]
-            bcast_bytes(comm, raw, r)
-            tensors.append(_finish(meta, tensor))
-        out.append(_loads(data, tensors))
-    return out
+    sent = _dumps(obj)
+    return [_bcast_parts(comm, head, r, sent if r == me else None)
+            for r, head in enumerate(comm.allgather(_header(*sent)))]
 
 
 # -- pickling with the large tensors left out --------------------------------------------------
