@@ -197,6 +197,16 @@ MPI_TWINS = {"dcasgd": "asgd", "dcasgd-a": "asgd", "dana": "smega2", "nag": "sme
              "ringmaster": "asgd", "asgd-da": "asgd"}
 
 
+def selected(request, name: str | None = None) -> list:
+    """The ``algorithm`` of each item of test ``name`` (default: the asking test's) in the asking
+    test's module that the session runs, None for an item without one: a module whose tests read
+    one job's runs runs what they read (CI's MPICH pass deselects the one_mpi ones)."""
+    name = name or request.node.originalname
+    return [getattr(item, "callspec", None) and item.callspec.params.get("algorithm")
+            for item in request.session.items
+            if getattr(item, "originalname", None) == name and item.module is request.module]
+
+
 def per_algorithm(algorithms):
     """pytest params, one per algorithm name, marked ``one_mpi`` where :data:`MPI_TWINS` names a
     twin whose run takes the same MPI paths."""

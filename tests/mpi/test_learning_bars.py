@@ -111,7 +111,7 @@ from pathlib import Path
 import pytest
 
 from hpcasync.rules import RULES
-from tests.mpi_util import last_summary, per_algorithm, run_mpi
+from tests.mpi_util import last_summary, per_algorithm, run_mpi, selected
 
 # end-to-end training to a bar: the MPI calls it makes are the other tests' (CI's MPICH pass leaves it out)
 pytestmark = pytest.mark.e2e
@@ -213,19 +213,12 @@ if __name__ == "__main__":
 _job: dict = {}
 
 
-def _selected(request) -> list[str]:
-    """The algorithms of this test that the session runs."""
-    name = request.node.originalname
-    return [item.callspec.params["algorithm"] for item in request.session.items
-            if getattr(item, "originalname", None) == name and item.module is request.module]
-
-
 def _first_draw(request, tmp_path_factory, algorithm: str) -> Path:
     """The metrics of ``algorithm``'s first draw: the one job (every selected algorithm's run,
     launched by the first test that asks) has run it and exited 0."""
     if "out" not in _job:
         out = tmp_path_factory.mktemp("learning_bars")
-        names = _selected(request)
+        names = selected(request)
         _job["out"], _job["result"] = out, run_mpi(
             4, ["--", sys.executable, "-m", "tests.mpi.test_learning_bars", str(out), *names],
             timeout=60 + RUN_TIMEOUT * len(names))

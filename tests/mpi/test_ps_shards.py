@@ -79,7 +79,7 @@ if __name__ == "__main__":
 
 
 from hpcasync.ps.optimizer import ALGORITHMS, ParameterServer  # noqa: E402
-from tests.mpi_util import COMM, SIZE, last_summary, run_mpi  # noqa: E402
+from tests.mpi_util import COMM, SIZE, last_summary, run_mpi, selected  # noqa: E402
 
 needs4 = pytest.mark.skipif(SIZE != 4, reason="needs 4 MPI ranks")
 _jobs: dict = {}
@@ -88,14 +88,9 @@ _jobs: dict = {}
 def _needed(request) -> tuple[list[str], bool]:
     """The rules the session's tests of the two jobs read, and whether they read the one-server
     job (CI's MPICH pass selects only the another-K test: asgd's K = 2 stop checkpoint)."""
-    def selected(name: str) -> list:
-        return [getattr(item, "callspec", None) for item in request.session.items
-                if getattr(item, "originalname", None) == name and item.module is request.module]
-
-    equal = [c.params["algorithm"] for c in selected("test_two_shards_equal_one_server_bitwise")]
-    names = {*equal, *(c.params["algorithm"]
-                       for c in selected("test_resume_of_two_shard_checkpoint_is_bitwise"))}
-    if selected("test_resume_with_another_k_is_one_line_error"):
+    equal = selected(request, "test_two_shards_equal_one_server_bitwise")
+    names = {*equal, *selected(request, "test_resume_of_two_shard_checkpoint_is_bitwise")}
+    if selected(request, "test_resume_with_another_k_is_one_line_error"):
         names.add("asgd")
     return [a for a in ALGORITHMS if a in names], bool(equal)
 

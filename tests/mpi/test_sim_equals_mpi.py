@@ -62,17 +62,9 @@ import pytest  # noqa: E402
 
 from hpcasync.ps.optimizer import ALGORITHMS  # noqa: E402
 from tests.mpi_util import (REPO, clean_env, last_summary, per_algorithm,  # noqa: E402
-                            run_mpi)
+                            run_mpi, selected)
 
 _runs: dict = {}
-
-
-def _selected(request) -> list[str]:
-    """The rules of this test that the session runs (all 11 under Open MPI; CI's MPICH pass
-    deselects the one_mpi ones)."""
-    name = request.node.originalname
-    return [item.callspec.params["algorithm"] for item in request.session.items
-            if getattr(item, "originalname", None) == name and item.module is request.module]
 
 
 def _both_sides(request, tmp_path_factory) -> Path:
@@ -80,7 +72,7 @@ def _both_sides(request, tmp_path_factory) -> Path:
     returns their folder."""
     if "out" not in _runs:
         out = tmp_path_factory.mktemp("sim_equals_mpi")
-        rules = _selected(request)
+        rules = selected(request)
         me = [sys.executable, "-m", "tests.mpi.test_sim_equals_mpi"]
         sim = subprocess.Popen([*me, "sim", str(out), *rules], env=clean_env(), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
