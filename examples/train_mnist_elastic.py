@@ -82,6 +82,8 @@ parser.add_argument("--checkpoint-dir", default=None, help="write every --checkp
                     "commit there, and go on from the newest one (restarts without ULFM: "
                     "hpcasync launch -n 4 --max-restarts 2 -- examples/train_mnist_elastic.py ...)")
 parser.add_argument("--checkpoint-every", type=int, default=1, help="commits between checkpoints")
+parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer first (its running "
+                    "statistics are buffers: a parameter server averages them)")
 parser.add_argument("--out", default=None)
 parser.add_argument("--kill-rank", default="", help="world ranks, comma-separated")
 parser.add_argument("--kill-at", default="", help="their step counts, comma-separated")
@@ -98,7 +100,8 @@ train_set, _ = load_dataset(args.dataset, train_limit=args.limit)
 if kills.get(ctx.rank) == -1:              # testing hook: dead before the loop began
     os.kill(os.getpid(), signal.SIGKILL)
 ps = args.algorithm in registry.ps_names()     # a parameter server: the workers' shards
-model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10)).to(ctx.device)
+model = nn.Sequential(nn.Flatten(), *([nn.BatchNorm1d(784)] if args.batchnorm else []),
+                      nn.Linear(784, 10)).to(ctx.device)
 sgd = torch.optim.SGD(model.parameters(), lr=args.lr * (1 if ps else ctx.size), momentum=0.9)
 sampler = hpcasync.elastic.ElasticSampler(train_set, batch_size=args.batch_size,
                                           rank=ctx.shard_index, num_replicas=ctx.num_shards, seed=1)

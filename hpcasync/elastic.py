@@ -225,24 +225,31 @@ class _FrontDoor(_core.Membership):
         every, server, sources, theta = exchange(    # (a shard's bounds: K's and numel's)
             new, held["vote"], lambda s: opt.layout.slice(held["theta"], s), K,
             assemble=self._set_up)
+        # every survivor's BatchNorm state (its committed one: State.restore came first) to the
+        # new server, whose table it seeds; before a set-up every buffer is the initial one
+        survivors = (new.gather({"buffers": held["buffers"], "ints": held["ints"]}, root=server)
+                     if self._set_up else None)
         self._reinit(new, ps_rank=server)
-        self._pending = {"held": held, "theta": theta, "every": every}
+        self._pending = {"held": held, "theta": theta, "every": every, "survivors": survivors}
         if not (self._set_up and self.state.ft.grow_back):    # (ps_ranks 1: _check_growth)
             self._set_up_taken_over()       # (else after the grow: regrow, or settle)
         version = every[server][0] if sources is None else min(v for _, v in sources)
         self._new_server = (server, version, not self._set_up, sources and [
             (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources])
 
-    def _set_up_taken_over(self, positions: list | None = None) -> None:
+    def _set_up_taken_over(self, positions: list | None = None,
+                           survivors: list | None = None) -> None:
         """The takeover's set-up (:meth:`ParameterServer.take_over`) over the current world:
         the elected server serves, each worker's clock at its pushes (``positions``, default
-        the votes'). Collective."""
+        the votes'), its BatchNorm state from the survivors' (``survivors``, default the
+        takeover's, in the current world's rank order). Collective."""
         p, self._pending = self._pending, None
         if positions is None:
             servers = self.topo.servers
             positions = [e[1] for r, e in enumerate(p["every"]) if r not in servers]
         self.ps.take_over(self.topo.world, self.topo.ps_rank, p["held"],
-                          ps_ranks=self.topo.ps_ranks, theta=p["theta"], positions=positions)
+                          ps_ranks=self.topo.ps_ranks, theta=p["theta"], positions=positions,
+                          survivors=p["survivors"] if survivors is None else survivors)
 
     def settle(self, grew: dict | None) -> None:
         super().settle(grew)
@@ -277,7 +284,11 @@ class _FrontDoor(_core.Membership):
         votes = {to_grown[r]: e[1] for r, e in enumerate(self._pending["every"])}
         server = self.topo.ps_rank
         workers = [g for g in range(self.topo.size) if g != server]
-        self._set_up_taken_over([votes.get(g, votes[server]) for g in workers])
+        held = self._pending["survivors"]       # (the new server's: the replacement has none)
+        survivors = None if held is None else [None] * self.topo.size
+        for r, h in enumerate(held or ()):
+            survivors[to_grown[r]] = h
+        self._set_up_taken_over([votes.get(g, votes[server]) for g in workers], survivors)
         if self.topo.rank == server:
             self.ps._grown_places = {w: {"commit": self.state._place(), "steps": votes[server]}
                                      for w, g in enumerate(workers) if g not in votes}

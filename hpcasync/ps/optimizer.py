@@ -269,7 +269,8 @@ class ParameterServer(AlgorithmOptimizer):
         (:func:`.takeover.elect`'s ``(version, steps, shard, versions)``; ``shard``: the one
         this rank serves, -1 on a worker; ``shards``: how many), ``theta`` (a worker's last
         reply, a server's θ in the model, the model itself before the set-up completed), the
-        float ``buffers`` and a SHAT/ENSEMBLE worker's ``local`` model."""
+        float ``buffers``, the integer ones (``ints``: ``num_batches_tracked``) and a
+        SHAT/ENSEMBLE worker's ``local`` model."""
         if not self.attached:           # a death while it was set up: every θ is the initial one
             theta, version, versions = self.flat.params.detach().cpu().clone(), 0, None
         elif self.is_server:
@@ -280,19 +281,41 @@ class ParameterServer(AlgorithmOptimizer):
             theta, version, versions = self.last_reply(), int(self.version), list(self.versions)
         local = (self.local_model() if self.attached and self.keeps_local and not self.is_server
                  else None)
+        ints = {n: b.detach().cpu().clone() for n, b in self.flat.module.named_buffers()
+                if not b.is_floating_point()}
         return {"vote": (version, self.steps, shard, versions or [version] * shards),
-                "theta": theta, "buffers": self.flat.buffers.detach().clone(), "local": local}
+                "theta": theta, "buffers": self.flat.buffers.detach().clone(), "ints": ints,
+                "local": local}
 
     def take_over(self, comm, ps_rank: int, held: dict, *, ps_ranks: int = 1,
-                  theta: torch.Tensor | None = None, positions: list[int] | None = None) -> None:
+                  theta: torch.Tensor | None = None, positions: list[int] | None = None,
+                  survivors: list | None = None) -> None:
         """Collective over ``comm``, the survivors of a dead server (ULFM): rank ``ps_rank`` of
         ``comm`` serves from now on (with the ``ps_ranks - 1`` after it), from ``theta`` (the
         shards assembled from their freshest sources) or else the θ it held (``held``,
         :meth:`holding`: the freshest when it is the survivor with the newest reply), with fresh
         rules whose epoch clock starts at each worker's ``positions[w]`` (its pushes so far);
         each worker keeps its own buffers (and SHAT's and ENSEMBLE's workers their own models)
-        and takes its first reply from the new server at its next step. The old windows are left
-        to ``MPI_Finalize``. Run again on a smaller world when a rank dies inside it."""
+        and takes its first reply from the new server at its next step. ``survivors``, on the
+        new server: what each rank of ``comm`` held (:meth:`holding`'s ``buffers`` and
+        ``ints``; None for a replacement), whose BatchNorm state the server takes
+        (:meth:`_seed_buffers`). The old windows are left to ``MPI_Finalize``. Run again on a
+        smaller world when a rank dies inside it."""
+        self._set_up_again(comm, ps_rank, held, ps_ranks, theta, positions)
+        if self.is_server and survivors is not None and self.shard <= 0:   # (shard 0's buffers)
+            self._seed_buffers(survivors)
+        if self.shard <= 0 and self.flat.buffer_numel:
+            inject.dump(f"takeover-{'server' if self.is_server else 'worker'}-"
+                        f"{comm.Get_rank()}", model=self.flat.buffers,
+                        worker_ranks=list(self.worker_ranks),
+                        survivors=(None if not self.is_server or survivors is None else
+                                   [h and h["buffers"] for h in survivors]),
+                        ints={n: b for n, b in self.flat.module.named_buffers()
+                              if not b.is_floating_point()})
+
+    def _set_up_again(self, comm, ps_rank: int, held: dict, ps_ranks: int = 1,
+                      theta: torch.Tensor | None = None, positions: list | None = None) -> None:
+        """:meth:`take_over`'s and :meth:`regrow`'s set-up over ``comm`` (collective)."""
         for t in getattr(self, "transports", []):
             t.close(collective=False)
         self.transports = []
@@ -310,6 +333,33 @@ class ParameterServer(AlgorithmOptimizer):
             self.flat.buffers.copy_(held["buffers"])
             if held["local"] is not None:
                 self.resume_local(held["local"])
+
+    def _seed_buffers(self, survivors: list) -> None:
+        """The new server's BatchNorm state after a takeover (the set-up's broadcast gave every
+        worker the server's buffers; each worker then takes its own back): its buffer table
+        holds each remaining worker's float buffers, marked seen, and its model their mean as
+        :meth:`load_theta` computes it (bitwise); its integer buffers (``num_batches_tracked``)
+        take the survivors' max (a server never trains: no count of its own). Its own buffers
+        from its time as a worker are not in the table (it no longer pushes); a replacement
+        (None) has no row until its first push."""
+        held = [h for h in survivors if h is not None]
+        ints = {n: torch.stack([h["ints"][n] for h in held]).max(0).values
+                for n in held[0]["ints"]}
+        for name, buf in self.flat.module.named_buffers():
+            if name in ints:
+                buf.copy_(ints[name].to(buf))
+        rows = [survivors[r] for r in self.worker_ranks]
+        if not self.flat.buffer_numel or not any(rows):
+            return
+        if self.sync_buffers:
+            self.load_buffer_state({
+                "buffers": torch.stack([h["buffers"].cpu() if h is not None else
+                                        torch.zeros(self.flat.buffer_numel) for h in rows]),
+                "seen": [h is not None for h in rows]})
+            self.load_theta()
+        else:                        # no average: the mean of the workers' buffers all the same
+            self.flat.buffers.copy_(torch.stack([h["buffers"] for h in rows if h is not None])
+                                    .mean(0).to(self.flat.buffers))
 
     # -- param groups ---------------------------------------------------------------------------
     def _own_groups(self, flat, param_groups, probe, optimizer) -> None:
@@ -742,7 +792,7 @@ class ParameterServer(AlgorithmOptimizer):
         kept = self._regrow_with if self.is_server else None
         held = self.holding()
         self.transports = []                # (closed by _leave_for_grow)
-        self.take_over(comm, ps_rank, held)
+        self._set_up_again(comm, ps_rank, held)
         if kept is not None:
             self.rules[0] = self.rule = kept["rule"]
             self._buffers.copy_(kept["buffers"])

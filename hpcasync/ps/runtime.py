@@ -35,7 +35,7 @@ from .growth import PSGrowth, Regrow, grow, receive, worker_view
 from .options import add_arguments, validate_options  # noqa: F401 (the runtime's options)
 from .growth import validate as validate_growth
 from .takeover import (ServerLost, StartupLost, Takeover, fault_tolerance, known_dead,
-                       restart_without_the_dead, restore_buffers, take_over)
+                       restart_without_the_dead, take_over)
 from .wire import END_GROW
 
 log = logging.getLogger("hpcasync")
@@ -133,12 +133,13 @@ def _grown(ctx: RunContext, core, growth: PSGrowth, takeover: Takeover) -> Takeo
                                 "records": takeover.records},
             position=[round(takeover.share, 6)]) is None:
         return takeover
-    if takeover.buffers is not None:    # the new server's table, in the grown world's order
+    if takeover.survivors is not None:    # the new server's table, in the grown world's order
         joiners = core.joins[-1]["ranks"]
         rows: list = [None] * ctx.topo.size
-        for r, b in zip([r for r in range(ctx.topo.size) if r not in joiners], takeover.buffers):
+        for r, b in zip([r for r in range(ctx.topo.size) if r not in joiners],
+                        takeover.survivors):
             rows[r] = b
-        takeover.buffers = rows
+        takeover.survivors = rows
     return takeover
 
 
@@ -217,7 +218,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
             opt.take_over(topo.world, topo.ps_rank, {
                 "vote": (None, 0, None, None), "theta": None, "local": None,
                 "buffers": own if own is not None else opt.flat.buffers.clone()},
-                ps_ranks=K, theta=takeover.theta)
+                ps_ranks=K, theta=takeover.theta, survivors=takeover.survivors)
         else:
             if takeover is not None:        # a replacement joining after a takeover (.growth)
                 inject.point("adopt", fire=topo.is_ps)
@@ -235,8 +236,7 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
         raise StartupLost()
     model = opt.flat.module
     flat = opt.flat
-    if takeover is not None:       # the survivors' BatchNorm state, not the broadcast's
-        restore_buffers(opt, takeover)
+    if takeover is not None:
         if topo.is_ps:
             inject.dump(f"adopted{len(takeover.records)}-{ctx.ft.original[topo.rank]}",
                          theta=flat.params)

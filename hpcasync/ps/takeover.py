@@ -173,59 +173,13 @@ class Takeover:
     theta: torch.Tensor | None        # on the new server: the θ it serves from; None elsewhere
     records: list                     # every takeover so far (for the summary)
     own_buffers: torch.Tensor | None = None   # this rank's float buffers when the server died
-    buffers: list | None = None       # on the new server: every survivor's float buffers (new
-                                      # world's rank order); None elsewhere
     int_buffers: dict | None = None   # this rank's own integer buffers (num_batches_tracked)
-    int_max: dict | None = None       # on the new server: the survivors' max of each integer
-                                      # buffer
+    survivors: list | None = None     # on the new server: every survivor's buffers (new world's
+                                      # rank order; ParameterServer.take_over's); None elsewhere
     local: torch.Tensor | None = None    # SHAT/ENSEMBLE: this rank's own model (a worker goes
                                          # on from it; the new server's leaves the ensemble)
     opt: Any = None                   # the run's ParameterServer, set up again on the survivors
     vote: tuple | None = None         # what this rank brought to the election
-
-
-def _int_buffers(model) -> dict:
-    return {n: b.detach().cpu().clone() for n, b in model.named_buffers()
-            if not b.is_floating_point()}
-
-
-def restore_buffers(opt, takeover: Takeover) -> None:
-    """After a takeover, once the ``ParameterServer`` is set up on the survivors (its broadcast
-    gave every worker the new server's buffers): nothing of the BatchNorm state is reset.
-
-    A worker keeps its own buffers (float and integer), as it would have under the old server.
-    The new server's buffer table (``average_buffers``) is seeded with every remaining worker's
-    current float buffers, each marked seen, and its model takes their mean the way
-    ``load_theta`` computes it (``_buffers[seen].mean(0)``, bitwise); its integer buffers
-    (``num_batches_tracked``) take the survivors' max (the server never trains: no count of its
-    own). The new server's own buffers from its time as a worker are not in the table (it no
-    longer pushes)."""
-    flat, module = opt.flat, opt.flat.module
-    if takeover.own_buffers is None or opt.shard > 0:    # shard s > 0: no buffers (shard 0's)
-        return
-    ints = takeover.int_max if opt.is_server else takeover.int_buffers
-    for name, buf in module.named_buffers():
-        if name in ints:
-            buf.copy_(ints[name].to(buf))
-    if not flat.buffer_numel:
-        return
-    if opt.is_server:            # (a replacement that joined since, ps.growth: no row yet)
-        have = [takeover.buffers[r] for r in opt.worker_ranks if takeover.buffers[r] is not None]
-        if opt.sync_buffers:
-            rows = torch.stack([takeover.buffers[r] if takeover.buffers[r] is not None
-                                else torch.zeros_like(have[0]) for r in opt.worker_ranks])
-            opt.load_buffer_state({"buffers": rows, "seen": [takeover.buffers[r] is not None
-                                                             for r in opt.worker_ranks]})
-            opt.load_theta()
-        else:                    # no average: the mean of the workers' buffers all the same
-            flat.buffers.copy_(torch.stack(have).mean(0).to(flat.buffers))
-    else:
-        flat.buffers.copy_(takeover.own_buffers.to(flat.buffers))
-    inject.dump(f"takeover-{'server' if opt.is_server else 'worker'}-{opt.comm.Get_rank()}",
-                 model=flat.buffers, worker_ranks=list(opt.worker_ranks),
-                 survivors=takeover.buffers if opt.is_server else None,
-                 ints={n: b.detach().cpu().clone() for n, b in module.named_buffers()
-                       if n in ints})
 
 
 def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
@@ -254,12 +208,13 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
             version = previous.records[-1]["theta_version"]     # the previous takeover's θ
         mine = (version, min(1.0, steps / max(1, lost.budget)), -1, versions)
     # every survivor's BatchNorm state (and SHAT's/ENSEMBLE's local model) as it is now, to the
-    # new server (the set-up's broadcast must not reset it; restore_buffers); after a set-up that
-    # failed (its broadcast may have overwritten the model), as it was before it
+    # new server (the set-up's broadcast must not reset it: ParameterServer.take_over's
+    # survivors); after a set-up that failed (its broadcast may have overwritten the model), as
+    # it was before it
     stale = previous is not None and previous.own_buffers is not None and (
         again or not opt.started)
     own = previous.own_buffers if stale else held["buffers"].cpu()
-    own_ints = previous.int_buffers if stale else _int_buffers(opt.flat.module)
+    own_ints = previous.int_buffers if stale else held["ints"]
     local = previous.local if stale else held["local"]
     # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
     # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
@@ -267,8 +222,6 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     first, dead = core.membership.first, failure["dead_ranks"]
     every, server, sources, states, theta = core.membership.got
     share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
-    int_max = (None if states is None else
-               {n: torch.stack([ints[n] for _, ints in states]).max(0).values for n in own_ints})
     me, original = ctx.topo.rank, core.original
     record = {"dead_ranks": dead, "new_server": original[server],
               "theta_version": (every[server][0] if K == 1 else min(v for _, v in sources)),
@@ -315,19 +268,18 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
                     "leaves the ensemble and the rule's per-worker state starts afresh",
                     opt.algorithm, original[server])
     return Takeover(share=share, theta=theta, records=records, own_buffers=own,
-                    buffers=None if states is None else [b for b, _ in states],
-                    int_buffers=own_ints, int_max=int_max,
-                    local=local, opt=opt, vote=mine)
+                    int_buffers=own_ints, survivors=states, local=local, opt=opt, vote=mine)
 
 
 def _exchange(new, opt, mine, theta, own, own_ints) -> tuple:
     """The takeover's collectives over the shrunk world ``new``: the election (:func:`exchange`),
     every survivor's buffers to the new server (a gather). Returns ``(every, server, sources,
     states, theta)``: on the new server the θ it serves from (its own, or with K > 1 the
-    assembled one), ``states`` every survivor's buffers; both None elsewhere."""
+    assembled one), ``states`` every survivor's buffers (``{"buffers", "ints"}``); both None
+    elsewhere."""
     every, server, sources, assembled = exchange(
         new, mine, lambda s: opt.layout.slice(theta, s), opt.layout.K)
-    states = new.gather((own, own_ints), root=server)
+    states = new.gather({"buffers": own, "ints": own_ints}, root=server)
     if opt.layout.K == 1:
         assembled = theta if new.Get_rank() == server else None
     return every, server, sources, states, assembled

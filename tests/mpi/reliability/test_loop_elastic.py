@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import torch
 
 from hpcasync.data.sharding import epoch_permutation
 from tests.mpi_util import REPO, clean_env, mpiexec, need_ulfm
@@ -280,11 +281,27 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
     (version 20: the last one the dead server sent) serves from it with a fresh rule whose clock
     starts at each worker's committed pushes (``ParameterServer.take_over``); the other two go
     on from their commits. Exit 0, the new server's θ on every survivor, each remaining worker's
-    whole budget served (the pushes before its commit counted, the ones after redone)."""
+    whole budget served (the pushes before its commit counted, the ones after redone). A
+    BatchNorm layer: right after the takeover the new server's buffers are the bitwise mean of
+    the two workers' (their committed ones, each worker keeping its own; ``load_theta``'s
+    mean), not its own as a worker, and its ``num_batches_tracked`` at least their max."""
     need_ulfm()
-    out = _run(tmp_path, ft=True, kill_rank="", kill_at="", extra=["--algorithm", algorithm],
-               env={"HPCASYNC_INJECT_KILL": "0:20"})
+    dump = tmp_path / "dump"
+    out = _run(tmp_path, ft=True, kill_rank="", kill_at="",
+               extra=["--algorithm", algorithm, "--batchnorm"],
+               env={"HPCASYNC_INJECT_KILL": "0:20", "HPCASYNC_DUMP_BUFFERS": str(dump)})
     results = _ps_results(tmp_path, out, [1, 2, 3])
+    [s] = [torch.load(f) for f in dump.glob("takeover-server-*.pt")]
+    workers = {int(f.stem.rsplit("-", 1)[1]): torch.load(f)
+               for f in dump.glob("takeover-worker-*.pt")}
+    assert sorted(workers) == s["worker_ranks"], (sorted(workers), s["worker_ranks"])
+    rows = torch.stack([s["survivors"][r] for r in s["worker_ranks"]])
+    assert torch.equal(s["model"], rows.mean(0))
+    counts = []
+    for r, w in workers.items():                       # each worker keeps its own
+        assert torch.equal(w["model"], s["survivors"][r]), r
+        counts.append(int(w["ints"]["1.num_batches_tracked"]))
+    assert int(s["ints"]["1.num_batches_tracked"]) >= max(counts), (s["ints"], counts)
     record = results[1]["failures"][0]
     assert record["dead_ranks"] == [0] and record["server_version"] == 20, record
     server = record["server"]

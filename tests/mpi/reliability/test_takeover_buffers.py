@@ -2,7 +2,7 @@
 
 * The server dies: the new server's model buffers are not a fresh model's (running_var all ones,
   running_mean all zeros) but the mean of the remaining workers' current buffers, bitwise as
-  ``load_theta`` computes it; each worker keeps its own buffers (``ps.takeover.restore_buffers``).
+  ``load_theta`` computes it; each worker keeps its own buffers (``ParameterServer.take_over(survivors=)``).
 * A worker dies (the server lives): its last buffers leave the server's average.
 
 The state is read through the testing hook ``HPCASYNC_DUMP_BUFFERS=DIR`` (``ps.takeover``).
