@@ -34,10 +34,10 @@ export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
 export PYTHONUNBUFFERED=1
 # Every Python process of the run (the ranks and the jobs the tests start) imports torch._dynamo
 # only when something besides its two eager no-ops is asked of it, torch._meta_registrations
-# (Meta-key kernels only), torch.export, torch._higher_order_ops, torch.func and torch.compiler
-# only when a name is asked of them (tests/site/sitecustomize.py: ~1.7 CPU-s in each process
-# that builds or steps a torch optimizer, ~1.1 CPU-s in each that imports torch);
-# HPCASYNC_TEST_REAL_TORCH=1 imports them all as torch does. The repo itself stays on the path
+# (Meta-key kernels only) and torch.export only when a name is asked of them
+# (tests/site/sitecustomize.py: ~1.7 CPU-s in each process that builds or steps a torch
+# optimizer, ~0.8 CPU-s in each that imports torch); HPCASYNC_TEST_REAL_TORCH=1 imports all
+# three as torch does. The repo itself stays on the path
 # (tests.mpi_util's jobs import tests.*).
 export PYTHONPATH="$repo/tests/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${HPCASYNC_MPI:-openmpi}" = mpich ]; then export HPCASYNC_HOROVOD=0; fi   # never built there
