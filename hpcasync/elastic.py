@@ -227,8 +227,8 @@ class _FrontDoor(_core.Membership):
             assemble=self._set_up)
         # every survivor's BatchNorm state (its committed one: State.restore came first) to the
         # new server, whose table it seeds; before a set-up every buffer is the initial one
-        survivors = (new.gather({"buffers": held["buffers"], "ints": held["ints"]}, root=server)
-                     if self._set_up else None)
+        survivors = (new.gather({"buffers": held["buffers"].cpu(), "ints": held["ints"]},
+                                root=server) if self._set_up else None)
         self._reinit(new, ps_rank=server)
         self._pending = {"held": held, "theta": theta, "every": every, "survivors": survivors}
         if not (self._set_up and self.state.ft.grow_back):    # (ps_ranks 1: _check_growth)
