@@ -273,6 +273,23 @@ def test_own_ps_loop_survives_worker_deaths_at_set_up_and_in_training_under_ulfm
     assert results[1]["steps"] == PS_BUDGET and results[1]["resets"] == [3], results
 
 
+def _check_takeover_buffers(dump) -> None:
+    """The takeover's dumps (``ParameterServer.take_over``, the example's ``--batchnorm``
+    layer): the new server's (shard 0's) buffers are the bitwise mean of the workers' rows in
+    its table, each worker kept its own, and its ``num_batches_tracked`` is at least theirs."""
+    [s] = [torch.load(f) for f in dump.glob("takeover-server-*.pt")]
+    workers = {int(f.stem.rsplit("-", 1)[1]): torch.load(f)
+               for f in dump.glob("takeover-worker-*.pt")}
+    assert sorted(workers) == s["worker_ranks"], (sorted(workers), s["worker_ranks"])
+    rows = torch.stack([s["survivors"][r] for r in s["worker_ranks"]])
+    assert torch.equal(s["model"], rows.mean(0))
+    counts = []
+    for r, w in workers.items():                       # each worker keeps its own
+        assert torch.equal(w["model"], s["survivors"][r]), r
+        counts.append(int(w["ints"]["1.num_batches_tracked"]))
+    assert int(s["ints"]["1.num_batches_tracked"]) >= max(counts), (s["ints"], counts)
+
+
 @pytest.mark.rank0
 @pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
 def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
@@ -291,17 +308,7 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
                extra=["--algorithm", algorithm, "--batchnorm"],
                env={"HPCASYNC_INJECT_KILL": "0:20", "HPCASYNC_DUMP_BUFFERS": str(dump)})
     results = _ps_results(tmp_path, out, [1, 2, 3])
-    [s] = [torch.load(f) for f in dump.glob("takeover-server-*.pt")]
-    workers = {int(f.stem.rsplit("-", 1)[1]): torch.load(f)
-               for f in dump.glob("takeover-worker-*.pt")}
-    assert sorted(workers) == s["worker_ranks"], (sorted(workers), s["worker_ranks"])
-    rows = torch.stack([s["survivors"][r] for r in s["worker_ranks"]])
-    assert torch.equal(s["model"], rows.mean(0))
-    counts = []
-    for r, w in workers.items():                       # each worker keeps its own
-        assert torch.equal(w["model"], s["survivors"][r]), r
-        counts.append(int(w["ints"]["1.num_batches_tracked"]))
-    assert int(s["ints"]["1.num_batches_tracked"]) >= max(counts), (s["ints"], counts)
+    _check_takeover_buffers(dump)
     record = results[1]["failures"][0]
     assert record["dead_ranks"] == [0] and record["server_version"] == 20, record
     server = record["server"]
@@ -350,12 +357,16 @@ def test_own_ps_loop_takes_over_a_dead_shard_server_under_ulfm(tmp_path, algorit
     0; worker 2 takes the dead one's place; shard 0's slice comes from the surviving server's θ
     or the newest reply, shard 1's likewise (``shard_sources``); the clock starts at the
     remaining worker's committed pushes. Exit 0, one θ on the 3 survivors, the remaining worker's
-    whole budget (2 epochs of 384 / 2 workers / 16) pushed and counted by shard 0's server."""
+    whole budget (2 epochs of 384 / 2 workers / 16) pushed and counted by shard 0's server;
+    shard 0's server's BatchNorm buffers are the remaining worker's (its table's one row)."""
     need_ulfm()
+    dump = tmp_path / "dump"
     out = _run(tmp_path, ft=True, kill_rank="", kill_at="",
-               extra=["--algorithm", algorithm, "--ps-ranks", "2"],
-               env={"HPCASYNC_INJECT_KILL_AT": f"{killed}:served:20"})
+               extra=["--algorithm", algorithm, "--ps-ranks", "2", "--batchnorm"],
+               env={"HPCASYNC_INJECT_KILL_AT": f"{killed}:served:20",
+                    "HPCASYNC_DUMP_BUFFERS": str(dump)})
     results = _ps_results(tmp_path, out, sorted({0, 1, 2, 3} - {killed}))
+    _check_takeover_buffers(dump)
     record = results[3]["failures"][0]
     survivor = 1 - killed
     assert (record["dead_ranks"], record["server"]) == ([killed], survivor), record
