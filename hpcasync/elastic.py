@@ -235,7 +235,8 @@ class _FrontDoor(_core.Membership):
             self._set_up_taken_over()       # (else after the grow: regrow, or settle)
         version = every[server][0] if sources is None else min(v for _, v in sources)
         self._new_server = (server, version, not self._set_up, sources and [
-            (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources])
+            (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources],
+            [(r, e[1]) for r, e in enumerate(every) if r not in self.topo.servers])
 
     def _set_up_taken_over(self, positions: list | None = None,
                            survivors: list | None = None) -> None:
@@ -259,9 +260,11 @@ class _FrontDoor(_core.Membership):
     def shrunk(self, record: dict) -> None:
         if self.ps is None or record.get("absorbed"):
             return super().shrunk(record)
-        server, version, kept, sources = self._new_server
+        server, version, kept, sources, positions = self._new_server
         survivors = record["survivors"]
         record.update(server=survivors[server], server_version=version, set_up_again=kept)
+        if not kept:        # each worker's pushes, where the new server's clock starts it
+            record["worker_positions"] = [[survivors[r], p] for r, p in positions]
         if sources and not kept:        # ps_ranks > 1: where each shard's slice came from
             record["shard_sources"] = [{"rank": survivors[r], "version": v, "from": where}
                                        for r, v, where in sources]

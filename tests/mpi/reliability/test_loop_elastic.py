@@ -296,12 +296,13 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
     """The server (rank 0) dies after its 20th served push: every worker's step fails, the
     workers roll back to their last commits and reset; the survivor holding the newest reply
     (version 20: the last one the dead server sent) serves from it with a fresh rule whose clock
-    starts at each worker's committed pushes (``ParameterServer.take_over``); the other two go
-    on from their commits. Exit 0, the new server's θ on every survivor, each remaining worker's
-    whole budget served (the pushes before its commit counted, the ones after redone). A
-    BatchNorm layer: right after the takeover the new server's buffers are the bitwise mean of
-    the two workers' (their committed ones, each worker keeping its own; ``load_theta``'s
-    mean), not its own as a worker, and its ``num_batches_tracked`` at least their max."""
+    starts at each worker's committed pushes (``ParameterServer.take_over``; the failure
+    record's ``worker_positions``); the other two go on from their commits. Exit 0, the new
+    server's θ on every survivor, each remaining worker's whole budget served (the pushes before
+    its commit counted, the ones after redone). A BatchNorm layer: right after the takeover the
+    new server's buffers are the bitwise mean of the two workers' (their committed ones, each
+    worker keeping its own; ``load_theta``'s mean), not its own as a worker, and its
+    ``num_batches_tracked`` at least their max."""
     need_ulfm()
     dump = tmp_path / "dump"
     out = _run(tmp_path, ft=True, kill_rank="", kill_at="",
@@ -315,6 +316,9 @@ def test_own_ps_loop_takes_over_a_dead_server_under_ulfm(tmp_path, algorithm):
     assert results[server]["served"] == 2 * PS_BUDGET, results[server]
     assert all(r["steps"] == PS_BUDGET and r["resets"] == [3]
                for rank, r in results.items() if rank != server), results
+    # the record names where the new server's clock starts each worker: its committed pushes
+    assert dict(record["worker_positions"]) == {
+        rank: r["reset_steps"][0] for rank, r in results.items() if rank != server}, record
     checked = 0
     for rank, r in results.items():     # SHAT: each worker goes on from its committed local model
         if rank == server:
