@@ -151,7 +151,8 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
     recorded), and it too ends bitwise. A parameter server (8 steps a worker's epoch): the
     server wrote commit c once every worker had asked for it (c = 3, or 2 if a worker's request
     came after the death): each worker goes on from its own commit c (2c steps), the server from
-    θ and its clock, and every rank ends with the served model. (The ssgd case runs under every
+    θ and its clock, and every rank ends with the served model; the same folder on 3 ranks is a
+    one-line error (the rule's per-worker state is for 3 workers). (The ssgd case runs under every
     MPI; the others' launch and restart are its.)"""
     ps, daso = algorithm == "asgd", algorithm == "daso"
     extra = ["--algorithm", algorithm] + (["--ranks-per-node", "2"] if algorithm == "daso"
@@ -189,6 +190,14 @@ def test_your_own_loop_is_restarted_from_its_last_persisted_commit(algorithm, tm
         assert [g["executed"] for g in workers] == [16 - 2 * c] * 3        # this attempt's
         assert [g["steps"] for g in workers] == [16] * 3
         assert got[0]["served"] >= 48 - 6 * c                 # (pushes after a request: again)
+        # the same folder on 3 ranks (2 workers): the rule's per-worker state is for 3, so the
+        # start is one line naming both counts, not a run that deals 3 workers' state to 2
+        again = subprocess.run([*mpiexec(3), sys.executable, SCRIPT, *LOOP, *extra,
+                                "--checkpoint-dir", str(ckpt)], env=clean_env(), cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        said = [x for x in again.stderr.splitlines() if x.startswith("hpcasync: error")]
+        assert again.returncode != 0 and len(said) == 1, again.stderr[-3000:]
+        assert "rule state is for 3 workers, this run has 2" in said[0], said
         return
     at = 4 if daso else 6                                    # (DASO: inside its cycling epoch)
     assert resumed.group(1, 2, 3) == (("0", "2", "2") if daso else ("1", "5", "5")), resumed[0]
