@@ -230,13 +230,15 @@ class _FrontDoor(_core.Membership):
         survivors = (new.gather({"buffers": held["buffers"].cpu(), "ints": held["ints"]},
                                 root=server) if self._set_up else None)
         self._reinit(new, ps_rank=server)
-        self._pending = {"held": held, "theta": theta, "every": every, "survivors": survivors}
+        # each worker's committed pushes (the votes'): where the new server's clock starts it
+        positions = [(r, e[1]) for r, e in enumerate(every) if r not in self.topo.servers]
+        self._pending = {"held": held, "theta": theta, "every": every, "survivors": survivors,
+                         "positions": positions}
         if not (self._set_up and self.state.ft.grow_back):    # (ps_ranks 1: _check_growth)
             self._set_up_taken_over()       # (else after the grow: regrow, or settle)
         version = every[server][0] if sources is None else min(v for _, v in sources)
         self._new_server = (server, version, not self._set_up, sources and [
-            (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources],
-            [(r, e[1]) for r, e in enumerate(every) if r not in self.topo.servers])
+            (r, v, "server" if every[r][2] >= 0 else "reply") for r, v in sources], positions)
 
     def _set_up_taken_over(self, positions: list | None = None,
                            survivors: list | None = None) -> None:
@@ -246,8 +248,7 @@ class _FrontDoor(_core.Membership):
         takeover's, in the current world's rank order). Collective."""
         p, self._pending = self._pending, None
         if positions is None:
-            servers = self.topo.servers
-            positions = [e[1] for r, e in enumerate(p["every"]) if r not in servers]
+            positions = [pushes for _, pushes in p["positions"]]
         self.ps.take_over(self.topo.world, self.topo.ps_rank, p["held"],
                           ps_ranks=self.topo.ps_ranks, theta=p["theta"], positions=positions,
                           survivors=p["survivors"] if survivors is None else survivors)
@@ -263,7 +264,7 @@ class _FrontDoor(_core.Membership):
         server, version, kept, sources, positions = self._new_server
         survivors = record["survivors"]
         record.update(server=survivors[server], server_version=version, set_up_again=kept)
-        if not kept:        # each worker's pushes, where the new server's clock starts it
+        if not kept:
             record["worker_positions"] = [[survivors[r], p] for r, p in positions]
         if sources and not kept:        # ps_ranks > 1: where each shard's slice came from
             record["shard_sources"] = [{"rank": survivors[r], "version": v, "from": where}
