@@ -247,6 +247,8 @@ ROUTES = {
     "own-loop-restart-odsgd": ("restart", "odsgd", (0, 1, 2, 3)),
     "own-loop-restart-localsgd": ("restart", "localsgd", (0, 1, 2, 3)),
 }
+# ended: a non-zero exit within 30 s of the kill; HANG (random study): no exit T + 60 s after the
+# kill, T the undisturbed run's length (a run may have to do all of it again: a restart)
 ENDED_WITHIN, HANG_AFTER = 30.0, 60.0
 
 
@@ -345,8 +347,10 @@ def _phase(lines: list[tuple[float, str]], at: float, kind: str) -> str:
 
 
 def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: int | None,
-               ) -> dict:
-    """One run of ``route``; ``kill_at`` None: undisturbed. Returns its row."""
+               length: float = 0.0) -> dict:
+    """One run of ``route``; ``kill_at`` None: undisturbed. Returns its row. ``length``: the
+    undisturbed run's wall time; a killed run still going ``length`` + 60 s after the kill is a
+    hang (a restart without ULFM begins again from the start, or from an early commit)."""
     kind, algorithm, _ = ROUTES[route]
     runs = out / "runs_random"
     rid = f"{route}__{'base' if kill_at is None else f'kill{index}'}"
@@ -388,7 +392,7 @@ def run_random(out: Path, route: str, index: int, kill_at: float | None, rank: i
                     row["phase"] = ("launcher start-up (ranks just forked)" if not lines
                                     and now - t0 > kill_at + 0.2 else
                                     _phase(lines, killed_unix - t0, kind))
-                    deadline = killed_unix + HANG_AFTER
+                    deadline = min(killed_unix + length + HANG_AFTER, t0 + 600)
             if now > deadline:
                 break
             time.sleep(0.02)
@@ -552,7 +556,8 @@ def random_study(out: Path, n: int, routes: list[str], seed: int,
             t = base[route]["wall_s"]
             cli = ROUTES[route][0] == "cli"      # (the scripts print nothing at their start)
             lo = (base[route].get("first_line_s") or 0.0) if after_startup and cli else 0.0
-            row = run_random(out, route, i, rng.uniform(lo, t), rng.choice(ROUTES[route][2]))
+            row = run_random(out, route, i, rng.uniform(lo, t), rng.choice(ROUTES[route][2]),
+                             length=t)
             row["T_s"] = t
             if "accuracy" in row and "accuracy" in base[route]:
                 row["delta_acc"] = round(row["accuracy"] - base[route]["accuracy"], 4)
@@ -667,7 +672,7 @@ if __name__ == "__main__":
             "images, 6 epochs, batch 16, commit every 4 steps; `-daso`: 2 virtual nodes of 2, "
             "epochs 1-5 cycling with a global send every batch, epoch 6 blocking). Outcomes: *survived* (exit 0 with the "
             "result), *ended* (non-zero exit within 30 s of the kill), *ended late* (after "
-            "30 s), *HANG* (no exit 60 s after the kill: every rank's stacks dumped with "
+            "30 s), *HANG* (no exit T + 60 s after the kill, T the undisturbed run's length: every rank's stacks dumped with "
             "SIGABRT + faulthandler, then killed). *phase hit*: from the run's own records "
             "(metrics lines / printed lines) seen by the time of the kill. *kill → next step*: "
             "from the run's recovery records (`rank_failures`, `worker_failed`, "
