@@ -413,6 +413,29 @@ def test_a_death_inside_the_own_loops_takeover_runs_it_again_on_the_survivors(tm
         results
 
 
+@pytest.mark.rank0
+def test_a_death_inside_a_shard_takeovers_window_set_up_runs_it_again(tmp_path):
+    """Two shard servers (ranks 0 and 1), three workers, 5 ranks. Shard server 1 dies after its
+    20th served push; in the takeover's set-up (worker 2 elected to serve shard 1), worker 4
+    dies after the set-up's first broadcast, while the windows are made (its second ``attach``).
+    The reset's attempt fails everywhere and runs again on ranks 0, 2, 3 from what each held
+    before it: 0 and 2 serve the two shards, 3 pushes its whole budget. Exit 0, one θ on the
+    three, one failure record with two attempts and both deaths."""
+    need_ulfm()
+    out = _run(tmp_path, ft=True, n=5, kill_rank="", kill_at="",
+               extra=["--algorithm", "asgd", "--ps-ranks", "2"],
+               env={"HPCASYNC_INJECT_KILL_AT": "1:served:20,4:attach:2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    assert sorted(results) == [0, 2, 3], out.stderr[-3000:]
+    assert len({r["params"] for r in results.values()}) == 1, results
+    assert all(r["size"] == 3 and len(r["failures"]) == 1 for r in results.values()), results
+    record = results[3]["failures"][0]
+    assert record["attempts"] == 2 and sorted(record["dead_ranks"]) == [1, 4], record
+    assert record["server"] == 0, record
+    assert results[3]["steps"] == 2 * (LENGTH // 3 // BATCH), results
+
+
 REFUSE = """
 import torch, hpcasync
 ctx = hpcasync.init("asgd", ps_ranks=2)
