@@ -171,6 +171,24 @@ def test_rule_state_of_the_dead_worker_is_retired(tmp_path, algorithm, transport
 
 
 @pytest.mark.rank0
+def test_a_worker_dead_at_its_first_push_is_retired_with_none_answered(tmp_path):
+    """Worker 1 (rank 2) dies at its first push (its gradient written, before the header): the
+    server retires it with 0 pushes answered, the other two push their whole budget."""
+    need_ulfm()
+    metrics = tmp_path / "m.jsonl"
+    out, _ = _launch([*MINI, "--algorithm", "asgd", "--metrics", str(metrics)],
+                     env={"HPCASYNC_INJECT_KILL": "2:1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = last_summary(metrics)
+    [failed] = s["failed_workers"]
+    assert (failed["worker"], failed["rank"], failed["pushes"]) == (1, 2, 0), failed
+    assert s["pushes_per_worker"] == [MINI_BUDGET, 0, MINI_BUDGET], s["pushes_per_worker"]
+    assert sorted(w["worker"] for w in s["workers"]) == [0, 2]
+    assert all(w["worker_steps"] == MINI_BUDGET for w in s["workers"]), s["workers"]
+    assert s["rule_workers"]["alive"] == [True, False, True]
+
+
+@pytest.mark.rank0
 def test_without_ulfm_the_job_ends_nonzero_with_a_checkpoint_and_the_resume_works(tmp_path):
     """Open MPI: the launcher SIGTERMs the survivors first, the PS writes a checkpoint at the death
     and logs the command that resumes it (run here). MPICH: hydra SIGKILLs at once, so the resume
