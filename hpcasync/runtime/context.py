@@ -176,6 +176,10 @@ class RunContext:
     # make_optimizer(params) -> the optimizer of --optimizer/--lr/--momentum/--weight-decay
     # (ssgd, daso); None: the runtime builds its own torch.optim.SGD from cfg
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    # the epoch's plan where it is not the one a start at this size makes (the rest of an epoch
+    # re-sharded by a recovery): ``epoch_plan()`` -> ``{"shards": ...}`` or ``{}``, added to a
+    # mid-epoch checkpoint (the synchronous driver's cursor, runtime.recovery.EpochCursor)
+    epoch_plan: Callable[[], dict] | None = None
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
     def __post_init__(self) -> None:
@@ -291,6 +295,8 @@ class RunContext:
             parts = None if local_state is None else gather_own(comm, local_state)
             if writer:
                 state = make_state()
+                if self.epoch_plan is not None and state.get("batch"):
+                    state = {**state, **self.epoch_plan()}
                 if parts is not None:
                     state = {**state, PER_RANK: parts}
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "

@@ -157,6 +157,7 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
         payload=lambda: join.live_state(ctx, cur, ft, fam.live()), comms=fam.comms,
         refill_only=fam.refill_only)
     ft = fam.ft = fault_tolerance(ctx, world, enabled=fam.recover)
+    ctx.epoch_plan = cur.plan_state
     if join.joined():           # a replacement: the live state from a survivor
         joined = join.receive(ctx)
         fam.load_live(joined["state"])
@@ -166,6 +167,7 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
         if state is not None:
             cur.epoch, cur.done, cur.loss_sum = fam.resume(state)
             cur.loss_n = cur.done
+            cur.resume_plan(state)
             ft.failures = list(state.get("rank_failures", []))
     fam.entered()
     summary: Any = None

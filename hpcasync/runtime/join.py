@@ -399,7 +399,7 @@ def live_state(ctx, cur, ft, snapshot: dict) -> dict:
     return {"state": snapshot,
             "cursor": {"epoch": cur.epoch, "done": cur.done, "started": cur.started,
                        "loss_sum": cur.loss_sum, "loss_n": cur.loss_n,
-                       "shards": None if plan is None else plan.shards},
+                       "shards": None if plan is None else plan.shards, "moved": cur.moved},
             "history": list(ctx.history), "steps": ctx.steps,
             "divergence": ctx.divergence.state_dict(), "rng": torch.get_rng_state(),
             "failures": ft.failures, "joins": ft.joins,
@@ -473,7 +473,7 @@ def take_live_state(blob: dict, ctx, cur, ft, check: Callable[[], Any]) -> None:
     c = blob["cursor"]
     cur.epoch, cur.done, cur.started = c["epoch"], c["done"], c["started"]
     cur.loss_sum, cur.loss_n = c["loss_sum"], c["loss_n"]
-    cur.plan = None
+    cur.plan, cur.moved = None, c["moved"]
     if c["shards"] is not None:
         cur.plan = EpochShards.__new__(EpochShards)
         cur.plan.shards = c["shards"]

@@ -153,6 +153,8 @@ class EpochCursor:
         self.ctx, self.epoch, self.done, self.started = ctx, epoch, done, 0
         self.loss_sum, self.loss_n = loss_sum, done
         self.plan = None
+        self.moved = False          # the plan is a recovery's (re-sharded or kept), not a start's
+        self.resumed_shards = None  # a checkpoint's moved plan, taken by the next begin_epoch
 
     @property
     def position(self) -> tuple:
@@ -177,8 +179,12 @@ class EpochCursor:
         from ..data import EpochShards
 
         cfg = self.ctx.cfg
-        self.plan = EpochShards(len(self.ctx.train), num_shards=self.ctx.topo.size,
-                                seed=cfg.seed, epoch=self.epoch)
+        if self.resumed_shards is not None:     # resumed inside an epoch a recovery moved
+            self.plan = EpochShards.__new__(EpochShards)
+            self.plan.shards, self.resumed_shards, self.moved = self.resumed_shards, None, True
+        else:
+            self.plan = EpochShards(len(self.ctx.train), num_shards=self.ctx.topo.size,
+                                    seed=cfg.seed, epoch=self.epoch)
         self.ctx.progress.start(self.nbatches - self.done, f"epoch {self.epoch}/{cfg.epochs}")
         return True
 
@@ -224,6 +230,25 @@ class EpochCursor:
     def next_epoch(self) -> None:
         self.epoch, self.done, self.loss_sum, self.loss_n, self.plan = \
             self.epoch + 1, 0, 0.0, 0, None
+        self.moved = False
+
+    def plan_state(self) -> dict:
+        """For a checkpoint inside the epoch: the plan when a recovery moved it (``shards``), so
+        that a resume trains the rest of this plan, not a fresh one's (:meth:`resume_plan`), and
+        the count of the epoch's losses (more than the plan's batches done)."""
+        if not self.moved or self.plan is None:
+            return {}
+        return {"shards": self.plan.shards, "loss_n": self.loss_n}
+
+    def resume_plan(self, state: dict) -> None:
+        """A checkpoint's moved plan (:meth:`plan_state`) for the epoch it resumes inside."""
+        shards = state.get("shards")
+        if shards is not None and len(shards) != self.ctx.topo.size:
+            from ..errors import CheckpointError
+            raise CheckpointError(f"checkpoint's epoch plan has {len(shards)} shards, this run "
+                                  f"has {self.ctx.topo.size} ranks")
+        self.resumed_shards = shards
+        self.loss_n = state.get("loss_n", self.loss_n)
 
     def adopt(self, adopted: tuple, *, keep: list[int] | None = None,
               size_before: int | None = None) -> None:
@@ -237,11 +262,11 @@ class EpochCursor:
         not re-shard — each survivor
         finishes the epoch on its own shard, the dead ranks' rest is skipped (DASO, whose
         schedule needs the epoch's batch count fixed)."""
-        self.started = 1
+        self.started, self.resumed_shards = 1, None
         epoch, done = adopted[0], adopted[1]
         if done == 0 or epoch != self.epoch or self.plan is None:
             self.plan, self.loss_sum, self.loss_n = None, 0.0, 0
-            self.epoch, self.done = epoch, 0
+            self.epoch, self.done, self.moved = epoch, 0, False
             if done == 0:
                 return                  # begin_epoch makes the plan over the new world
             from ..data import EpochShards
@@ -254,6 +279,7 @@ class EpochCursor:
         else:
             self.plan = self.plan.reshard(done, self.ctx.topo.size, self.ctx.cfg.batch_size)
             self.done = 0
+        self.moved = True
 
 
 def fault_tolerance(ctx, world: SyncWorld, *, enabled: bool = True) -> FaultTolerance:

@@ -67,3 +67,29 @@ def test_a_rank_behind_the_epoch_start_makes_the_plan_the_others_made(keep):
                                                          behind.nbatches)
     assert all(torch.equal(a, b) for a, b in zip(ahead.plan.shards, behind.plan.shards))
     assert ahead.done == (5 if keep else 0)
+
+
+@pytest.mark.parametrize("keep", [None, [0, 1, 3]])
+def test_a_moved_plan_goes_into_a_checkpoint_and_a_resume_takes_it(keep):
+    """A checkpoint inside an epoch a recovery re-sharded (or kept, DASO) carries the plan and
+    the count of the epoch's losses; a cursor resumed from it (the survivors' size) trains the
+    rest of that plan, not a fresh deal. A start's plan is not carried; another size is refused."""
+    from hpcasync.errors import CheckpointError
+
+    assert _at(1, 5).plan_state() == {}
+    cur = _survive(_at(1, 17), (1, 17, 1), keep)
+    cur.done, cur.loss_n = 4, 21
+    saved = {"epoch": 1, "batch": 4, **cur.plan_state()}
+    assert saved["loss_n"] == 21 and len(saved["shards"]) == 3
+    resumed = _cursor(3)
+    resumed.done = saved["batch"]
+    resumed.resume_plan(saved)
+    resumed.begin_epoch()
+    assert resumed.loss_n == 21 and resumed.moved
+    assert all(torch.equal(a, b) for a, b in zip(resumed.plan.shards, cur.plan.shards))
+    assert not torch.equal(resumed.plan.shards[0], _at(1, 0, size=3).plan.shards[0])
+    resumed.next_epoch()
+    resumed.begin_epoch()
+    assert not resumed.moved and resumed.plan_state() == {}
+    with pytest.raises(CheckpointError, match="3 shards, this run has 4 ranks"):
+        _cursor(4).resume_plan(saved)
