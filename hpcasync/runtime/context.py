@@ -176,9 +176,9 @@ class RunContext:
     # make_optimizer(params) -> the optimizer of --optimizer/--lr/--momentum/--weight-decay
     # (ssgd, daso); None: the runtime builds its own torch.optim.SGD from cfg
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
-    # the epoch's plan where it is not the one a start at this size makes (the rest of an epoch
-    # re-sharded by a recovery): ``epoch_plan()`` -> ``{"shards": ...}`` or ``{}``, added to a
-    # mid-epoch checkpoint (the synchronous driver's cursor, runtime.recovery.EpochCursor)
+    # where each rank is in the epoch, for a checkpoint inside it (the synchronous driver's
+    # cursor, runtime.recovery.EpochCursor.plan_state): its own loss sum, gathered to rank 0 as
+    # ``loss_sums``, the loss count, and the plan where a recovery moved it (``shards``)
     epoch_plan: Callable[[], dict] | None = None
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
@@ -293,10 +293,12 @@ class RunContext:
         if self.checkpoints is not None and (stop or periodic or force):
             inject.point("checkpoint")
             parts = None if local_state is None else gather_own(comm, local_state)
+            plan = None if self.epoch_plan is None else self.epoch_plan()
+            sums = None if plan is None else comm.gather(plan.pop("loss_sum"), root=0)
             if writer:
                 state = make_state()
-                if self.epoch_plan is not None and state.get("batch"):
-                    state = {**state, **self.epoch_plan()}
+                if plan is not None and state.get("batch"):     # (0: an epoch's end)
+                    state = {**state, **plan, "loss_sums": sums}
                 if parts is not None:
                     state = {**state, PER_RANK: parts}
                 self.divergence.check_weights(state, where=f"epoch {epoch}, step {step} "

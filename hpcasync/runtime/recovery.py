@@ -233,22 +233,25 @@ class EpochCursor:
         self.moved = False
 
     def plan_state(self) -> dict:
-        """For a checkpoint inside the epoch: the plan when a recovery moved it (``shards``), so
-        that a resume trains the rest of this plan, not a fresh one's (:meth:`resume_plan`), and
-        the count of the epoch's losses (more than the plan's batches done)."""
-        if not self.moved or self.plan is None:
-            return {}
-        return {"shards": self.plan.shards, "loss_n": self.loss_n}
+        """For a checkpoint inside the epoch (every rank): this rank's loss sum and the count of
+        the epoch's losses (more than the plan's batches done after a recovery), and the plan
+        when a recovery moved it (``shards``), so that a resume trains the rest of this plan,
+        not a fresh one's (:meth:`resume_plan`)."""
+        moved = {"shards": self.plan.shards} if self.moved and self.plan is not None else {}
+        return {"loss_sum": self.loss_sum, "loss_n": self.loss_n, **moved}
 
     def resume_plan(self, state: dict) -> None:
-        """A checkpoint's moved plan (:meth:`plan_state`) for the epoch it resumes inside."""
-        shards = state.get("shards")
-        if shards is not None and len(shards) != self.ctx.topo.size:
+        """Where a checkpoint inside an epoch left this rank (:meth:`plan_state`): its own loss
+        sum, the loss count and the moved plan, which the next :meth:`begin_epoch` takes."""
+        shards, sums, size = state.get("shards"), state.get("loss_sums"), self.ctx.topo.size
+        if shards is not None and len(shards) != size:
             from ..errors import CheckpointError
             raise CheckpointError(f"checkpoint's epoch plan has {len(shards)} shards, this run "
-                                  f"has {self.ctx.topo.size} ranks")
+                                  f"has {size} ranks")
         self.resumed_shards = shards
         self.loss_n = state.get("loss_n", self.loss_n)
+        if sums is not None and len(sums) == size:
+            self.loss_sum = sums[self.ctx.topo.rank]
 
     def adopt(self, adopted: tuple, *, keep: list[int] | None = None,
               size_before: int | None = None) -> None:

@@ -76,20 +76,22 @@ def test_a_moved_plan_goes_into_a_checkpoint_and_a_resume_takes_it(keep):
     rest of that plan, not a fresh deal. A start's plan is not carried; another size is refused."""
     from hpcasync.errors import CheckpointError
 
-    assert _at(1, 5).plan_state() == {}
+    assert "shards" not in _at(1, 5).plan_state()
     cur = _survive(_at(1, 17), (1, 17, 1), keep)
-    cur.done, cur.loss_n = 4, 21
+    cur.done, cur.loss_n, cur.loss_sum = 4, 21, 9.5
     saved = {"epoch": 1, "batch": 4, **cur.plan_state()}
     assert saved["loss_n"] == 21 and len(saved["shards"]) == 3
+    saved["loss_sums"] = [saved.pop("loss_sum"), 8.0, 7.0]      # (consistent_point's gather)
     resumed = _cursor(3)
+    resumed.ctx.topo.rank = 1
     resumed.done = saved["batch"]
     resumed.resume_plan(saved)
     resumed.begin_epoch()
-    assert resumed.loss_n == 21 and resumed.moved
+    assert (resumed.loss_n, resumed.loss_sum) == (21, 8.0) and resumed.moved
     assert all(torch.equal(a, b) for a, b in zip(resumed.plan.shards, cur.plan.shards))
     assert not torch.equal(resumed.plan.shards[0], _at(1, 0, size=3).plan.shards[0])
     resumed.next_epoch()
     resumed.begin_epoch()
-    assert not resumed.moved and resumed.plan_state() == {}
+    assert not resumed.moved and "shards" not in resumed.plan_state()
     with pytest.raises(CheckpointError, match="3 shards, this run has 4 ranks"):
         _cursor(4).resume_plan(saved)
