@@ -24,7 +24,7 @@ def unbound_message(algorithm: str, name: str) -> str:
     """The one line for a parameter (or buffer) that ``model.to(...)`` moved off the flat buffer."""
     return (f"{algorithm}: {name} is no longer a view of the flat buffer (.to()/.cuda()/.half()/"
             ".double()/channels_last after hpcasync.optimizer(...)?): build the optimizer after "
-            "moving/converting the model")
+            "moving the model (its device, channels_last); its dtype stays float32")
 
 
 class BackwardPasses:

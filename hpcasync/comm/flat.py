@@ -23,6 +23,8 @@ Rules that keep the views alive:
 * build the FlatModel after moving the module to its device and before creating the optimizer; never
   ``module.to(...)`` afterwards (:meth:`unbound` names the parameter it detached; every
   algorithm's step stops with that name).
+* the parameters and floating buffers are float32 (:func:`check_float32`): another dtype is a
+  one-line error, not a silent cast (the user's ``.double()`` or ``.half()`` would be undone).
 
 Example::
 
@@ -69,6 +71,24 @@ def _layout(tensors) -> tuple[list[int], int]:
     return offsets, total
 
 
+def check_float32(module: nn.Module) -> None:
+    """Raise a one-line :class:`~hpcasync.errors.ConfigError` naming the first parameter or
+    floating buffer of ``module`` that is not float32. The flat tensors are float32: building
+    them over a float64, float16 or bfloat16 model would train it in float32 and leave it
+    float32, where torch (and Horovod, DDP) train it in its own dtype."""
+    named = [(n, t) for n, t in module.named_parameters()]
+    named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    for name, t in named:
+        if t.dtype != torch.float32:
+            what = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+            raise ConfigError(
+                f"{what} {name} is {str(t.dtype)[6:]}: hpcasync's optimizers train float32 "
+                "parameters (one flat float32 buffer), and would silently train and leave this "
+                "model float32; keep it float32 (model.float()) and use torch.autocast for "
+                "bfloat16/float16 compute, or for another dtype use hpcasync.horovod's "
+                "DistributedOptimizer (SSGD in each parameter's dtype)")
+
+
 class FlatModel:
     """Flat float32 views of a module's parameters, gradients and floating buffers.
 
@@ -82,6 +102,7 @@ class FlatModel:
     """
 
     def __init__(self, module: nn.Module, device: torch.device | str | None = None):
+        check_float32(module)
         named = list(module.named_parameters())
         if device is None:
             device = named[0][1].device if named else torch.device("cpu")

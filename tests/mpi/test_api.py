@@ -612,6 +612,21 @@ def test_unknown_algorithm_and_missing_pieces_are_one_line_errors():
     assert len(hpcasync.algorithms()) == 20
 
 
+@pytest.mark.parametrize("alg", ["ssgd", "daso", "odsgd", "localsgd", "asgd", "smega2"])
+def test_a_model_not_in_float32_is_a_one_line_error_not_a_silent_cast(alg):
+    """The flat buffer is float32: a float64 (or bfloat16) model is refused on every rank, and
+    left as it was, where it would have been trained in float32 and left float32."""
+    for dtype in (torch.float64, torch.bfloat16):
+        model = make_model().to(dtype)
+        kw = ({"epochs": 1, "steps_per_epoch": 2} if alg == "daso" else {})
+        with pytest.raises(ConfigError, match=f"parameter .* is {str(dtype)[6:]}.*model.float"):
+            if alg in ("asgd", "smega2"):
+                hpcasync.optimizer(alg, model, lr=0.1, warmup_epochs=0)
+            else:
+                hpcasync.optimizer(alg, model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+        assert {p.dtype for p in model.parameters()} == {dtype}
+
+
 @needs4
 def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
     """DASO's ``comm`` is its own layer: save_checkpoint must find the world communicator."""

@@ -2,6 +2,8 @@
 
 * ``FlatModel.unbound()`` names the first parameter or buffer that ``.to()``/``.double()``/
   channels_last moved off the flat buffer, and nothing while the model is untouched;
+* a model whose parameters or floating buffers are not float32 is refused with one line naming
+  the first (the flat buffer would train it in float32 and leave it float32);
 * ``presence`` lies right in front of ``grads`` in one storage (SSGD's last bucket carries both);
 * :class:`~hpcasync.passes.BackwardPasses` counts passes per parameter as Horovod does,
   refuses an overrun with one line, and says which parameters got a gradient.
@@ -44,6 +46,30 @@ def test_conversion_after_flattening_is_named(convert, first):
     flat = FlatModel(net)
     convert(net)
     assert flat.unbound() == first
+
+
+@pytest.mark.parametrize("convert,named", [
+    (lambda m: m.double(), "parameter 0.weight is float64"),
+    (lambda m: m.half(), "parameter 0.weight is float16"),
+    (lambda m: m.to(torch.bfloat16), "parameter 0.weight is bfloat16"),
+    (lambda m: m[3].double(), "parameter 3.weight is float64"),
+    (lambda m: m[1].double(), "parameter 1.weight is float64"),
+])
+def test_a_model_that_is_not_float32_is_refused_not_cast(convert, named):
+    net = _net()
+    convert(net)
+    dtypes = [p.dtype for p in net.parameters()]
+    with pytest.raises(ConfigError, match=named) as err:
+        FlatModel(net)
+    assert "\n" not in str(err.value) and "model.float()" in str(err.value)
+    assert [p.dtype for p in net.parameters()] == dtypes      # left as the user made it
+
+
+def test_a_floating_buffer_that_is_not_float32_is_refused():
+    net = _net()
+    net[1].running_var = net[1].running_var.double()
+    with pytest.raises(ConfigError, match="buffer 1.running_var is float64"):
+        FlatModel(net)
 
 
 def test_replaced_buffer_is_named():
