@@ -84,6 +84,19 @@ def refuse_sgd_options(groups, options, runs: str) -> None:
                               f"{key}={groups[bad[0]][key]}; use {key}={plain}")
 
 
+def _amp_guard(opt, args, kwargs) -> None:
+    """A step pre-hook of every family: ``GradScaler.step(opt)`` where the family does not
+    handle the scaler is a one-line error on every rank (they all call step: the scaler no
+    longer skips it on its own)."""
+    if opt.__dict__.get("found_inf") is not None and not opt._amp_supported:
+        opt._amp_forget()
+        raise ConfigError(
+            f"{opt.algorithm}: torch.amp.GradScaler is not supported: its ranks step on their "
+            "own gradients, so each would skip a step or not on its own (an inf or NaN on one "
+            "rank) and fall out of step with the others; use bfloat16 autocast (no scaler), or "
+            "ssgd")
+
+
 def _undecorated(method):
     """``method`` without torch's ``torch._disable_dynamo`` wrapper (``functools.wraps`` keeps the
     function it wraps as ``__wrapped__``); the method itself where torch does not wrap it."""
@@ -110,6 +123,11 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
     _skip = False                      # inside skip_synchronize()
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
+    # torch.amp.GradScaler.step(opt) then calls step() itself, with ``grad_scale`` and
+    # ``found_inf`` set on the optimizer, instead of deciding alone whether to skip it
+    # (:meth:`_amp_step`); a family that does not handle them stops there (_amp_supported)
+    _step_supports_amp_scaling = True
+    _amp_supported = False
 
     def _wrap(self, flat: FlatModel, optimizer: torch.optim.Optimizer) -> None:
         """Share the user optimizer's param groups and state; check it optimizes this model."""
@@ -128,11 +146,40 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(optimizer.defaults))
         self.flat, self.optimizer = flat, optimizer     # from here on groups and state are its
         self.defaults = optimizer.defaults
+        self.register_step_pre_hook(_amp_guard)
 
     def _own(self, flat: FlatModel, defaults: dict[str, Any]) -> None:
         """One param group over the model's parameters holding the algorithm's hyperparameters."""
         torch.optim.Optimizer.__init__(self, list(flat.module.parameters()), dict(defaults))
         self.flat, self.optimizer = flat, None
+        self.register_step_pre_hook(_amp_guard)
+
+    def _amp_forget(self) -> None:
+        """Drop the scaler's ``grad_scale``/``found_inf`` when ``step()`` raises (the scaler
+        deletes them only after a step that returns), so that no later call takes them."""
+        self.__dict__.pop("found_inf", None)
+        self.__dict__.pop("grad_scale", None)
+
+    def _amp_step(self) -> bool:
+        """Inside ``step()``: whether to take the step, for a call from ``GradScaler.step``
+        (True for any other call). The scaler has set ``found_inf`` (an inf or NaN in the
+        gradients it checked) and ``grad_scale`` (None when ``scaler.unscale_(opt)`` came
+        first): skip the step on an inf, else unscale the gradients in place as the scaler's
+        ``unscale_`` does (the same kernel, the same bits). The gradients must be the ones every
+        rank holds alike (averaged): the family's step checks that first."""
+        found_inf = self.__dict__.get("found_inf")
+        if found_inf is None:
+            return True
+        if found_inf.item():
+            return False
+        scale = self.__dict__.get("grad_scale")
+        if scale is not None:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, torch.zeros(1, device=grads[0].device),
+                    scale.double().reciprocal().float().to(grads[0].device))
+        return True
 
     # -- what torch's optimizer API needs -----------------------------------------------------------
     # param_groups and state are the wrapped optimizer's (always its current ones: its

@@ -66,6 +66,7 @@ class LocalSGD(DistributedOptimizer):
     """
 
     algorithm = "localsgd"
+    _amp_supported = False      # (its steps are local: a GradScaler's skip would be one rank's)
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  period: int = DEFAULT_PERIOD, warmup_steps: int = DEFAULT_WARMUP_STEPS,

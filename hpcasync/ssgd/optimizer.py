@@ -83,6 +83,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
 
     algorithm = "ssgd"
     _warns_unused = False       # parameters with no gradient on any rank get p.grad = None
+    _amp_supported = True       # GradScaler on the averaged gradients (step())
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, comm=None, *,
                  backward_passes_per_step: int = 1, compress: str | None = None,
@@ -212,11 +213,31 @@ class DistributedOptimizer(AlgorithmOptimizer):
     def step(self, closure=None):
         """Average the gradients (unless inside ``skip_synchronize()``), then the wrapped
         optimizer's step. Every call steps: accumulation is ``backward_passes_per_step``
-        backward passes before one ``step()`` (Horovod's meaning)."""
+        backward passes before one ``step()`` (Horovod's meaning).
+
+        Under ``torch.amp.GradScaler`` the gradients are averaged first, as with Horovod::
+
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)                # optional (a clip of the average goes here)
+            with opt.skip_synchronize():
+                scaler.step(opt)                # every rank skips, or steps, alike
+            scaler.update()
+
+        ``scaler.step(opt)`` on gradients not averaged yet is a one-line error: the scaler's
+        check would see each rank's own gradients, so one rank's inf would skip the step there
+        only and give the ranks different scales."""
         if closure is not None:
             raise ConfigError("DistributedOptimizer.step does not take a closure")
         try:
             if not self._skip:
+                if self.__dict__.get("found_inf") is not None:
+                    raise ConfigError(
+                        f"{self.algorithm}: GradScaler.step(opt) on gradients not averaged yet: "
+                        "each rank would skip the step or not, and set its scale, on its own "
+                        "gradients (an inf on one rank); average them first: opt.synchronize(); "
+                        "scaler.unscale_(opt); then `with opt.skip_synchronize(): "
+                        "scaler.step(opt)`; scaler.update()")
                 self._note_local_clip()
                 self.synchronize()
             else:
@@ -224,9 +245,12 @@ class DistributedOptimizer(AlgorithmOptimizer):
                 self.reducer.discard()
         except BaseException:
             self._passes.reset()    # the step is dropped; the next zero_grad() starts afresh
+            self._amp_forget()
             raise
         self._passes.reset()
         self._synchronized = False
+        if not self._amp_step():    # GradScaler: an inf in the averaged gradients on every rank
+            return None
         self.steps += 1
         return self.optimizer.step()
 
@@ -245,8 +269,7 @@ class DistributedOptimizer(AlgorithmOptimizer):
                         "clip_grad_norm_?): step() averages them across ranks after that, so a "
                         "clip there clips each rank's local gradient, not the average the "
                         "optimizer applies. To clip the average: opt.synchronize(); clip; then "
-                        "`with opt.skip_synchronize(): opt.step()` (a linear rescaling such as "
-                        "GradScaler.unscale_ is unaffected)", self.algorithm)
+                        "`with opt.skip_synchronize(): opt.step()`", self.algorithm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffer (the gradients stay its views whatever ``set_to_none``

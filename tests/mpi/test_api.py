@@ -627,6 +627,20 @@ def test_a_model_not_in_float32_is_a_one_line_error_not_a_silent_cast(alg):
         assert {p.dtype for p in model.parameters()} == {dtype}
 
 
+@pytest.mark.parametrize("alg", ["daso", "odsgd", "localsgd", "diloco"])
+def test_a_grad_scaler_on_a_family_whose_ranks_step_alone_is_a_one_line_error(alg):
+    """GradScaler would skip a step on the rank that saw an inf only: these families refuse it
+    on every rank at the first scaler.step (ssgd handles it: test_ssgd_torch_parity.py)."""
+    model = make_model()
+    kw = {"epochs": 1, "steps_per_epoch": 2} if alg == "daso" else {}
+    opt = hpcasync.optimizer(alg, model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(4, 1, 28, 28)).sum()).backward()
+    with pytest.raises(ConfigError, match=f"{alg}: torch.amp.GradScaler is not supported"):
+        scaler.step(opt)
+
+
 @needs4
 def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
     """DASO's ``comm`` is its own layer: save_checkpoint must find the world communicator."""

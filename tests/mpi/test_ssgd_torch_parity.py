@@ -229,3 +229,73 @@ def test_horovod_style_accumulation_learns():
     opt.close()
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
     assert opt.steps == 40
+
+
+@needs2
+@pytest.mark.parametrize("unscale,overlap", [(True, False), (False, False), (True, True)])
+def test_grad_scaler_skips_or_steps_every_rank_alike_as_torch_on_the_average(pair, unscale,
+                                                                             overlap):
+    """``torch.amp.GradScaler`` in Horovod's pattern (``synchronize``, ``unscale_`` or not,
+    ``scaler.step`` inside ``skip_synchronize``): an inf in rank 1's batch at step 1 makes every
+    rank skip that step and halve its scale; parameters, momentum and scales bitwise those of a
+    one-process torch reference that runs the scaler on the averaged gradient (DDP's meaning).
+    ``scaler.step(opt)`` on gradients not averaged yet is a one-line error on every rank."""
+    if pair is None:
+        return
+    rank, size = pair.Get_rank(), pair.Get_size()
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    opt = DistributedOptimizer(_make_opt("sgd", model.parameters()), model, pair,
+                               overlap=overlap, bucket_bytes=256)
+    ref_opt = _make_opt("sgd", ref.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+
+    def batch(step, r):
+        x, y = _data(step, r)
+        return (x * float("inf") if (step, r) == (1, 1) else x), y
+
+    scales, stepped = [], []
+    for step in range(6):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        if unscale:
+            scaler.unscale_(opt)
+        before = opt.steps
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        stepped.append(opt.steps > before)
+        grads = []                                  # the reference: the scaler on the average
+        for r in range(size):
+            ref.zero_grad(set_to_none=True)
+            xr, yr = batch(step, r)
+            ref_scaler.scale(F.cross_entropy(ref(xr), yr)).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for k, p in enumerate(ref.parameters()):
+            p.grad = (grads[0][k] + grads[1][k]) / size
+        if unscale:
+            ref_scaler.unscale_(ref_opt)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        assert scales[-1] == ref_scaler.get_scale(), (step, scales, ref_scaler.get_scale())
+    assert stepped == [True, False, True, True, True, True], stepped
+    assert scales[:3] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9] and scales[3] == 2.0 ** 10, scales
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{name} differs from torch: max |d| {(p - q).abs().max():.3g}"
+    _state_equal(opt, list(model.named_parameters()), ref_opt, list(ref.parameters()))
+    assert pair.allgather(scales) == [scales] * size
+
+    x, y = _data(9, rank)                           # the plain pattern: one line, every rank
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    with pytest.raises(ConfigError, match=r"GradScaler.step\(opt\) on gradients not averaged"):
+        scaler.step(opt)
+    before = opt.steps
+    opt.step()                                      # a plain step after it: no scaler left over
+    assert opt.steps == before + 1
+    opt.close()

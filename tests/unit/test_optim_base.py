@@ -50,3 +50,35 @@ def test_an_owned_algorithm_optimizer_never_imports_torch_dynamo():
     r = subprocess.run([sys.executable, "-c", CODE], cwd=REPO, env=clean_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_grad_scaler_on_a_family_that_does_not_handle_it_is_a_one_line_error():
+    """Every family's optimizer takes ``GradScaler.step`` calls itself
+    (``_step_supports_amp_scaling``), so the scaler never skips a step on one rank alone; a
+    family that does not handle the scaler (all but ssgd) stops there with one line."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from hpcasync.comm import FlatModel
+    from hpcasync.errors import ConfigError
+    from hpcasync.optim import AlgorithmOptimizer
+
+    class Owned(AlgorithmOptimizer):
+        algorithm = "owned"
+
+        def __init__(self, model):
+            self._own(FlatModel(model), {"lr": 0.1})
+
+        def step(self, closure=None):
+            self.flat.params.sub_(0.1 * self.flat.grads)
+
+    model = nn.Linear(3, 2)
+    opt, scaler = Owned(model), torch.amp.GradScaler("cpu")
+    before = opt.flat.params.clone()
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    with pytest.raises(ConfigError, match="owned: torch.amp.GradScaler is not supported") as err:
+        scaler.step(opt)
+    assert "\n" not in str(err.value) and torch.equal(opt.flat.params, before)
+    opt.step()                                  # without the scaler: steps as before
+    assert not torch.equal(opt.flat.params, before)
