@@ -23,8 +23,8 @@ Rules that keep the views alive:
 * build the FlatModel after moving the module to its device and before creating the optimizer; never
   ``module.to(...)`` afterwards (:meth:`unbound` names the parameter it detached; every
   algorithm's step stops with that name).
-* the parameters and floating buffers are float32 (:func:`check_float32`): another dtype is a
-  one-line error, not a silent cast (the user's ``.double()`` or ``.half()`` would be undone).
+* the parameters and floating buffers are float32 and on one device (:func:`check_model`):
+  another dtype, or several devices, is a one-line error, not a silent cast or move.
 
 Example::
 
@@ -71,11 +71,13 @@ def _layout(tensors) -> tuple[list[int], int]:
     return offsets, total
 
 
-def check_float32(module: nn.Module) -> None:
+def check_model(module: nn.Module) -> None:
     """Raise a one-line :class:`~hpcasync.errors.ConfigError` naming the first parameter or
-    floating buffer of ``module`` that is not float32. The flat tensors are float32: building
-    them over a float64, float16 or bfloat16 model would train it in float32 and leave it
-    float32, where torch (and Horovod, DDP) train it in its own dtype."""
+    floating buffer of ``module`` that is not float32, or the devices when they are on more
+    than one. The flat tensors are float32 and on one device: building them over a float64,
+    float16 or bfloat16 model would train it in float32 and leave it float32 (torch, Horovod and
+    DDP train it in its own dtype), and over a model split across devices would move every
+    tensor to the first one's."""
     named = [(n, t) for n, t in module.named_parameters()]
     named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     for name, t in named:
@@ -87,6 +89,15 @@ def check_float32(module: nn.Module) -> None:
                 "model float32; keep it float32 (model.float()) and use torch.autocast for "
                 "bfloat16/float16 compute, or for another dtype use hpcasync.horovod's "
                 "DistributedOptimizer (SSGD in each parameter's dtype)")
+    devices = list(dict.fromkeys(str(t.device) for _, t in named))
+    if len(devices) > 1:
+        first = {str(t.device): n for n, t in reversed(named)}
+        raise ConfigError(
+            f"the model's parameters and buffers are on {len(devices)} devices ("
+            + ", ".join(f"{d}: {first[d]}" for d in devices) + "): hpcasync's optimizers keep "
+            "them in one flat buffer on one device; move the whole model to one device (one "
+            "rank per GPU), or use hpcasync.horovod's DistributedOptimizer (per-tensor on "
+            "several devices)")
 
 
 class FlatModel:
@@ -102,7 +113,7 @@ class FlatModel:
     """
 
     def __init__(self, module: nn.Module, device: torch.device | str | None = None):
-        check_float32(module)
+        check_model(module)
         named = list(module.named_parameters())
         if device is None:
             device = named[0][1].device if named else torch.device("cpu")

@@ -2,8 +2,9 @@
 
 * ``FlatModel.unbound()`` names the first parameter or buffer that ``.to()``/``.double()``/
   channels_last moved off the flat buffer, and nothing while the model is untouched;
-* a model whose parameters or floating buffers are not float32 is refused with one line naming
-  the first (the flat buffer would train it in float32 and leave it float32);
+* a model whose parameters or floating buffers are not float32, or are on several devices, is
+  refused with one line naming the first (the flat buffer would train it in float32 and leave
+  it float32, or move every tensor to one device);
 * ``presence`` lies right in front of ``grads`` in one storage (SSGD's last bucket carries both);
 * :class:`~hpcasync.passes.BackwardPasses` counts passes per parameter as Horovod does,
   refuses an overrun with one line, and says which parameters got a gradient.
@@ -70,6 +71,14 @@ def test_a_floating_buffer_that_is_not_float32_is_refused():
     net[1].running_var = net[1].running_var.double()
     with pytest.raises(ConfigError, match="buffer 1.running_var is float64"):
         FlatModel(net)
+
+
+def test_a_model_on_several_devices_is_refused_not_moved():
+    net = _net()
+    net[3].to("meta")                    # (a second device without a GPU: meta)
+    with pytest.raises(ConfigError, match=r"on 2 devices \(cpu: 0.weight, meta: 3.weight\)"):
+        FlatModel(net)
+    assert net[0].weight.device.type == "cpu" and net[3].weight.device.type == "meta"
 
 
 def test_replaced_buffer_is_named():
