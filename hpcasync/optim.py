@@ -120,7 +120,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     """
 
     algorithm: str = ""
-    add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
+    _add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
     _skip = False                      # inside skip_synchronize()
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
     # torch.amp.GradScaler.step(opt) then calls step() itself, with ``grad_scale`` and
@@ -153,6 +153,35 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, list(flat.module.parameters()), dict(defaults))
         self.flat, self.optimizer = flat, None
         self.register_step_pre_hook(_amp_guard)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, checked once the optimizer is built: a group of tensors that are not the
+        model's parameters is a one-line error (their gradients are not in the flat buffer the
+        algorithm communicates: each rank would train them on its own gradient alone, and the
+        replicas part), as is a group the family cannot add after its set-up
+        (:meth:`_check_new_group`). Then :meth:`_group_added` fills the family's own keys."""
+        flat = self.__dict__.get("flat")
+        if flat is None:            # (torch's __init__ and the families' own set-up)
+            return self._add_param_group(param_group)
+        params = param_group.get("params", [])
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        mine = {id(p) for p in flat.parameters}
+        foreign = sum(id(p) not in mine for p in params)
+        if foreign:
+            raise ConfigError(f"{self.algorithm}: add_param_group got {foreign} tensor(s) that "
+                              "are not parameters of the model: their gradients would not be "
+                              f"{self.algorithm}'s (each rank would train them alone); add them "
+                              "to the model before hpcasync.optimizer(...)")
+        self._check_new_group()
+        self._add_param_group(param_group)
+        self._group_added(self.param_groups[-1])
+
+    def _check_new_group(self) -> None:
+        """Called by :meth:`add_param_group` after the set-up: raise where the family cannot
+        take a new group (the parameter server fixes its groups at set-up)."""
+
+    def _group_added(self, group: dict) -> None:
+        """A group was just added after the set-up: fill the family's own keys."""
 
     def _amp_forget(self) -> None:
         """Drop the scaler's ``grad_scale``/``found_inf`` when ``step()`` raises (the scaler

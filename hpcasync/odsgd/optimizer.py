@@ -143,12 +143,12 @@ class ODSGD(AlgorithmOptimizer):
             groups = [{"params": groups}]
         self.param_groups = []
         for group in groups:
-            self.add_param_group(dict(group))
-        mine = {id(p) for p in self.flat.parameters}
-        foreign = sum(id(p) not in mine for g in self.param_groups for p in g["params"])
-        if foreign:
-            raise ConfigError(f"ODSGD: {foreign} tensor(s) in the param groups are not "
-                              "parameters of the model")
+            self.add_param_group(dict(group))     # (the model's parameters only: the base's check)
+
+    def _group_added(self, group: dict) -> None:
+        worker = self.__dict__.get("worker")     # (before it, the defaults hold lr_local)
+        if worker is not None:
+            group.setdefault("lr_local", worker.hp.lr_local)
 
     def _hyper_from_groups(self) -> None:
         """Give the worker this step's hyperparameters: one :class:`ODSGDHyper` when one group

@@ -408,6 +408,13 @@ class ParameterServer(AlgorithmOptimizer):
         self._index = self._element_index(where)
         self._hyper_now()                                  # check the values now
 
+    def _check_new_group(self) -> None:
+        raise ConfigError(f"{self.algorithm}: add_param_group after hpcasync.optimizer(...) is not "
+                          "supported by a parameter-server rule: its server fixed the param "
+                          "groups (each one's slice of θ) at set-up; create every group before "
+                          "(a group with lr 0, or requires_grad=False, trains nothing until you "
+                          "change it)")
+
     def _element_index(self, where: list[int]) -> torch.Tensor | None:
         """Per element of θ the group of its parameter (``where``: per parameter, -1 for never
         moved), or None when one group holds every parameter (the rules' plain path)."""

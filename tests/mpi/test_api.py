@@ -641,6 +641,54 @@ def test_a_grad_scaler_on_a_family_whose_ranks_step_alone_is_a_one_line_error(al
         scaler.step(opt)
 
 
+def _two_groups_run(data, alg, late: bool):
+    """Three steps with the model's two parts in two param groups (the second at another lr),
+    given at construction or added after it (``late``); returns the flat parameters."""
+    model = make_model()
+    first = [p for n, p in model.named_parameters() if not n.startswith("fc")]
+    second = [p for n, p in model.named_parameters() if n.startswith("fc")]
+    groups = [{"params": first}] + ([] if late else [{"params": second, "lr": 0.02}])
+    kw = ({"epochs": 1, "steps_per_epoch": 3, "warmup_epochs": 0, "cooldown_epochs": 0}
+          if alg == "daso" else {})
+    opt = hpcasync.optimizer(alg, model, torch.optim.SGD(groups, lr=0.05, momentum=0.9), **kw)
+    if late:
+        opt.add_param_group({"params": second, "lr": 0.02})
+    for step in range(3):
+        x, y = batch(data, step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("alg", ["ssgd", "daso", "odsgd"])
+def test_a_param_group_added_after_the_optimizer_trains_as_one_given_at_its_start(data, alg):
+    """``opt.add_param_group`` of model parameters (fine-tuning: a layer outside the optimizer,
+    added later) trains them exactly as a group given at construction; a group of tensors that
+    are not the model's is a one-line error on every rank (each rank would train them alone)."""
+    late, early = _two_groups_run(data, alg, True), _two_groups_run(data, alg, False)
+    assert torch.equal(late, early), (late - early).abs().max()
+    model = make_model()
+    kw = {"epochs": 1, "steps_per_epoch": 3} if alg == "daso" else {}
+    opt = hpcasync.optimizer(alg, model, torch.optim.SGD(model.parameters(), lr=0.05), **kw)
+    with pytest.raises(ConfigError, match=f"{alg}: add_param_group got 2 tensor.*not parameters"):
+        opt.add_param_group({"params": list(nn.Linear(2, 2).parameters())})
+
+
+@needs4
+def test_a_parameter_server_refuses_a_param_group_added_after_its_set_up():
+    model = make_model()
+    opt = hpcasync.optimizer("asgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    with pytest.raises(ConfigError, match="asgd: add_param_group after hpcasync.optimizer"):
+        opt.add_param_group({"params": [model.fc.weight]})
+    with pytest.raises(ConfigError, match="asgd: add_param_group got 2 tensor"):
+        opt.add_param_group({"params": list(nn.Linear(2, 2).parameters())})
+    if opt.is_server:
+        opt.serve()
+    else:
+        opt.finish()
+
+
 @needs4
 def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
     """DASO's ``comm`` is its own layer: save_checkpoint must find the world communicator."""
