@@ -238,16 +238,27 @@ class EpochCursor:
         when a recovery moved it (``shards``), so that a resume trains the rest of this plan,
         not a fresh one's (:meth:`resume_plan`)."""
         moved = {"shards": self.plan.shards} if self.moved and self.plan is not None else {}
-        return {"loss_sum": self.loss_sum, "loss_n": self.loss_n, **moved}
+        return {"loss_sum": self.loss_sum, "loss_n": self.loss_n, **moved,
+                "batch_size": self.ctx.cfg.batch_size, "train_size": len(self.ctx.train)}
 
     def resume_plan(self, state: dict) -> None:
         """Where a checkpoint inside an epoch left this rank (:meth:`plan_state`): its own loss
         sum, the loss count and the moved plan, which the next :meth:`begin_epoch` takes."""
+        from ..errors import CheckpointError
+
         shards, sums, size = state.get("shards"), state.get("loss_sums"), self.ctx.topo.size
         if shards is not None and len(shards) != size:
-            from ..errors import CheckpointError
             raise CheckpointError(f"checkpoint's epoch plan has {len(shards)} shards, this run "
                                   f"has {size} ranks")
+        was = (state.get("batch_size"), state.get("train_size"))
+        now = (self.ctx.cfg.batch_size, len(self.ctx.train))
+        if was[0] is not None and was != now:     # the rest of the epoch: other batches
+            raise CheckpointError(
+                f"checkpoint was written inside epoch {state.get('epoch')} (batch "
+                f"{state.get('batch')}) with --batch-size {was[0]} over {was[1]} training "
+                f"examples, this run has --batch-size {now[0]} over {now[1]}: the rest of that "
+                "epoch would be other batches; resume with the same --batch-size and "
+                "--train-limit, or from a checkpoint at an epoch's end")
         self.resumed_shards = shards
         self.loss_n = state.get("loss_n", self.loss_n)
         if sums is not None and len(sums) == size:
