@@ -239,7 +239,8 @@ class EpochCursor:
         not a fresh one's (:meth:`resume_plan`)."""
         moved = {"shards": self.plan.shards} if self.moved and self.plan is not None else {}
         return {"loss_sum": self.loss_sum, "loss_n": self.loss_n, **moved,
-                "batch_size": self.ctx.cfg.batch_size, "train_size": len(self.ctx.train)}
+                "batch_size": self.ctx.cfg.batch_size, "train_size": len(self.ctx.train),
+                "data_seed": self.ctx.cfg.seed}
 
     def resume_plan(self, state: dict) -> None:
         """Where a checkpoint inside an epoch left this rank (:meth:`plan_state`): its own loss
@@ -250,15 +251,16 @@ class EpochCursor:
         if shards is not None and len(shards) != size:
             raise CheckpointError(f"checkpoint's epoch plan has {len(shards)} shards, this run "
                                   f"has {size} ranks")
-        was = (state.get("batch_size"), state.get("train_size"))
-        now = (self.ctx.cfg.batch_size, len(self.ctx.train))
+        was = (state.get("batch_size"), state.get("train_size"), state.get("data_seed"))
+        now = (self.ctx.cfg.batch_size, len(self.ctx.train), self.ctx.cfg.seed)
         if was[0] is not None and was != now:     # the rest of the epoch: other batches
             raise CheckpointError(
                 f"checkpoint was written inside epoch {state.get('epoch')} (batch "
                 f"{state.get('batch')}) with --batch-size {was[0]} over {was[1]} training "
-                f"examples, this run has --batch-size {now[0]} over {now[1]}: the rest of that "
-                "epoch would be other batches; resume with the same --batch-size and "
-                "--train-limit, or from a checkpoint at an epoch's end")
+                f"examples, --seed {was[2]}; this run has --batch-size {now[0]} over {now[1]}, "
+                f"--seed {now[2]}: the rest of that epoch would be other batches; resume with "
+                "the same --batch-size, --train-limit and --seed, or from a checkpoint at an "
+                "epoch's end")
         self.resumed_shards = shards
         self.loss_n = state.get("loss_n", self.loss_n)
         if sums is not None and len(sums) == size:

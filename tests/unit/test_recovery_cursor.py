@@ -98,8 +98,9 @@ def test_a_moved_plan_goes_into_a_checkpoint_and_a_resume_takes_it(keep):
 
 
 def test_a_checkpoint_inside_an_epoch_resumed_with_other_batches_is_a_one_line_error():
-    """A mid-epoch checkpoint holds its batch size and training-set size; resumed with another
-    (``--batch-size``, ``--train-limit``), its batch count would point into other batches (at
+    """A mid-epoch checkpoint holds its batch size, training-set size and seed; resumed with
+    another (``--batch-size``, ``--train-limit``, ``--seed``), its batch count would point into
+    other batches, or another permutation (at
     64 a checkpoint at batch 18 of 32 ended the epoch at once, its rest untrained): one line.
     The same sizes resume; a checkpoint without them (older files) is taken as it is."""
     from hpcasync.errors import CheckpointError
@@ -107,17 +108,17 @@ def test_a_checkpoint_inside_an_epoch_resumed_with_other_batches_is_a_one_line_e
     state = {**_at(2, 18).plan_state(), "epoch": 2, "batch": 18}
     assert (state["batch_size"], state["train_size"]) == (B, N)
     _cursor(4).resume_plan(state)
-    for change in ({"batch_size": 2 * B}, {"train": range(N // 2)}):
+    for change in ({"batch_size": 2 * B}, {"train": range(N // 2)}, {"seed": SEED + 1}):
         cur = _cursor(4)
-        if "batch_size" in change:
-            cur.ctx.cfg.batch_size = change["batch_size"]
-        else:
+        if "train" in change:
             cur.ctx.train = change["train"]
+        else:
+            vars(cur.ctx.cfg).update(change)
         with pytest.raises(CheckpointError, match=r"inside epoch 2 \(batch 18\) with "
-                           rf"--batch-size {B} over {N} training examples") as err:
+                           rf"--batch-size {B} over {N} training examples, --seed {SEED}") as err:
             cur.resume_plan(state)
         assert "\n" not in str(err.value)
-    old = {k: v for k, v in state.items() if k not in ("batch_size", "train_size")}
+    old = {k: v for k, v in state.items() if k not in ("batch_size", "train_size", "data_seed")}
     cur = _cursor(4)
     cur.ctx.cfg.batch_size = 2 * B
     cur.resume_plan(old)
