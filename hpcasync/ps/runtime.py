@@ -92,6 +92,20 @@ def validate(cfg) -> None:
                  algorithm=cfg.algorithm)
 
 
+def check_resumed_data(state: dict, cfg, batches_per_worker: int) -> None:
+    """A checkpoint resumed goes on with each worker's position in batches of its shuffle:
+    another batch count per worker and epoch (``--train-limit``, ``--batch-size``) or another
+    ``--seed`` would continue in other batches; one line."""
+    if state.get("batches_per_worker") != batches_per_worker:
+        raise CheckpointError(f"checkpoint has {state.get('batches_per_worker')} batches per "
+                              f"worker and epoch, this run {batches_per_worker} (another "
+                              "--train-limit or --batch-size?)")
+    if state.get("data_seed", cfg.seed) != cfg.seed:
+        raise CheckpointError(f"checkpoint was written with --seed {state['data_seed']}, this "
+                              f"run has --seed {cfg.seed}: each worker's rest of its epoch "
+                              "would be another shuffle's; resume with the same --seed")
+
+
 def reporting_rank(topo) -> int:
     """The rank that evaluates, writes metrics and shows progress: the PS."""
     return topo.ps_rank
@@ -203,10 +217,8 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     if state is not None and state.get("ps_ranks", 1) != K:
         raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
                               f"ranks (--ps-ranks), this run has {K}")       # every rank raises
-    if state is not None and state.get("batches_per_worker") != batches_per_worker:
-        raise CheckpointError(f"checkpoint has {state.get('batches_per_worker')} batches per "
-                              f"worker and epoch, this run {batches_per_worker} (another "
-                              "--train-limit or --batch-size?)")      # every rank raises
+    if state is not None:
+        check_resumed_data(state, cfg, batches_per_worker)      # every rank raises
     stop_flag = (lambda: ctx.preempt.requested) if ctx.preempt is not None else None
     try:
         inject.point("startup")

@@ -63,7 +63,7 @@ def serve(ctx: RunContext, opt, model, W: int, batches_per_worker: int,
     def state_now(kind: str) -> dict:
         """The PS state now: what a checkpoint holds, and what a grow-back goes on from."""
         return {"ps": server.state_dict(), **opt.buffer_state(), "kind": kind,
-                "batches_per_worker": batches_per_worker,
+                "batches_per_worker": batches_per_worker, "data_seed": cfg.seed,
                 "divergence": ctx.divergence.state_dict()}
 
     def save(kind: str, worker_locals: list | None = None) -> None:

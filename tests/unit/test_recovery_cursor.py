@@ -122,3 +122,19 @@ def test_a_checkpoint_inside_an_epoch_resumed_with_other_batches_is_a_one_line_e
     cur = _cursor(4)
     cur.ctx.cfg.batch_size = 2 * B
     cur.resume_plan(old)
+
+
+def test_a_parameter_server_checkpoint_resumed_with_other_batches_is_a_one_line_error():
+    """The CLI's PS resume (``ps.runtime.check_resumed_data``): another batch count per worker
+    or another seed is one line; the same resumes; a file without the seed is taken."""
+    from hpcasync.errors import CheckpointError
+    from hpcasync.ps.runtime import check_resumed_data
+
+    cfg = SimpleNamespace(seed=SEED)
+    state = {"batches_per_worker": 16, "data_seed": SEED}
+    check_resumed_data(state, cfg, 16)
+    check_resumed_data({"batches_per_worker": 16}, SimpleNamespace(seed=SEED + 1), 16)
+    with pytest.raises(CheckpointError, match="16 batches per worker and epoch, this run 8"):
+        check_resumed_data(state, cfg, 8)
+    with pytest.raises(CheckpointError, match=f"--seed {SEED}, this run has --seed {SEED + 1}"):
+        check_resumed_data(state, SimpleNamespace(seed=SEED + 1), 16)
