@@ -863,11 +863,13 @@ class ParameterServer(AlgorithmOptimizer):
         if comm is None and collective and self.on_survivors is not None:
             survivors, lost = ft.survivors(self.comm, True)
             if lost:
-                servers = [ft.translate(r, self.comm, survivors) for r in servers]
-                if min(servers) < 0:
-                    raise ft.PSFailed(f"the parameter server (rank {self.ps_rank}) died after "
+                moved = [ft.translate(r, self.comm, survivors) for r in servers]
+                if min(moved) < 0:
+                    dead = servers[moved.index(min(moved))]
+                    raise ft.PSFailed(f"the parameter server (rank {dead}) died after "
                                       "serving; the final model is lost: restart from a "
                                       "checkpoint")
+                servers = moved
                 comm, root, collective = survivors, servers[0], False
                 self._survivors = (root, survivors.Get_size())
             else:

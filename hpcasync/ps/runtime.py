@@ -319,13 +319,14 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     comm, lost = ft.survivors(topo.world, ulfm)
     root = ft.translate(topo.ps_rank, topo.world, comm) if lost else topo.ps_rank
     opt.close(comm, root, collective=not lost, broadcast_model=False)
-    if stopping == "grow" and root >= 0:
+    gone = [r for r in servers if lost and ft.translate(r, topo.world, comm) < 0]
+    if stopping == "grow" and not gone:
         raise Regrow(comm, growth.state if opt.is_server else None,
                      opt.local_model() if opt.keeps_local and not opt.is_server else None)
-    if root < 0:             # the PS died after the end messages
+    if gone:                 # a server (of any shard) died after the end messages
         if comm.Get_rank():  # the first survivor says it once; its MPI_Abort ends this wait
             time.sleep(10)
-        raise _ps_failed(topo)
+        raise _ps_failed(gone[0])
     if stopping:             # the PS has written the checkpoint (if any) before closing
         comm.Barrier()
         raise Preempted("preempted: the parameter server stopped every worker after its "
@@ -340,8 +341,8 @@ def _run(ctx: RunContext, takeover: Takeover | None, growth: PSGrowth,
     return RunResult(model=model, summary=summary)
 
 
-def _ps_failed(topo) -> ft.PSFailed:
-    return ft.PSFailed(f"the parameter server (rank {topo.ps_rank}) died; the run cannot go on: "
+def _ps_failed(rank: int) -> ft.PSFailed:
+    return ft.PSFailed(f"the parameter server (rank {rank}) died; the run cannot go on: "
                        "resume from its last checkpoint with --resume auto")
 
 

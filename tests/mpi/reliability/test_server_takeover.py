@@ -83,21 +83,22 @@ def test_a_server_killed_after_every_last_push_was_answered_ends_the_run_under_t
 
 
 @pytest.mark.rank0
-@pytest.mark.parametrize("kill,survived", [
-    ("0:startup:1", True),        # the server, before the first broadcast: set up again
-    ("2:startup:1", True),        # a worker, before the first broadcast: set up again
-    ("0:epoch_end:1", True),      # the server, evaluating epoch 1: a worker takes over
-    ("0:checkpoint:1", True),     # the server, writing its first checkpoint
-    ("2:final:1", True),          # a worker, before the final gathers
-    ("0:final:1", False),         # the server after its end messages: one line, non-zero
+@pytest.mark.parametrize("kill,survived,shards", [
+    ("0:startup:1", True, 1),     # the server, before the first broadcast: set up again
+    ("2:startup:1", True, 1),     # a worker, before the first broadcast: set up again
+    ("0:epoch_end:1", True, 1),   # the server, evaluating epoch 1: a worker takes over
+    ("0:checkpoint:1", True, 1),  # the server, writing its first checkpoint
+    ("2:final:1", True, 1),       # a worker, before the final gathers
+    ("0:final:1", False, 1),      # the server after its end messages: one line, non-zero
+    ("1:final:1", False, 2),      # shard 1's server after its end messages: the same
 ])
 def test_deaths_at_every_phase_are_survived_or_end_the_job_with_one_line(tmp_path, kill,
-                                                                         survived):
+                                                                         survived, shards):
     need_ulfm()
     metrics = tmp_path / "m.jsonl"
     out = subprocess.run([*mpiexec(4, ft=True), sys.executable, "-m", "hpcasync.cli", *MINI,
                           "--algorithm", "asgd", "--metrics", str(metrics),
-                          "--checkpoint-dir", str(tmp_path / "ck")],
+                          "--ps-ranks", str(shards), "--checkpoint-dir", str(tmp_path / "ck")],
                          env=clean_env(HPCASYNC_INJECT_KILL_AT=kill), cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     rank = int(kill.split(":")[0])
@@ -108,3 +109,4 @@ def test_deaths_at_every_phase_are_survived_or_end_the_job_with_one_line(tmp_pat
         assert out.returncode != 0
         assert out.stderr.count(f"the parameter server (rank {rank}) died") == 1, \
             out.stderr[-3000:]
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
