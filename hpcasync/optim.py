@@ -85,10 +85,10 @@ def refuse_sgd_options(groups, options, runs: str) -> None:
 
 
 def _amp_guard(opt, args, kwargs) -> None:
-    """A step pre-hook of every family: ``GradScaler.step(opt)`` where the family does not
-    handle the scaler is a one-line error on every rank (they all call step: the scaler no
-    longer skips it on its own)."""
-    if opt.__dict__.get("found_inf") is not None and not opt._amp_supported:
+    """The step pre-hook of a family that does not handle the scaler (``_amp_supported``
+    False): ``GradScaler.step(opt)`` is a one-line error on every rank (they all call step: the
+    scaler no longer skips it on its own)."""
+    if opt.__dict__.get("found_inf") is not None:
         opt._amp_forget()
         raise ConfigError(
             f"{opt.algorithm}: torch.amp.GradScaler is not supported: its ranks step on their "
@@ -125,7 +125,8 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
     # torch.amp.GradScaler.step(opt) then calls step() itself, with ``grad_scale`` and
     # ``found_inf`` set on the optimizer, instead of deciding alone whether to skip it
-    # (:meth:`_amp_step`); a family that does not handle them stops there (_amp_supported)
+    # (:meth:`_amp_step`); a family that does not handle them stops there (_amp_supported False:
+    # a step pre-hook, :meth:`_guard_amp`)
     _step_supports_amp_scaling = True
     _amp_supported = False
 
@@ -146,13 +147,19 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(optimizer.defaults))
         self.flat, self.optimizer = flat, optimizer     # from here on groups and state are its
         self.defaults = optimizer.defaults
-        self.register_step_pre_hook(_amp_guard)
+        self._guard_amp()
 
     def _own(self, flat: FlatModel, defaults: dict[str, Any]) -> None:
         """One param group over the model's parameters holding the algorithm's hyperparameters."""
         torch.optim.Optimizer.__init__(self, list(flat.module.parameters()), dict(defaults))
         self.flat, self.optimizer = flat, None
-        self.register_step_pre_hook(_amp_guard)
+        self._guard_amp()
+
+    def _guard_amp(self) -> None:
+        """A family that does not handle ``GradScaler`` refuses it at its step (:func:`_amp_guard`);
+        one that does (SSGD) checks in its own step, with no hook on its hot path."""
+        if not self._amp_supported:
+            self.register_step_pre_hook(_amp_guard)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, checked once the optimizer is built: a group of tensors that are not the
