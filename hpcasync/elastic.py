@@ -222,13 +222,9 @@ class _FrontDoor(_core.Membership):
         from .ps.takeover import exchange
 
         opt, held, K = self.ps, self._held, self.topo.ps_ranks
-        every, server, sources, theta = exchange(    # (a shard's bounds: K's and numel's)
-            new, held["vote"], lambda s: opt.layout.slice(held["theta"], s), K,
-            assemble=self._set_up)
-        # every survivor's BatchNorm state (its committed one: State.restore came first) to the
-        # new server, whose table it seeds; before a set-up every buffer is the initial one
-        survivors = (new.gather({"buffers": held["buffers"].cpu(), "ints": held["ints"]},
-                                root=server) if self._set_up else None)
+        # (each survivor's committed BatchNorm state to the new server: State.restore came first)
+        every, server, sources, theta, survivors = exchange(
+            new, held, K, lambda t, s: opt.layout.slice(t, s), set_up=self._set_up)
         self._reinit(new, ps_rank=server)
         # each worker's committed pushes (the votes'): where the new server's clock starts it
         positions = [(r, e[1]) for r, e in enumerate(every) if r not in self.topo.servers]

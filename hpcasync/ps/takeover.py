@@ -117,7 +117,8 @@ class PSWorld(Membership):
         if self.lost is None:
             server, self.got = kept.index(before.ps_rank) if before.ps_rank in kept else 0, None
         else:
-            self.got = _exchange(new, self.lost.opt, *self.held)
+            layout = self.lost.opt.layout
+            self.got = exchange(new, self.held, layout.K, layout.slice)
             server = self.got[1]
         self.ctx.topo = dataclasses.replace(before.shrunk(new), ps_rank=server)
 
@@ -198,15 +199,11 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     # communicator, MPI_Abort after the run had ended)
     opt._closed = True
     held = opt.holding(opt.shard if opt.is_server else -1, K)    # (your own loop's too)
-    if again:               # its set-up on the survivors failed: the same vote, the agreed share
-        mine = (previous.vote[0], previous.share, *previous.vote[2:])
-    elif opt.is_server:                 # K > 1: a surviving shard server, its θ slice is current
-        mine = held["vote"]
-    else:
-        version, steps, _, versions = held["vote"]
-        if previous is not None and not opt.started:    # lost before its first reply: it holds
-            version = previous.records[-1]["theta_version"]     # the previous takeover's θ
-        mine = (version, min(1.0, steps / max(1, lost.budget)), -1, versions)
+    # its vote: what it holds; after a set-up that failed, the vote it brought to that takeover
+    mine = previous.vote if again else held["vote"]
+    if not (again or opt.is_server) and previous is not None and not opt.started:
+        mine = (previous.records[-1]["theta_version"], *mine[1:])   # lost before its first
+                                                    # reply: it holds the previous takeover's θ
     # every survivor's BatchNorm state (and SHAT's/ENSEMBLE's local model) as it is now, to the
     # new server (the set-up's broadcast must not reset it: ParameterServer.take_over's
     # survivors); after a set-up that failed (its broadcast may have overwritten the model), as
@@ -218,10 +215,14 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
     local = previous.local if stale else held["local"]
     # atomic (the core's reset): the exchange completes on every survivor, or all shrink again
     # and redo it (a death inside it: a gather can complete on its senders and fail on its root)
-    failure = _reset(ctx, core, lost, (mine, held["theta"], own, own_ints))
+    failure = _reset(ctx, core, lost, {**held, "vote": mine, "buffers": own, "ints": own_ints})
     first, dead = core.membership.first, failure["dead_ranks"]
-    every, server, sources, states, theta = core.membership.got
-    share = sum(e[1] for e in every if e[2] < 0) / sum(1 for e in every if e[2] < 0)
+    every, server, sources, theta, states = core.membership.got
+    if K == 1 and ctx.topo.rank == server:
+        theta = held["theta"]
+    # the share of every worker's budget done: the workers' mean (the same again after a set-up)
+    workers = [min(1.0, e[1] / max(1, lost.budget)) for e in every if e[2] < 0]
+    share = previous.share if again else sum(workers) / len(workers)
     me, original = ctx.topo.rank, core.original
     record = {"dead_ranks": dead, "new_server": original[server],
               "theta_version": (every[server][0] if K == 1 else min(v for _, v in sources)),
@@ -271,32 +272,25 @@ def take_over(ctx, core, lost: ServerLost, previous: Takeover | None = None, *,
                     int_buffers=own_ints, survivors=states, local=local, opt=opt, vote=mine)
 
 
-def _exchange(new, opt, mine, theta, own, own_ints) -> tuple:
-    """The takeover's collectives over the shrunk world ``new``: the election (:func:`exchange`),
-    every survivor's buffers to the new server (a gather). Returns ``(every, server, sources,
-    states, theta)``: on the new server the θ it serves from (its own, or with K > 1 the
-    assembled one), ``states`` every survivor's buffers (``{"buffers", "ints"}``); both None
-    elsewhere."""
-    every, server, sources, assembled = exchange(
-        new, mine, lambda s: opt.layout.slice(theta, s), opt.layout.K)
-    states = new.gather({"buffers": own, "ints": own_ints}, root=server)
-    if opt.layout.K == 1:
-        assembled = theta if new.Get_rank() == server else None
-    return every, server, sources, states, assembled
-
-
-def exchange(new, vote, piece, K: int, *, assemble: bool = True) -> tuple:
-    """Collective over ``new``, the survivors of a server's death: every survivor's ``vote``
-    (allgather; :meth:`~.optimizer.ParameterServer.holding`'s), the new server (:func:`elect`)
-    and, with K > 1 (and ``assemble``), θ assembled on it from each shard's source, which gives
-    ``piece(s)``, its slice of shard ``s`` (:func:`gather_shards`). Returns ``(every, server,
-    sources, θ or None)``. The CLI's takeover and your own loop's
-    (:meth:`hpcasync.elastic._FrontDoor._take_over`) run it."""
-    every = new.allgather(vote)
+def exchange(new, held: dict, K: int, slice_of, *, set_up: bool = True) -> tuple:
+    """Collective over ``new``, the survivors of a server's death: every survivor's vote
+    (``held``, :meth:`~.optimizer.ParameterServer.holding`'s: allgathered), the new server
+    (:func:`elect`) and, where the server was ``set_up`` (else every θ and buffer is the initial
+    one), θ assembled on it from each shard's source with K > 1 (each gives its slice of
+    ``held["theta"]``, ``slice_of(theta, s)``: :func:`gather_shards`) and every survivor's
+    buffers (``{"buffers", "ints"}``, a gather to it). Returns ``(every, server, sources, θ,
+    buffers)``; θ None with K = 1 (the server's own) and elsewhere, buffers None elsewhere. The
+    CLI's takeover and your own loop's (:meth:`hpcasync.elastic._FrontDoor._take_over`) run it."""
+    every = new.allgather(held["vote"])
     inject.point("takeover")
     server, sources = elect(every, K)
-    theta = gather_shards(new, sources, server, piece) if K > 1 and assemble else None
-    return every, server, sources, theta
+    theta = survivors = None
+    if set_up:
+        if K > 1:
+            theta = gather_shards(new, sources, server, lambda s: slice_of(held["theta"], s))
+        survivors = new.gather({"buffers": held["buffers"].cpu(), "ints": held["ints"]},
+                               root=server)
+    return every, server, sources, theta, survivors
 
 
 def elect(every: list, K: int) -> tuple[int, list | None]:
