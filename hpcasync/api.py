@@ -477,8 +477,10 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     (push counts and epoch: the warm-up continues), the workers' buffers and every worker's
     position and own state (shat, shat-root, ensemble: its model). The server's own call
     (``serve(on_epoch=...)`` or after ``serve()``) writes its state alone, unless that label is
-    already complete. Returns the path on a rank that wrote (None on a PS worker). A sharded
-    server (``ps_ranks`` > 1) is a ConfigError: only the CLI checkpoints its shards.
+    already complete. Returns the path on a rank that wrote (None on a PS worker). Shard servers
+    (``ps_ranks`` K > 1): a worker asks every server, and each writes its slice of θ and its
+    rule's state once every worker asked for that label (shard 0's file in ``directory``, with
+    every worker's part; shard s's in ``directory/shard-s``), as the CLI does.
     """
     from .checkpoint import PER_RANK, CheckpointManager, gather_own
 
@@ -486,8 +488,6 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     topo = getattr(optimizer, "topo", None)             # DASO: its comm is DASO's own layer
     comm = topo.world if topo is not None else getattr(optimizer, "comm", None)
     ps = algorithm in PS_ALGORITHMS
-    if ps:
-        _check_unsharded(optimizer, "save_checkpoint")
     header = {"algorithm": algorithm, "model": type(model).__name__}
     if ps:
         if optimizer.is_server:
@@ -518,15 +518,6 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     return path
 
 
-def _check_unsharded(optimizer, what: str) -> None:
-    K = getattr(getattr(optimizer, "layout", None), "K", 1)
-    if K > 1:
-        raise ConfigError(f"hpcasync.{what} of a sharded parameter server (ps_ranks={K}) is not "
-                          "supported: each server holds one slice of θ and of the rule's state. "
-                          "Use ps_ranks=1 in your loop, or the CLI (hpcasync train --ps-ranks K "
-                          "--checkpoint-dir DIR), which checkpoints every shard")
-
-
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
                     comm=None) -> dict | None:
     """Restore the newest intact checkpoint of ``directory`` (or the file ``directory``) into
@@ -542,15 +533,15 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     server takes θ, the rule's state and (when it serves) its clock; each worker its own position
     (returned: the labels it asked the checkpoint for; ``finished: True`` if it had finished),
     its BatchNorm buffers, its optimizer's param groups and (shat, shat-root, ensemble) its own
-    model, which it trains from after the server's first reply."""
+    model, which it trains from after the server's first reply. Shard servers (K > 1,
+    collective over the optimizer's communicator): the newest label that every server wrote,
+    each server from its own file (θ's slice, its rule), every worker from shard 0's."""
     from .checkpoint import PER_RANK, CheckpointManager, own_part, read_once
     from .comm.objects import bcast_object
     from .checkpoint import load_checkpoint as load_file
 
     algorithm = getattr(optimizer, "algorithm", None)
     ps = algorithm in PS_ALGORITHMS
-    if ps:
-        _check_unsharded(optimizer, "load_checkpoint")
     expect = {"model": type(model).__name__, **({"algorithm": algorithm} if algorithm else {})}
     p = Path(directory)
 
@@ -560,9 +551,15 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         found = CheckpointManager(p).load_latest(expect=expect) if p.is_dir() else None
         return None if found is None else found[2]
 
-    state = read() if comm is None else read_once(
-        read, root=comm.Get_rank() == 0, bcast=lambda obj: bcast_object(comm, obj, 0),
-        what="hpcasync.load_checkpoint")
+    if ps and getattr(getattr(optimizer, "layout", None), "K", 1) > 1:   # each shard its file
+        from .ps.loop_checkpoint import read_sharded
+
+        found = read_sharded(optimizer, p, expect)
+        state = None if found is None else found[2]
+    else:
+        state = read() if comm is None else read_once(
+            read, root=comm.Get_rank() == 0, bcast=lambda obj: bcast_object(comm, obj, 0),
+            what="hpcasync.load_checkpoint")
     if state is None:
         if _is_root(optimizer, ps):
             log.warning("hpcasync.load_checkpoint: no checkpoint in %s%s: starting from "

@@ -410,10 +410,17 @@ class State(_core.TorchState):
         server's worker asks the server for the checkpoint of its commit instead
         (``hpcasync.save_checkpoint``'s way, its committed values and samplers in its part); the
         server writes θ, the rule and every worker's part once all have asked for that commit or
-        finished, and a restart gives each worker its place. Shard servers: a one-line error."""
-        if self._membership.ps is not None:
-            api._check_unsharded(self._membership.ps, "elastic.State.persist")
+        finished, and a restart gives each worker its place; shard servers each write their own
+        file of a commit, and a restart takes the newest commit every server wrote."""
         return super().persist(directory, every=every, keep=keep)
+
+    def _newest_commit(self, disk):
+        ps = self._membership.ps
+        if ps is None or not ps.attached or ps.layout.K == 1:
+            return super()._newest_commit(disk)
+        from .ps.loop_checkpoint import read_sharded
+
+        return read_sharded(ps, disk.directory, self._disk_header())
 
     def _write_commit(self, disk) -> None:
         ps = self._membership.ps

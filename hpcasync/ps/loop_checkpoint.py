@@ -79,8 +79,11 @@ class LoopCheckpoints:
             raise ConfigError(f"{opt.algorithm} worker {opt.worker}: save_checkpoint after its "
                               "last message to the server (opt.finish(), or the server's stop): "
                               "the server would never take it; save before")
-        self.sends.append(opt.comm.issend(msg, dest=opt.ps_rank, tag=TAG_REQUEST))
-        opt.transport.requests += 1        # the next header says so: the server receives it then
+        L = opt.layout
+        for shard, transport in enumerate(opt.transports):    # every shard server writes its own
+            sent = msg if shard == 0 else {**msg, "part": _position(msg["part"])}
+            self.sends.append(opt.comm.issend(sent, dest=L.servers[shard], tag=TAG_REQUEST))
+            transport.requests += 1    # its next header says so: the server receives it then
 
     def send_commit(self, values: dict) -> None:
         """Worker, at ``hpcasync.elastic.State.commit()`` under grow-back: its committed values
@@ -156,10 +159,12 @@ class LoopCheckpoints:
     def write(self, directory, epoch: int, step: int, *, keep: int, extra: dict,
               parts: dict | None, header: dict) -> Path:
         """Server: write :meth:`snapshot` atomically to ``directory``; returns the path."""
+        from .shards import shard_snapshot
+
         opt = self.opt
         state = self.snapshot(epoch, step, extra, parts)
-        path = CheckpointManager(directory, keep=keep).save(state, epoch=epoch, step=step,
-                                                            **header)
+        path = shard_snapshot(opt, CheckpointManager(directory, keep=keep), state, epoch=epoch,
+                              step=step, header=header)
         log.info("PS %s: checkpoint %s (%s)", opt.algorithm, path,
                  f"every worker's part, version {opt.rule.version}" if parts else
                  f"the server's state only, version {opt.rule.version}")
@@ -184,6 +189,7 @@ class LoopCheckpoints:
         ``state["model"]``); returns the position the loop continues from (``{"epoch", "step",
         **extra}``; a worker that had finished: ``finished: True``)."""
         opt = self.opt
+        _check_cut(opt, state)
         opt.load_state_dict(state["optimizer"])
         ps = state.get("ps") or {}
         parts = {int(w): p for w, p in (ps.get("workers") or {}).items()}
@@ -245,7 +251,7 @@ class Collector:
 
         while self.received[w] < push.requests:
             try:
-                msg = self.opt.comm.recv(source=transport.workers[w], tag=TAG_REQUEST)
+                msg = self.opt.comm.recv(source=self.opt.layout.workers[w], tag=TAG_REQUEST)
             except MPI.Exception as exc:
                 raise transport._failed(exc) from None
             self.received[w] += 1
@@ -287,3 +293,74 @@ def _finished_part(last: dict | None, label, position: int) -> dict:
         return {"epoch": label[0], "step": label[1], "extra": {}, "steps": int(position),
                 "finished": True}
     return {**last, "finished": True}
+
+
+def _position(part: dict) -> dict:
+    """A worker's part as a shard server other than shard 0 keeps it: its position alone (its
+    own state is in shard 0's file)."""
+    return {k: part[k] for k in ("worker", "epoch", "step", "steps")} | {"extra": {}}
+
+
+def _check_cut(opt, state: dict) -> None:
+    """One line when a checkpoint was cut over another number of servers, or other bounds."""
+    L = opt.layout
+    if state.get("ps_ranks", 1) != L.K:
+        raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
+                              f"ranks (ps_ranks), this optimizer has {L.K}")
+    if L.K > 1 and state.get("bounds") != [list(b) for b in L.bounds]:
+        raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this "
+                              f"model's {[list(b) for b in L.bounds]}")
+    if L.K > 1 and state.get("shard") != max(L.shard, 0):
+        raise CheckpointError(f"checkpoint holds shard {state.get('shard')}'s state, this rank "
+                              f"{'serves shard %d' % L.shard if L.shard > 0 else 'reads shard 0'}")
+
+
+def read_sharded(opt, directory, expect: dict | None) -> tuple | None:
+    """Shard servers (``ps_ranks`` K > 1), collective over ``opt.comm``: ``(path, header,
+    state)`` of the newest label that every shard server wrote intact, each rank's own file of
+    it (shard s's server: ``directory/shard-s``; shard 0's server and every worker: shard 0's, in
+    ``directory``), or None where there is none. Each server writes a label when every worker
+    has asked for it, so their newest labels can differ: the newest common one is taken. A file
+    that does not fit (another algorithm, model, or cut) is one line on every rank."""
+    from ..checkpoint import _check_expected, read_checkpoint
+
+    L, base = opt.layout, Path(directory)
+    mine = base / f"shard-{L.shard}" if L.shard > 0 else base
+    listed = opt.comm.allgather((L.shard, [p.name for p in CheckpointManager(mine).checkpoints()]))
+    names = {shard: held for shard, held in listed if shard >= 0}
+    for name in names[0]:
+        if not all(name in held for held in names.values()):
+            continue
+        got, error = None, None
+        try:
+            header, state = read_checkpoint(mine / name)
+        except CheckpointError as exc:
+            log.warning("skipping %s", exc)
+        else:
+            try:
+                _check_expected(mine / name, header, expect)
+                _check_cut(opt, state)
+                got = (mine / name, header, state)
+            except CheckpointError as exc:
+                error = f"{mine / name}: {exc}" if str(mine) not in str(exc) else str(exc)
+        verdicts = opt.comm.allgather((got is not None, error))
+        errors = [e for _, e in verdicts if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        if all(ok for ok, _ in verdicts):
+            return got
+    error = None            # none in common: shard 0's newest says whether it was cut so
+    if names[0] and opt.comm.Get_rank() == L.servers[0]:
+        try:
+            found = CheckpointManager(base).load_latest(expect=expect)
+            if found is not None:
+                _check_cut(opt, found[2])
+            log.warning("%s holds checkpoints of shard 0 but none that all %d shard servers "
+                        "wrote intact (shard-1/ ... beside them): starting from the beginning",
+                        base, L.K)
+        except CheckpointError as exc:
+            error = str(exc)
+    error = opt.comm.bcast(error, root=L.servers[0])
+    if error:
+        raise CheckpointError(error)
+    return None

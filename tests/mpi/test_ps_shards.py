@@ -262,16 +262,3 @@ def test_nan_in_one_shard_is_rejected_by_every_shard():
     want = torch.full((n,), -0.5 * 6 * 1.0)
     params = torch.nn.utils.parameters_to_vector(opt.flat.module.parameters())
     assert torch.equal(params, want)
-
-
-@needs4
-def test_user_loop_checkpoint_of_a_sharded_server_is_a_config_error(tmp_path):
-    """Only the CLI checkpoints every shard; hpcasync.save_checkpoint says so instead of writing
-    a file that would resume every server from shard 0's slice."""
-    import hpcasync
-    from hpcasync.errors import ConfigError
-
-    opt, _ = _sharded_run(1, lambda w, s, n: torch.zeros(n))
-    with pytest.raises(ConfigError, match=r"sharded parameter server \(ps_ranks=2\)"):
-        hpcasync.save_checkpoint(tmp_path, opt.flat.module, opt, epoch=1)
-    assert not list(tmp_path.iterdir())

@@ -131,6 +131,75 @@ def test_user_loop_checkpoint_round_trip_and_resume(algorithm, tmp_path):
         opt2.finish()
 
 
+@pytest.mark.skipif(SIZE != 4, reason="servers 0 and 1, workers 2 and 3")
+@pytest.mark.parametrize("algorithm", ["asgd", "smega2", "shat"])
+def test_shard_servers_checkpoint_from_a_users_loop_round_trip_and_resume(algorithm, tmp_path):
+    """``ps_ranks=2`` in a user's loop: every rank calls ``save_checkpoint``; each shard server
+    writes its own file of the label (shard 0's in the directory with every worker's part, shard
+    1's in ``shard-1/``); a fresh sharded optimizer loads each server's rule state (its slice of
+    θ) bitwise, each worker its position, buffers and (shat) own model, and the clock goes on. A
+    one-server optimizer refuses the file in one line on every rank."""
+    from hpcasync.checkpoint import CheckpointError
+
+    directory = COMM.bcast(str(tmp_path / "ck") if RANK == 0 else None, root=0)
+    workers, first_steps, more = SIZE - 2, 5, 2
+
+    def sharded(model):
+        return hpcasync.ParameterServer(model, algorithm, lr=LR, comm=COMM, ps_rank=0,
+                                        ps_ranks=2, steps_per_epoch=SPE, warmup_epochs=WARMUP)
+
+    model = make_model()
+    opt = sharded(model)
+    if opt.is_server:
+        opt.serve()
+        # (the workers finished right after asking: the state written is the final one)
+        saved = {"rule": opt.rule.state_dict(), "theta": opt.rule.theta.clone(),
+                 "accepted": opt.server.stats.accepted}
+        assert saved["accepted"] == workers * first_steps
+    else:
+        train(opt, model, 0, first_steps)
+        assert hpcasync.save_checkpoint(directory, model, opt, epoch=1, note="mine") is None
+        saved = {"buffers": opt.flat.buffers.clone(), "local": opt.local_model(),
+                 "steps": opt.steps}
+        opt.finish()
+    COMM.Barrier()
+    if RANK == 0:       # each server wrote its own file of the label, on the workers' requests
+        from pathlib import Path
+
+        names = [sorted(p.name for p in d.glob("ckpt-*.pt"))
+                 for d in (Path(directory), Path(directory) / "shard-1")]
+        assert names == [["ckpt-e0001-s00000000.pt"]] * 2, names
+
+    model2 = make_model()
+    opt2 = sharded(model2)
+    found = hpcasync.load_checkpoint(directory, model2, opt2)
+    assert found is not None and found["epoch"] == 1
+    if opt2.is_server:
+        same(opt2.rule.state_dict(), saved["rule"], f"shard {opt2.shard}'s rule")
+        assert torch.equal(opt2.rule.theta, saved["theta"])
+        opt2.serve()
+        assert opt2.server.stats.accepted == saved["accepted"] + workers * more
+    else:
+        assert found["note"] == "mine"
+        assert opt2.steps == saved["steps"] == first_steps
+        assert torch.equal(opt2.flat.buffers, saved["buffers"])
+        if opt2.keeps_local:
+            assert torch.equal(opt2.local_model(), saved["local"])
+        train(opt2, model2, first_steps, more)
+        opt2.finish()
+    COMM.Barrier()
+
+    model3 = make_model()       # one server (rank 0), three workers: another cut, one line
+    opt3 = make_opt(algorithm, model3)
+    with pytest.raises(CheckpointError, match="written by 2 server ranks"):
+        hpcasync.load_checkpoint(directory, model3, opt3)
+    if opt3.is_server:
+        opt3.serve()
+    else:
+        train(opt3, model3, 0, 1)
+        opt3.finish()
+
+
 def test_uneven_workers_and_an_early_finish_do_not_block_a_checkpoint(tmp_path):
     """Worker 0 trains 2 steps, asks for epoch 1 and finishes; every other worker trains 6, asks
     for epoch 1 then epoch 2. Both labels are written (epoch 2 with worker 0 marked finished);

@@ -265,15 +265,29 @@ def test_a_horovod_elastic_script_is_restarted_from_its_last_persisted_commit_bi
 
 @pytest.mark.rank0
 @pytest.mark.one_mpi
-def test_persist_refuses_a_sharded_parameter_server_with_one_line(tmp_path):
-    """Shard servers (``ps_ranks`` > 1) each hold a slice of θ and of the rule: ``State.persist``
-    is a one-line error on every rank, before any training (as ``hpcasync.save_checkpoint``;
-    the CLI checkpoints every shard). (The launch paths: the test above, under every MPI.)"""
-    out = subprocess.run([*mpiexec(4), sys.executable, SCRIPT, *LOOP, "--algorithm", "asgd",
-                          "--ps-ranks", "2", "--checkpoint-dir", str(tmp_path / "ckpt")],
-                         env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2, out.stderr[-2000:]
-    lines = [x for x in out.stderr.splitlines() if x.startswith("hpcasync: error")]
-    assert len(lines) == 1 and "hpcasync.elastic.State.persist of a sharded parameter server " \
-        "(ps_ranks=2) is not supported" in lines[0], out.stderr[-2000:]
-    assert not (tmp_path / "ckpt").exists()
+def test_your_own_loop_with_shard_servers_is_restarted_from_every_servers_commit(tmp_path):
+    """Shard servers (``--ps-ranks 2``: servers 0 and 1, workers 2 and 3, 12 steps a worker's
+    epoch) under ``State.persist``: each server writes its own file of a commit once every
+    worker asked for it (shard 1's under ``shard-1/``); rank 2 SIGKILLs itself after its 7th
+    step, ``hpcasync launch`` runs the script again, and every server goes on from its own file
+    of the newest commit both wrote, each worker from its own commit c (2c steps); every rank
+    ends with the served model. (Planted: every server reading shard 0's file fails here.)"""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run_dir.mkdir()
+    job = _launch(tmp_path, "-n", "4", "--max-restarts", "1", "--", SCRIPT, *LOOP,
+                  "--algorithm", "asgd", "--ps-ranks", "2", "--checkpoint-dir", str(ckpt),
+                  "--out", str(run_dir), "--kill-rank", "2", "--kill-at", "7")
+    out, err = _end(job, 200)
+    assert job.returncode == 0, err[-3000:]
+    assert "finished after 1 restart(s)" in err
+    resumed = re.search(r"resuming from \S+ckpt-e0000-s0000000(\d)\.pt \(commit (\d)", err)
+    assert resumed, err[-3000:]
+    c = int(resumed.group(2))
+    assert c in (2, 3) and resumed.group(1) == str(c), resumed.group(0)
+    assert list((ckpt / "shard-1").glob("ckpt-e*.pt")), sorted(map(str, ckpt.rglob("*.pt")))
+    got = _ranks(run_dir)
+    assert len({g["params"] for g in got}) == 1               # one model on every rank
+    workers = got[2:]
+    assert [g["restored"] for g in workers] == [2 * c] * 2, got
+    assert [g["executed"] for g in workers] == [24 - 2 * c] * 2
+    assert [g["steps"] for g in workers] == [24] * 2
