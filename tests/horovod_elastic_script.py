@@ -34,6 +34,8 @@ parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--commit-every", type=int, default=2)
 parser.add_argument("--limit", type=int, default=384)
 parser.add_argument("--checkpoint-dir", default=None, help="state.persist: restarts without ULFM")
+parser.add_argument("--algorithm", default=None, help="DistributedOptimizer(algorithm=...)")
+parser.add_argument("--compress", default=None, help="DistributedOptimizer(compress=...)")
 args = parser.parse_args()
 if int(os.environ.get("HPCASYNC_RESTART_COUNT", 0)):    # a restart (hpcasync launch): the kill
     args.kill_rank = -1                                 # names a step of the first attempt
@@ -43,7 +45,13 @@ torch.manual_seed(0)
 train_set, _ = load_dataset("fashion-mnist-mini", train_limit=args.limit)
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+ours = {k: v for k, v in (("algorithm", args.algorithm), ("compress", args.compress)) if v}
+if args.compress == "powersgd":
+    from hpcasync import PowerSGD
+
+    ours["compress"] = PowerSGD(rank=1)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     **ours)
 sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=1)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, steps=0)
 restored = (state.steps if args.checkpoint_dir and state.persist(args.checkpoint_dir)

@@ -174,9 +174,6 @@ class _Facade(_core.Membership):
 
     def check_reset(self) -> None:
         st = _st.current()
-        if st.algorithm not in (None, "ssgd"):
-            raise NotImplementedError(f"hvd.elastic: a reset with algorithm={st.algorithm!r} "
-                                      "(elastic training runs SSGD only)")
         if len(st.sets) > 1:
             raise NotImplementedError("hvd.elastic: a reset with process sets registered "
                                       "(Horovod drops them too; re-add them in a reset callback)")
@@ -206,8 +203,29 @@ def run(func=None, *, grow_back: bool | None = None, max_ranks: int | None = Non
     default ``HPCASYNC_GROW_BACK``, ``HPCASYNC_MAX_RANKS``)."""
     if func is None:
         return functools.partial(run, grow_back=grow_back, max_ranks=max_ranks)
-    return _core.elastic_run(lambda state: _core.FaultTolerance(
-        _Facade(), grow_back=grow_back, max_ranks=max_ranks))(func)
+
+    def tolerance(state):
+        _check_horovods(state)
+        return _core.FaultTolerance(_Facade(), grow_back=grow_back, max_ranks=max_ranks)
+    return _core.elastic_run(tolerance)(func)
+
+
+def _check_horovods(state) -> None:
+    """One line, before training, where a reset would not move an optimizer onto the survivors:
+    ``hvd.elastic`` resets Horovod's SSGD (the facade's ``DistributedOptimizer``); another
+    algorithm (``hvd.init(algorithm=...)``, ``DistributedOptimizer(algorithm=...)`` or
+    ``compress=``: the toolkit's own optimizer) survives in ``hpcasync.elastic``."""
+    from ..errors import ConfigError
+
+    st = _st.current()
+    ours = [o for o in (h.value for h in getattr(state, "_handlers", {}).values())
+            if isinstance(o, torch.optim.Optimizer) and hasattr(o, "algorithm")
+            and getattr(o, "_hvd_comm", None) is None]
+    if st.algorithm not in (None, "ssgd") or ours:
+        name = st.algorithm if st.algorithm not in (None, "ssgd") else ours[0].algorithm
+        raise ConfigError(f"hvd.elastic resets Horovod's SSGD only; this job's optimizer is "
+                          f"hpcasync's {name} (algorithm=... or compress=...): use "
+                          "hpcasync.elastic.State and @hpcasync.elastic.run, which survive it")
 
 
 def is_failure(exc: BaseException) -> bool:

@@ -52,3 +52,22 @@ def test_elastic_script_without_ulfm_ends_fast_on_a_death(tmp_path):
     assert not list(tmp_path.glob("rank*.json"))          # no survivor finished
     took = ended - float((tmp_path / "killed").read_text())
     assert took < 30, f"the job ended {took:.1f} s after the death"
+
+
+@pytest.mark.rank0
+@pytest.mark.parametrize("ours", [["--algorithm", "localsgd"], ["--algorithm", "odsgd"],
+                                  ["--compress", "powersgd"]])
+def test_elastic_script_with_the_toolkits_optimizer_is_one_line_before_training(tmp_path, ours):
+    """``hvd.elastic`` resets Horovod's SSGD (the facade's DistributedOptimizer); with the
+    toolkit's own optimizer (``algorithm=`` or ``compress=``) a reset would leave it on the dead
+    world (found: under ULFM the survivors reset and failed again forever). So ``train(state)``
+    stops before training, one line naming the algorithm and ``hpcasync.elastic``; exit 2, no
+    Traceback, no step taken. (Planted: the check out -> the ULFM run never ends.)"""
+    out = subprocess.run([*mpiexec(2), sys.executable, SCRIPT, "--out", str(tmp_path), *ours],
+                         env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [x for x in out.stderr.splitlines() if x.startswith("hpcasync: error")]
+    name = ours[1] if ours[0] == "--algorithm" else "ssgd"
+    assert len(lines) == 1 and f"hvd.elastic resets Horovod's SSGD only; this job's optimizer " \
+        f"is hpcasync's {name}" in lines[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not list(tmp_path.glob("rank*.json"))
