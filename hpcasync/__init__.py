@@ -19,6 +19,36 @@ from hpcasync import quick_exit as _quick_exit  # noqa: E402 - the exit hook, fi
 
 _quick_exit.install()     # Python's exit without ~0.9 CPU-s of garbage collection a process
 
+
+def _ulfm_object_reductions(warn: bool = False) -> None:
+    """Under ULFM (``mpirun --with-ft ulfm``), before ``mpi4py.MPI`` is imported: mpi4py's object
+    reductions (``comm.allreduce(x)``) as an allgather on the communicator itself, which a
+    revoke after a death ends (with ``fast_reduce`` they run point to point on a private
+    duplicate that no revoke reaches, and a survivor waits there for good). Run at ``import
+    hpcasync``, so that a script importing mpi4py after it gets it, and again before MPI starts
+    (:func:`hpcasync.topology.ulfm_open_mpi_defaults`, ``warn``: one line from the first rank
+    where mpi4py came first and it is too late)."""
+    import os
+    import sys
+
+    on = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
+    if on not in ("1", "true", "yes", "on", "enabled"):
+        return
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.fast_reduce = False
+    elif (warn and mpi4py.rc.fast_reduce and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0"
+          and not getattr(mpi4py, "_hpcasync_warned", False)):
+        mpi4py._hpcasync_warned = True
+        sys.stderr.write("hpcasync: warning: mpi4py.MPI was imported before hpcasync under ULFM: "
+                         "an object reduction of yours (comm.allreduce(x)) on a communicator "
+                         "holding a dead rank can wait for good; import hpcasync first (or set "
+                         "MPI4PY_RC_FAST_REDUCE=false)\n")
+
+
+_ulfm_object_reductions()
+
 _EXPORTS = {
     "init": "hpcasync.api", "optimizer": "hpcasync.api", "algorithms": "hpcasync.api",
     "Roles": "hpcasync.api", "save_checkpoint": "hpcasync.api",

@@ -175,6 +175,10 @@ def average_metric(value, roles: Roles):
     the test set) while the server serves. Collective over the workers; the server has no
     metric of its own to give (ConfigError there)."""
     comm = roles.workers_comm
+    if _replaced(roles.topology):
+        raise ConfigError(f"hpcasync.average_metric: these roles are of the world of "
+                          f"{roles.size} ranks before a reset (hpcasync.init's ctx, which holds "
+                          "the dead rank); inside @hpcasync.elastic.run pass state.roles")
     if comm is None:
         raise ConfigError(f"rank {roles.rank} is a parameter server: it does not train, so it "
                           "takes no part in average_metric (call it on the workers: "
@@ -257,6 +261,7 @@ def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None,
     from .topology import default_topology, set_default_topology
 
     old = default_topology()
+    mark_replaced(old)
     had_exit_agreement = id(old.world) in _EXIT_HOOKS
     topo = old.shrunk(world)
     if ps_rank is not None:                 # a parameter server's takeover: the new server
@@ -266,6 +271,22 @@ def reinit_on_survivors(world, *, free_old: bool, algorithm: str | None = None,
     if had_exit_agreement and topo.size > 1:
         _register_exit_agreement(topo.world)
     return roles_on(topo, algorithm)
+
+
+#: the topologies a reset or a grow replaced (id -> weak reference): roles of theirs are stale
+_REPLACED: dict = {}
+
+
+def mark_replaced(topo) -> None:
+    """``topo`` is the world before a reset or a grow: :func:`average_metric` refuses its roles."""
+    import weakref
+
+    _REPLACED[id(topo)] = weakref.ref(topo)
+
+
+def _replaced(topo) -> bool:
+    ref = _REPLACED.get(id(topo)) if topo is not None else None
+    return ref is not None and ref() is topo
 
 
 def roles_on(topo, algorithm: str | None, *, split: bool = True) -> Roles:

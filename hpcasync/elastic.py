@@ -320,6 +320,7 @@ class _FrontDoor(_core.Membership):
         to_grown = ([translate(r, before, grown) for r in range(before.Get_size())]
                     if ps is not None else [])
         server = {"ps_rank": to_grown[self.topo.ps_rank]} if ps is not None else {}
+        api.mark_replaced(self.topo)
         api.release(self.roles, free_world=self._own_world)       # local
         options = {**api.INIT_OPTIONS, **server}
         api.init(self.algorithm, comm=grown, threads=torch.get_num_threads(), **options)

@@ -85,18 +85,12 @@ def ulfm_open_mpi_defaults() -> None:
     if env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on",
                                                                 "enabled"):
         env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
-        # mpi4py's object reductions (comm.allreduce(x), reduce, scan) run point to point on a
-        # private duplicate of the communicator, which ULFM's revoke of the communicator does not
-        # reach: a survivor waiting there for a survivor already in MPI_Comm_shrink waits for
-        # good (a death at the final gathers hangs the job). Without fast_reduce they are an
-        # allgather on the communicator itself, which the revoke ends. Only before mpi4py.MPI is
-        # imported (MPI4PY_RC_FAST_REDUCE=false does it for a harness that imports it first).
-        import sys
+        # mpi4py's object reductions on the communicator itself (a death at the final gathers
+        # hung the job otherwise); only before mpi4py.MPI is imported (MPI4PY_RC_FAST_REDUCE=
+        # false does it for a harness that imports it first)
+        from . import _ulfm_object_reductions
 
-        if "mpi4py.MPI" not in sys.modules:
-            import mpi4py
-
-            mpi4py.rc.fast_reduce = False
+        _ulfm_object_reductions(warn=True)
 
 
 def _finalize() -> None:

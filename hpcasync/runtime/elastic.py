@@ -618,6 +618,15 @@ def _behind(p, q) -> int:
     return int(q[1] - p[1]) if p[0] == q[0] else -1
 
 
+#: a reset that found no rank dead since the last one: what failed was a communicator the reset
+#: could not move (a user's own, or one made before the reset), and it would fail again each time
+STALE_WORLD = ("a collective failed after a reset although no rank has died since: this job still "
+               "uses a communicator of the world before the reset (MPI.COMM_WORLD, hpcasync.init's "
+               "ctx, or one made from them), which holds the dead rank: use the current "
+               "world's (hpcasync.elastic: state.roles, e.g. hpcasync.average_metric(x, "
+               "state.roles); hvd.elastic: hvd.allreduce)")
+
+
 def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
     """The retry loop as a decorator: ``func(state, ...)`` is called after ``state.sync()``;
     when a rank dies (ULFM) every survivor restores the last commit, the world is shrunk and
@@ -642,6 +651,8 @@ def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):
                     state.on_reset()
                 elif reset_required:
                     tol.reset(getattr(state, "_commit_count", 0))
+                    if not tol.failures[-1]["dead_ranks"]:    # (alike on every survivor)
+                        raise ConfigError(STALE_WORLD)
                     state.on_reset()
                 ok, result, grow = True, None, None
                 try:
