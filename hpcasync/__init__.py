@@ -31,8 +31,11 @@ def _ulfm_object_reductions(warn: bool = False) -> None:
     import os
     import sys
 
-    on = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
-    if on not in ("1", "true", "yes", "on", "enabled"):
+    if not os.environ.get("OMPI_MCA_mpi_ft_enable"):    # (no launcher import at every start)
+        return
+    from .launch import ft_requested
+
+    if not ft_requested():
         return
     import mpi4py
 

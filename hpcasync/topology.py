@@ -81,10 +81,10 @@ def ulfm_open_mpi_defaults() -> None:
     hang in MPI_Finalize); ULFM's MPI_Finalize first shrinks COMM_WORLD and runs a barrier over the
     survivors, which already waits for all of them and flushes their messages. A user setting
     of OMPI_MCA_async_mpi_finalize wins."""
-    env = os.environ
-    if env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on",
-                                                                "enabled"):
-        env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
+    from .launch import ft_requested
+
+    if ft_requested():
+        os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
         # mpi4py's object reductions on the communicator itself (a death at the final gathers
         # hung the job otherwise); only before mpi4py.MPI is imported (MPI4PY_RC_FAST_REDUCE=
         # false does it for a harness that imports it first)

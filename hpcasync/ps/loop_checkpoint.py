@@ -301,18 +301,26 @@ def _position(part: dict) -> dict:
     return {k: part[k] for k in ("worker", "epoch", "step", "steps")} | {"extra": {}}
 
 
-def _check_cut(opt, state: dict) -> None:
-    """One line when a checkpoint was cut over another number of servers, or other bounds."""
+def _check_cut(opt, state: dict, where=None) -> None:
+    """One line (starting with the file ``where``, if given) when a checkpoint was cut over
+    another number of servers, at other bounds, or is another shard's."""
     L = opt.layout
-    if state.get("ps_ranks", 1) != L.K:
-        raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
-                              f"ranks (ps_ranks), this optimizer has {L.K}")
-    if L.K > 1 and state.get("bounds") != [list(b) for b in L.bounds]:
-        raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this "
-                              f"model's {[list(b) for b in L.bounds]}")
-    if L.K > 1 and state.get("shard") != max(L.shard, 0):
-        raise CheckpointError(f"checkpoint holds shard {state.get('shard')}'s state, this rank "
-                              f"{'serves shard %d' % L.shard if L.shard > 0 else 'reads shard 0'}")
+    try:
+        if state.get("ps_ranks", 1) != L.K:
+            raise CheckpointError(f"checkpoint was written by {state.get('ps_ranks', 1)} server "
+                                  f"ranks (ps_ranks), this optimizer has {L.K}")
+        if L.K > 1:
+            from .shards import check_bounds
+
+            check_bounds(L, state)
+            if state.get("shard") != max(L.shard, 0):
+                raise CheckpointError(f"checkpoint holds shard {state.get('shard')}'s state, "
+                                      "this rank " + (f"serves shard {L.shard}" if L.shard > 0
+                                                      else "reads shard 0"))
+    except CheckpointError as exc:
+        if where is None:
+            raise
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def read_sharded(opt, directory, expect: dict | None) -> tuple | None:
@@ -338,11 +346,11 @@ def read_sharded(opt, directory, expect: dict | None) -> tuple | None:
             log.warning("skipping %s", exc)
         else:
             try:
-                _check_expected(mine / name, header, expect)
-                _check_cut(opt, state)
+                _check_expected(mine / name, header, expect)      # (its line names the file)
+                _check_cut(opt, state, where=mine / name)
                 got = (mine / name, header, state)
             except CheckpointError as exc:
-                error = f"{mine / name}: {exc}" if str(mine) not in str(exc) else str(exc)
+                error = str(exc)
         verdicts = opt.comm.allgather((got is not None, error))
         errors = [e for _, e in verdicts if e]
         if errors:

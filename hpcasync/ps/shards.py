@@ -247,6 +247,15 @@ def shard_snapshot(opt, manager, snapshot: dict, *, epoch: int, step: int, heade
     return manager.save(snapshot, epoch=epoch, step=step, **header)
 
 
+def check_bounds(L, state: dict) -> None:
+    """One line when a shard checkpoint's ``state`` was cut at other bounds than layout ``L``."""
+    from ..errors import CheckpointError
+
+    if state.get("bounds") != [list(b) for b in L.bounds]:
+        raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this model's "
+                              f"{[list(b) for b in L.bounds]}")
+
+
 def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     """Server: the state to resume this shard from. ``state`` is shard 0's checkpoint (rank
     0 reads it, every rank receives it); server s > 0 reads its own file beside it
@@ -262,9 +271,7 @@ def load_shard_state(opt, directory, state: dict, header: dict) -> dict:
     L = opt.layout
     if L.K == 1 or L.shard == 0:
         return state
-    if state.get("bounds") != [list(b) for b in L.bounds]:
-        raise CheckpointError(f"checkpoint shards {state.get('bounds')} do not match this model's "
-                              f"{[list(b) for b in L.bounds]}")
+    check_bounds(L, state)
     mine_dir = Path(directory) / f"shard-{L.shard}"
     path = mine_dir / str(state.get("shard_file"))
     exact = path.is_file() or state.get("kind") != "signal"
