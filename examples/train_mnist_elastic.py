@@ -84,6 +84,8 @@ parser.add_argument("--checkpoint-dir", default=None, help="write every --checkp
 parser.add_argument("--checkpoint-every", type=int, default=1, help="commits between checkpoints")
 parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer first (its running "
                     "statistics are buffers: a parameter server averages them)")
+parser.add_argument("--zero-grad-after", action="store_true", help="zero the gradients after "
+                    "each step instead of before (the other everyday order)")
 parser.add_argument("--out", default=None)
 parser.add_argument("--kill-rank", default="", help="world ranks, comma-separated")
 parser.add_argument("--kill-at", default="", help="their step counts, comma-separated")
@@ -183,10 +185,13 @@ def train(state):
         for state.batch, idx in enumerate(loader, start=state.batch):
             maybe_die()
             x, y = train_set.images[idx].to(ctx.device), train_set.labels[idx].to(ctx.device)
-            opt.zero_grad()
+            if not args.zero_grad_after:
+                opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+            if args.zero_grad_after:
+                opt.zero_grad()
             if sched is not None:
                 sched.step()
             losses.append(loss.item())

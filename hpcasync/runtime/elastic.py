@@ -871,8 +871,19 @@ class Handler:
 
 
 class ModelHandler(Handler):
+    """A model: its parameters and buffers. ``restore`` also drops every parameter's gradient
+    (``p.grad = None``): the step a death interrupted is redone from the commit, and what its
+    backward had left (a loop that zeroes after ``step()``, a partial accumulation, a gradient
+    half-reduced on the old world) must not add to the redone backward's. A process started
+    afresh (a replacement, a restart from the commit on disk) holds no gradient either."""
+
     def snapshot(self):
         return {k: v.detach().clone() for k, v in self.value.state_dict().items()}
+
+    def restore(self) -> None:
+        super().restore()
+        for p in self.value.parameters():
+            p.grad = None
 
 
 class TorchState(ObjectState):

@@ -39,6 +39,30 @@ def test_restore_brings_back_the_last_commit_bitwise():
     assert torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
 
 
+def test_restore_drops_the_gradients_of_the_interrupted_step():
+    """A loop that zeroes after ``step()`` (or accumulates) holds gradients when a death
+    interrupts it: after ``restore()`` none is left (as in a process started afresh from the
+    commit), so the redone step is bitwise the step a fresh copy of the commit takes. Horovod's
+    TorchState keeps them (they add to the redone backward's)."""
+    model, opt = _setup()
+    state = hvd.elastic.TorchState(model, opt)
+    _train_step(model, opt)
+    state.commit()
+    fresh, fresh_opt = _setup()
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt.load_state_dict(opt.state_dict())
+    opt.zero_grad()
+    model(2 * torch.ones(4, 3)).sum().backward()    # the interrupted step's backward
+    state.restore()
+    assert all(p.grad is None for p in model.parameters())
+    for m, o in ((model, opt), (fresh, fresh_opt)):     # the redone step, zero_grad after it
+        m(torch.ones(4, 3)).sum().backward()
+        o.step()
+        o.zero_grad()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_restore_without_commit_goes_back_to_construction():
     model, opt = _setup()
     before = model.weight.detach().clone()
