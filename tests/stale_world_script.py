@@ -3,7 +3,8 @@ tests/mpi/reliability/test_stale_world.py (4 ranks, ULFM): rank 3 SIGKILLs itsel
 3rd step. ``--metric``: ``roles`` (``hpcasync.average_metric(x, state.roles)``: the current
 world, survives), ``ctx`` (the roles of ``hpcasync.init``: the world before the reset) or
 ``world`` (``MPI.COMM_WORLD.allreduce``); ``--mpi4py-first`` imports ``mpi4py.MPI`` before
-hpcasync. Each survivor prints ``done <rank> <size>``.
+hpcasync; ``--untracked-optimizer`` leaves the optimizer out of the ``State``. Each survivor
+prints ``done <rank> <size>``.
 """
 import argparse
 import os
@@ -13,6 +14,7 @@ import sys
 parser = argparse.ArgumentParser()
 parser.add_argument("--metric", choices=("roles", "ctx", "world"), required=True)
 parser.add_argument("--mpi4py-first", action="store_true")
+parser.add_argument("--untracked-optimizer", action="store_true")
 args = parser.parse_args()
 if args.mpi4py_first:
     from mpi4py import MPI as _first  # noqa: F401
@@ -28,7 +30,8 @@ from mpi4py import MPI                                      # noqa: E402
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.1))
-state = hpcasync.elastic.State(model=model, optimizer=opt, step=0)
+state = hpcasync.elastic.State(model=model, step=0, **({} if args.untracked_optimizer else
+                                                        {"optimizer": opt}))
 
 
 @hpcasync.elastic.run

@@ -622,9 +622,10 @@ def _behind(p, q) -> int:
 #: could not move (a user's own, or one made before the reset), and it would fail again each time
 STALE_WORLD = ("a collective failed after a reset although no rank has died since: this job still "
                "uses a communicator of the world before the reset (MPI.COMM_WORLD, hpcasync.init's "
-               "ctx, or one made from them), which holds the dead rank: use the current "
-               "world's (hpcasync.elastic: state.roles, e.g. hpcasync.average_metric(x, "
-               "state.roles); hvd.elastic: hvd.allreduce)")
+               "ctx, an hpcasync.optimizer not given to the State, or one made from them), which "
+               "holds the dead rank: use the current world's (hpcasync.elastic: state.roles, e.g. "
+               "hpcasync.average_metric(x, state.roles), and every optimizer in the State; "
+               "hvd.elastic: hvd.allreduce)")
 
 
 def elastic_run(ft: FaultTolerance | Callable[[Any], FaultTolerance]):

@@ -40,10 +40,14 @@ def test_the_current_worlds_roles_survive_and_mpi4py_first_is_said_once():
 @pytest.mark.rank0
 @pytest.mark.parametrize("metric,said", [
     ("ctx", "hpcasync.average_metric: these roles are of the world of 4 ranks before a reset"),
-    ("world", "a collective failed after a reset although no rank has died since")])
+    ("world", "a collective failed after a reset although no rank has died since"),
+    ("untracked", "an hpcasync.optimizer not given to the State")])
 def test_a_communicator_of_the_world_before_the_reset_ends_the_job_in_one_line(metric, said):
+    """``untracked``: the optimizer is not in the ``State``, so the reset does not move it onto
+    the survivors (nor roll it back): its next step fails on the old world."""
     need_ulfm()
-    out = _run("--metric", metric)
+    out = _run(*(["--metric", "roles", "--untracked-optimizer"] if metric == "untracked" else
+                 ["--metric", metric]))
     assert out.returncode != 0, out.stderr[-3000:]
     lines = [x for x in out.stderr.splitlines() if x.startswith("hpcasync: error")]
     assert lines and all(said in x for x in lines), out.stderr[-3000:]
