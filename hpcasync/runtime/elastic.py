@@ -1010,10 +1010,32 @@ class TorchState(ObjectState):
                         pick)
         return main.directory / pick, {**got[0], "own": True}, got[1]
 
+    def _check_mid_step(self) -> None:
+        """One warning line (rank 0, once) for a commit between the backward passes of one
+        step (an optimizer's ``passes_pending()``): a commit holds no gradient, so after a
+        death the step is redone from it without the passes before it (a smaller gradient,
+        silently)."""
+        if TorchState._said_mid_step:
+            return
+        for h in self._handlers.values():
+            pending = getattr(h.value, "passes_pending", None)
+            n = pending() if callable(pending) else 0
+            if n:
+                TorchState._said_mid_step = True
+                if self._rank() == 0:
+                    log.warning("elastic: commit() after %d of the %d backward passes of a "
+                                "step (backward_passes_per_step): a commit holds no gradient, "
+                                "so after a death that step is redone without them; commit "
+                                "after optimizer.step()", n, h.value.backward_passes_per_step)
+                return
+
     def _own_dir(self, directory):
         return directory / f"rank-{self._rank()}"
 
+    _said_mid_step = False
+
     def commit(self) -> None:
+        self._check_mid_step()
         super().commit()
         if self._disk is not None and self._commit_count % self._disk[1] == 0:
             self._write_commit(self._disk[0])

@@ -482,6 +482,36 @@ def test_an_elastic_states_commits_persist_and_a_new_state_loads_the_newest(data
         foreign.persist(directory)
 
 
+def test_a_commit_inside_an_accumulation_is_said_once(caplog):
+    """SSGD with ``backward_passes_per_step=2``: a commit after the first backward pass (a
+    commit holds no gradient: a death would redo that step without it) is one warning line on
+    rank 0, once; commits after ``step()`` say nothing."""
+    import logging
+
+    from hpcasync.runtime.elastic import TorchState
+
+    TorchState._said_mid_step = False
+    model = make_model(0)
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05),
+                             backward_passes_per_step=2)
+    state = hpcasync.elastic.State(model=model, optimizer=opt, steps=0)
+    said = []
+    with caplog.at_level(logging.WARNING, logger="hpcasync"):
+        for passes in ([], [1], [1, 2]):    # commit after these passes of each step
+            opt.zero_grad()
+            for n in (1, 2):
+                model(torch.ones(4, 1, 28, 28)).sum().backward()
+                if n in passes:
+                    state.commit()
+            opt.step()
+            state.commit()
+            said.append(sum("backward passes of a step" in r.getMessage()
+                            for r in caplog.records))
+    assert said == ([0, 1, 1] if RANK == 0 else [0, 0, 0]), said
+    assert opt.passes_pending() == 0
+    TorchState._said_mid_step = False
+
+
 def test_run_syncs_rank0s_state_first_and_restore_is_the_commit_bitwise():
     """``hpcasync.elastic.run`` in this job's world (no death, no ULFM; the deaths:
     reliability/test_loop_elastic.py): ``run`` starts from rank 0's model, optimizer, sampler
