@@ -876,15 +876,66 @@ class ModelHandler(Handler):
     (``p.grad = None``): the step a death interrupted is redone from the commit, and what its
     backward had left (a loop that zeroes after ``step()``, a partial accumulation, a gradient
     half-reduced on the old world) must not add to the redone backward's. A process started
-    afresh (a replacement, a restart from the commit on disk) holds no gradient either."""
+    afresh (a replacement, a restart from the commit on disk) holds no gradient either. It also
+    brings back each module's mode (``train()``/``eval()``) of the commit: a death inside an
+    evaluation would otherwise leave the model in ``eval()`` for the redone training (dropout
+    off, BatchNorm on its running statistics), silently."""
+
+    _taken: list | None = None
 
     def snapshot(self):
+        self._taken = [m.training for m in self.value.modules()]
         return {k: v.detach().clone() for k, v in self.value.state_dict().items()}
+
+    @property
+    def saved(self):
+        return self._saved
+
+    @saved.setter
+    def saved(self, snap) -> None:         # (the modes of the snapshot the commit keeps)
+        self._saved, self._modes = snap, self._taken
 
     def restore(self) -> None:
         super().restore()
         for p in self.value.parameters():
             p.grad = None
+        if self._modes is not None:
+            for m, mode in zip(self.value.modules(), self._modes):
+                m.training = mode
+
+
+def _check_parameters_held(handlers: dict) -> None:
+    """A one-line error where an optimizer of the state holds parameters that no model of the
+    state holds: the commit keeps an optimizer's state, not the tensors it steps, so a death or
+    a restart would roll its momentum back and leave those parameters where they were (a
+    replacement's at its own initial values: the replicas apart), silently."""
+    held = {id(p) for h in handlers.values() if isinstance(h.value, torch.nn.Module)
+            for p in h.value.parameters()}
+    held |= {id(b) for h in handlers.values() if isinstance(h.value, torch.nn.Module)
+             for b in h.value.buffers()}
+    for k, h in handlers.items():
+        if isinstance(h.value, torch.optim.Optimizer):
+            out = sum(id(p) not in held for g in h.value.param_groups for p in g["params"])
+            if out:
+                raise ConfigError(
+                    f"elastic state: the optimizer {k!r} steps {out} tensor(s) that no model of "
+                    "the state holds; a commit keeps the optimizer's state, not those tensors "
+                    "(after a death they would not be rolled back or sent to a replacement): "
+                    "pass the model too (State(model=model, optimizer=opt, ...); a module "
+                    "under any keyword is tracked)")
+
+
+def _check_plain(values: dict) -> None:
+    """A one-line error for a torch sampler or data loader among the plain values: a plain value
+    is broadcast from rank 0 by ``sync()`` (every rank would deal rank 0's shard, from the first
+    call on) and is not dealt again over the survivors of a death."""
+    for k, v in values.items():
+        if isinstance(v, (torch.utils.data.Sampler, torch.utils.data.DataLoader)):
+            raise ConfigError(
+                f"elastic state: {k!r} is a {type(v).__name__}, which the state keeps as a plain "
+                "value: sync() gives every rank rank 0's (rank 0's shard on every rank) and a "
+                "death does not deal the epoch again over the survivors; use the elastic "
+                "ElasticSampler and build the DataLoader inside the elastic function")
 
 
 class TorchState(ObjectState):
@@ -895,6 +946,8 @@ class TorchState(ObjectState):
 
     def __init__(self, **kwargs):
         handlers = {k: h for k, h in ((k, self.handler_for(v)) for k, v in kwargs.items()) if h}
+        _check_parameters_held(handlers)
+        _check_plain({k: v for k, v in kwargs.items() if k not in handlers})
         object.__setattr__(self, "_handlers", handlers)
         for k, h in handlers.items():
             object.__setattr__(self, k, h.value)
@@ -1029,13 +1082,41 @@ class TorchState(ObjectState):
                                 "after optimizer.step()", n, h.value.backward_passes_per_step)
                 return
 
+    def _check_schedulers(self) -> None:
+        """One warning line (rank 0, once) where an LR scheduler drives an optimizer of the
+        state (torch marks the optimizer's ``step`` when a scheduler is built on it) and no LR
+        scheduler of that optimizer is in the state: a death rolls the optimizer's lr back to
+        the commit, not the scheduler's count, so the lr goes on from a later point of its
+        schedule (silently). Not seen: ``ReduceLROnPlateau`` (torch does not mark the step)."""
+        if TorchState._said_scheduler:
+            return
+        TorchState._said_scheduler = True
+        values = [h.value for h in self._handlers.values()]
+        driven = {id(getattr(s, "optimizer", None)) for s in values
+                  if isinstance(s, torch.optim.lr_scheduler.LRScheduler)}
+        for k, h in self._handlers.items():
+            if not isinstance(h.value, torch.optim.Optimizer):
+                continue
+            inner = getattr(h.value, "optimizer", None)     # an algorithm's wrapped optimizer
+            marked = [o for o in (h.value, inner) if isinstance(o, torch.optim.Optimizer)
+                      and hasattr(o.step, "_wrapped_by_lr_sched")]
+            if marked and not any(id(o) in driven for o in (h.value, inner)):
+                if self._rank() == 0:
+                    log.warning("elastic: an LR scheduler was built on the optimizer %r and no "
+                                "LR scheduler of it is in the state: after a death the lr goes "
+                                "back to the commit's, the scheduler's count does not; pass it "
+                                "too (State(..., scheduler=sched))", k)
+                return
+
     def _own_dir(self, directory):
         return directory / f"rank-{self._rank()}"
 
     _said_mid_step = False
+    _said_scheduler = False
 
     def commit(self) -> None:
         self._check_mid_step()
+        self._check_schedulers()
         super().commit()
         if self._disk is not None and self._commit_count % self._disk[1] == 0:
             self._write_commit(self._disk[0])

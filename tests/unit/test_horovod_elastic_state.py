@@ -138,3 +138,99 @@ def test_a_commit_that_fails_keeps_the_previous_commit_whole_and_is_not_counted(
     assert state.batch == 1
     for k, v in model.state_dict().items():
         assert torch.equal(v, committed[k]), k
+
+
+def test_an_optimizer_stepping_tensors_no_model_of_the_state_holds_is_one_line():
+    """The commit keeps an optimizer's state, not the tensors it steps: without their model a
+    death would roll the momentum back and leave the parameters (a replacement's at its own
+    initial values), silently. Measured before this check: SSGD on 4 ranks, grow-back, the
+    example loop with ``State(optimizer=opt, sampler=...)``: exit 0 and the replacement's final
+    parameters unlike the survivors'."""
+    import pytest
+
+    from hpcasync.errors import ConfigError
+
+    model, opt = _setup()
+    with pytest.raises(ConfigError, match=r"the optimizer 'optimizer' steps 2 tensor\(s\) that "
+                                          "no model of the state holds"):
+        hvd.elastic.TorchState(optimizer=opt, epoch=0)
+    hvd.elastic.TorchState(net=model, optimizer=opt)            # a module under any keyword
+    halves = nn.ModuleList([nn.Linear(3, 2), nn.Linear(2, 1)])
+    both = torch.optim.SGD(halves.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="steps 2 tensor"):
+        hvd.elastic.TorchState(first=halves[0], optimizer=both)
+    hvd.elastic.TorchState(first=halves[0], second=halves[1], optimizer=both)
+
+
+def test_a_scheduler_left_out_of_the_state_is_said_once(caplog, monkeypatch):
+    """An LR scheduler built on the state's optimizer but not given to the state: after a
+    death the optimizer's lr goes back to the commit's, the scheduler's count does not (its lr
+    goes on from a later point, silently), so the first commit says it in one line. Given to
+    the state (or built on the optimizer an algorithm wraps, and given), nothing is said."""
+    import logging
+
+    from hpcasync.runtime import elastic as core
+
+    monkeypatch.setattr(hvd.elastic.TorchState, "default_rank", lambda self: 0)
+    said = []
+    for tracked in (False, True):
+        monkeypatch.setattr(core.TorchState, "_said_scheduler", False)
+        model, opt = _setup()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9 ** step)
+        state = (hvd.elastic.TorchState(model, opt, scheduler=sched) if tracked
+                 else hvd.elastic.TorchState(model, opt))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hpcasync"):
+            for _ in range(2):
+                _train_step(model, opt)
+                sched.step()
+                state.commit()
+        said.append([r.getMessage() for r in caplog.records if "LR scheduler" in r.getMessage()])
+        if tracked:         # the property the line is about: the count is rolled back with lr
+            _train_step(model, opt)
+            sched.step()
+            state.restore()
+            assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.1 * 0.9 ** 2
+    assert len(said[0]) == 1 and "'optimizer'" in said[0][0], said
+    assert said[1] == [], said
+
+
+def test_a_torch_sampler_or_loader_as_a_plain_value_is_one_line():
+    """A torch ``DistributedSampler`` given to the state is a plain value, which ``sync()``
+    broadcasts from rank 0: measured before this check, ``hpcasync.elastic.State(...,
+    sampler=DistributedSampler(..., rank=r))`` on 4 ranks gave every rank rank 0's sampler (the
+    same indices on all 4) at the first call of the elastic function, silently (the elastic
+    sampler is tracked by its state dict, its rank kept: the tests of the elastic loops)."""
+    import pytest
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from hpcasync.errors import ConfigError
+
+    model, opt = _setup()
+    with pytest.raises(ConfigError, match="'sampler' is a DistributedSampler"):
+        hvd.elastic.TorchState(model, opt, sampler=DistributedSampler(range(8), 2, 1))
+    with pytest.raises(ConfigError, match="'loader' is a DataLoader"):
+        hvd.elastic.TorchState(model, opt, loader=DataLoader(range(8)))
+    assert hvd.elastic.TorchState(model, opt, sampler=None, epoch=0).epoch == 0
+
+
+def test_restore_brings_back_the_modules_modes_of_the_commit():
+    """A death inside an evaluation (``model.eval()``, then a collective that fails) is redone
+    from the commit, taken in training: ``restore()`` brings ``train()`` back (dropout on,
+    BatchNorm updating its statistics), as it brings the parameters; Horovod's leaves the model
+    in ``eval()`` for the redone training. A commit taken in ``eval()`` restores ``eval()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = hvd.elastic.TorchState(model, opt)
+    _train_step(model, opt)
+    state.commit()
+    model.eval()                                    # the interrupted evaluation
+    state.restore()
+    assert all(m.training for m in model.modules())
+    model[1].eval()
+    state.commit()
+    model.train()
+    state.restore()
+    assert [m.training for m in model.modules()] == [True, True, False, True]
