@@ -86,6 +86,9 @@ parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer 
                     "statistics are buffers: a parameter server averages them)")
 parser.add_argument("--zero-grad-after", action="store_true", help="zero the gradients after "
                     "each step instead of before (the other everyday order)")
+parser.add_argument("--clip-grad", type=float, default=None, help="SSGD: clip the reduced "
+                    "gradients' norm to this (Horovod's pattern: synchronize, clip, step inside "
+                    "skip_synchronize)")
 parser.add_argument("--out", default=None)
 parser.add_argument("--kill-rank", default="", help="world ranks, comma-separated")
 parser.add_argument("--kill-at", default="", help="their step counts, comma-separated")
@@ -189,7 +192,13 @@ def train(state):
                 opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            opt.step()
+            if args.clip_grad is not None:      # the reduced gradients, clipped, stepped
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
             if args.zero_grad_after:
                 opt.zero_grad()
             if sched is not None:

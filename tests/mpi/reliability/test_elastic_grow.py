@@ -131,18 +131,21 @@ def test_horovod_elastic_script_grows_back_and_runs_the_reset_callbacks(tmp_path
 
 
 @pytest.mark.rank0
-def test_a_loop_that_zeroes_after_step_redoes_the_interrupted_step_bitwise(tmp_path):
+@pytest.mark.parametrize("practice", [["--zero-grad-after"], ["--clip-grad", "0.05"]],
+                         ids=["zero-grad-after", "clip-grad"])
+def test_a_loop_that_zeroes_after_step_redoes_the_interrupted_step_bitwise(tmp_path, practice):
     """``opt.zero_grad()`` after ``opt.step()`` (the other everyday order): rank 1 dies before
     step 3, the survivors fail inside step 3's reduction holding its gradients, roll back to the
     commit of step 2 and redo it on 4 ranks again. ``State.restore`` drops those gradients, so
     the run ends bitwise equal to the undisturbed one (kept, they added to the redone step's
-    backward: another model on every rank, equal across ranks, silently)."""
+    backward: another model on every rank, equal across ranks, silently). The same for
+    Horovod's clipping pattern (``synchronize()``, ``clip_grad_norm_``, ``step()`` inside
+    ``skip_synchronize()``; the survivors fail inside ``synchronize``)."""
     need_ulfm()
     runs = {}
     for name, kill_at in (("undisturbed", 99), ("killed", 3)):
         (tmp_path / name).mkdir()
-        out = _run(tmp_path / name, "train_mnist_elastic.py", 1, ["--zero-grad-after"],
-                   kill_at=kill_at)
+        out = _run(tmp_path / name, "train_mnist_elastic.py", 1, practice, kill_at=kill_at)
         assert out.returncode == 0, out.stderr[-3000:]
         results = [json.loads(p.read_text()) for p in (tmp_path / name).glob("rank*.json")]
         assert len(results) == 4 and all(r["resets"] == ([4] if kill_at == 3 else [])
