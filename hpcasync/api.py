@@ -343,6 +343,49 @@ def _agree_at_exit(comm) -> None:
     comm.Free()
 
 
+#: seconds rank 0 waits for every rank's call of a collective entry point such as
+#: :func:`save_checkpoint` (HPCASYNC_ARRIVAL_TIMEOUT)
+ARRIVAL_TIMEOUT_S = 60.0
+_ARRIVAL_TAG = 7371
+
+
+def _all_arrive(comm, what: str) -> None:
+    """Before the collectives of ``what`` (called on every rank): each rank tells rank 0 it is
+    there (a message with a tag of its own, apart from the collectives' traffic) and waits for
+    rank 0's answer. A call made on rank 0 alone (torch's habit ``if rank == 0: save``) would
+    otherwise wait forever in a collective the others never join while they wait in the next
+    step's: rank 0 ends the job in one line once ``HPCASYNC_ARRIVAL_TIMEOUT`` seconds (60) pass
+    without every rank's call."""
+    import time
+
+    from .errors import HpcasyncError
+
+    me, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    if me != 0:
+        comm.send(None, dest=0, tag=_ARRIVAL_TAG)
+        comm.recv(source=0, tag=_ARRIVAL_TAG)
+        return
+    limit = float(os.environ.get("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S))
+    reqs = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG) for r in range(1, size)}
+    t0, pause = time.monotonic(), 1e-4
+    while reqs:
+        reqs = {r: q for r, q in reqs.items() if not q.test()[0]}
+        if reqs and time.monotonic() - t0 > limit:
+            for q in reqs.values():         # (the job ends; a caller that goes on posts anew)
+                q.Cancel()
+                q.Wait()
+            raise HpcasyncError(
+                f"{what} is called on every rank, and rank(s) {', '.join(map(str, reqs))} did not "
+                f"call it within {limit:g} s of rank 0's call (a call under `if rank == 0`? every "
+                "rank must call it: rank 0 writes); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
+        time.sleep(pause)
+        pause = min(0.01, pause * 2)
+    for r in range(1, size):
+        comm.send(None, dest=r, tag=_ARRIVAL_TAG)
+
+
 # -- one optimizer-shaped object per algorithm ------------------------------------------------------
 
 def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -524,6 +567,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
                           "replicas differ there and a checkpoint holds rank 0's state; save "
                           "after opt.epoch_end(...) (a commit of hpcasync.elastic.State keeps "
                           "each rank's own state at any step)")
+    if comm is not None:
+        _all_arrive(comm, "hpcasync.save_checkpoint")
     parts = None if local is None or comm is None else gather_own(comm, local)
     writer = comm is None or comm.Get_rank() == 0
     path = None

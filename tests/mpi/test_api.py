@@ -350,6 +350,33 @@ def test_checkpoint_resume_from_a_user_loop_is_bitwise(algorithm, data, tmp_path
 
 
 @needs4
+@pytest.mark.timeout(60)        # (without the check: a hang, ended by this)
+def test_save_checkpoint_on_rank_0_alone_is_one_line(data, tmp_path_factory, monkeypatch):
+    """torch's habit ``if rank == 0: save``, with ``hpcasync.save_checkpoint`` (a collective:
+    rank 0 writes, every rank waits for the file): measured before, a 4-rank SSGD loop that did
+    so at step 3 ran into its 100 s timeout (rank 0 in the checkpoint's barrier, the others in
+    the next step's allreduce). Now rank 0 ends it in one line naming the ranks that did not
+    call; a call on every rank afterwards writes as before."""
+    from hpcasync.errors import HpcasyncError
+
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt0")) if RANK == 0 else None)
+    monkeypatch.setenv("HPCASYNC_ARRIVAL_TIMEOUT", "1")
+    model = make_model()
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    opt.zero_grad()
+    F.cross_entropy(model(batch(data, 0)[0]), batch(data, 0)[1]).backward()
+    opt.step()
+    if RANK == 0:
+        t0 = time.monotonic()
+        with pytest.raises(HpcasyncError, match=r"rank\(s\) 1, 2, 3 did not call it within 1 s"):
+            hpcasync.save_checkpoint(directory, model, opt, epoch=0, step=1)
+        assert time.monotonic() - t0 < 10
+    COMM.Barrier()
+    path = hpcasync.save_checkpoint(directory, model, opt, epoch=0, step=1)
+    assert (path is not None) == (RANK == 0)
+
+
+@needs4
 def test_load_checkpoint_with_a_comm_is_read_by_its_rank_0_alone(data, tmp_path_factory,
                                                                   monkeypatch):
     """``load_checkpoint(..., comm=COMM)``: rank 0 reads the newest file, once, and the others
