@@ -939,10 +939,12 @@ def _check_plain(values: dict) -> None:
 
 
 class TorchState(ObjectState):
-    """Models, optimizers and objects with ``state_dict``/``load_state_dict`` (schedulers,
-    samplers) given under any keyword are saved as state dicts and synced from rank 0; the other
-    keywords are plain values (:class:`ObjectState`). ``handler_for(value)`` (a subclass's)
-    returns the :class:`Handler` of a value, or None for a plain value."""
+    """The values a subclass's ``handler_for(value)`` gives a :class:`Handler` (models,
+    optimizers, LR schedulers, elastic samplers), under any keyword, are saved as state dicts and
+    synced from rank 0; the other keywords are plain values (:class:`ObjectState`: kept by
+    reference, broadcast by ``sync()``; so a ``GradScaler`` is not rolled back). Checked when
+    built: every optimizer's tensors are a model's of the state, and no torch sampler or data
+    loader is a plain value."""
 
     def __init__(self, **kwargs):
         handlers = {k: h for k, h in ((k, self.handler_for(v)) for k, v in kwargs.items()) if h}
