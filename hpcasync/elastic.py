@@ -348,7 +348,8 @@ class State(_core.TorchState):
     back, ``sync()`` broadcasts rank 0's; ``register_reset_callbacks([...])`` run after a
     reset. ``state.rank``, ``state.size`` and ``state.roles`` (:class:`hpcasync.Roles`) are this
     rank's in the current world (the ``ctx`` of :func:`hpcasync.init` is the world at the start).
-    Collective: construct it on every rank, after ``hpcasync.init`` and the optimizer."""
+    Collective: construct it on every rank, after ``hpcasync.init`` and the optimizer. An
+    optimizer's model left out, or a torch sampler or data loader given, is a one-line error."""
 
     def __init__(self, model=None, optimizer=None, sampler=None, **extra):
         bad = [k for k in _RESERVED if k in extra]

@@ -746,8 +746,8 @@ def defer_startup_failure(exc: BaseException, comms) -> bool:
     if not (ulfm_enabled() and proc_failure(exc)):
         return False
     revoke_all(comms)
-    log.info("a rank died before the training loop began (%s); the elastic loop resets first",
-             exc)
+    log.info("a rank died before the training loop began (%s): an elastic loop resets over "
+             "the survivors, any other loop ends at its next collective", exc)
     return True
 
 
