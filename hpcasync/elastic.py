@@ -342,7 +342,8 @@ class State(_core.TorchState):
     """What your loop needs back after a death: ``model``, ``optimizer`` (an
     ``hpcasync.optimizer``; a plain torch optimizer is saved too), ``sampler`` (an
     :class:`ElasticSampler`) and plain values as keywords (``epoch=0, batch=0``); models,
-    optimizers, LR schedulers and samplers under any other keyword are tracked alike.
+    optimizers, LR schedulers, samplers and GradScalers under any other keyword are tracked
+    alike.
 
     ``commit()`` copies it in memory (no communication), ``restore()`` brings the last commit
     back, ``sync()`` broadcasts rank 0's; ``register_reset_callbacks([...])`` run after a
@@ -401,10 +402,27 @@ class State(_core.TorchState):
         its committed plain values and samplers (not the model) to the server, which gives them
         to its replacement if it dies; with :meth:`persist`, every ``every``-th commit is also
         written to disk."""
+        self._check_scaler()
         super().commit()
         ps = self._membership.ps
         if ps is not None and ps.growth is not None and ps.attached and not ps.is_server:
             ps.checkpoints.send_commit(self._place())
+
+    def _check_scaler(self) -> None:
+        """Under grow-back, a ``GradScaler`` that drives an optimizer of the state (it stepped it)
+        must be in the state: a replacement's own scaler starts from its initial scale, its
+        scaled gradients then weigh more or less than the others' in the average, and the
+        replicas part (measured: exit 0, the replacement's parameters and scale unlike the
+        survivors'). A one-line error at the commit."""
+        if not self.ft.grow_back or any(isinstance(h.value, torch.amp.GradScaler)
+                                        for h in self._handlers.values()):
+            return
+        stepped = [k for k, h in self._handlers.items() if getattr(h.value, "amp_stepped", False)]
+        if stepped:
+            raise ConfigError(f"hpcasync.elastic.State: a GradScaler steps the optimizer "
+                              f"{stepped[0]!r} and is not in the state; under grow-back a "
+                              "replacement would start from its own scale and the replicas part: "
+                              "pass it too (State(..., scaler=scaler))")
 
     def persist(self, directory, *, every: int = 1, keep: int = 3) -> bool:
         """Restarts without ULFM (:meth:`hpcasync.runtime.elastic.TorchState.persist`: rank 0
@@ -516,9 +534,10 @@ class State(_core.TorchState):
             return _core.Handler(value, m.sync_optimizer)
         if isinstance(value, ElasticSampler):
             return _core.Handler(value, self._sync_sampler)    # restore keeps rank and size
-        if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
-            return _core.Handler(value, lambda v: v.load_state_dict(
-                m.bcast_object(v.state_dict() if m.is_root() else None)))
+        if isinstance(value, torch.optim.lr_scheduler.LRScheduler) or (
+                isinstance(value, torch.amp.GradScaler) and value.is_enabled()):
+            return _core.Handler(value, lambda v: v.load_state_dict(   # (a scaler's scale: alike
+                m.bcast_object(v.state_dict() if m.is_root() else None)))   # on every rank)
         return None
 
     def sync(self) -> None:

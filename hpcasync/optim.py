@@ -122,6 +122,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     algorithm: str = ""
     _add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
     _skip = False                      # inside skip_synchronize()
+    amp_stepped = False                # a GradScaler has stepped it (SSGD sets it)
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
     # torch.amp.GradScaler.step(opt) then calls step() itself, with ``grad_scale`` and
     # ``found_inf`` set on the optimizer, instead of deciding alone whether to skip it

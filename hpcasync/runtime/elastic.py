@@ -942,7 +942,7 @@ class TorchState(ObjectState):
     """The values a subclass's ``handler_for(value)`` gives a :class:`Handler` (models,
     optimizers, LR schedulers, elastic samplers), under any keyword, are saved as state dicts and
     synced from rank 0; the other keywords are plain values (:class:`ObjectState`: kept by
-    reference, broadcast by ``sync()``; so a ``GradScaler`` is not rolled back). Checked when
+    reference, broadcast by ``sync()``; ``hvd.elastic``'s keeps a ``GradScaler`` so, as Horovod's). Checked when
     built: every optimizer's tensors are a model's of the state, and no torch sampler or data
     loader is a plain value."""
 

@@ -152,3 +152,36 @@ def test_a_loop_that_zeroes_after_step_redoes_the_interrupted_step_bitwise(tmp_p
                                          for r in results), results
         runs[name] = {r["params"] for r in results}
     assert len(runs["killed"]) == 1 and runs["killed"] == runs["undisturbed"], runs
+
+
+@pytest.mark.rank0
+def test_a_grad_scaler_in_the_state_grows_back_bitwise_and_one_left_out_is_one_line(tmp_path):
+    """SSGD with a GradScaler (Horovod's pattern), its scale growing every 2 steps: rank 1
+    dies before step 5 and is grown back. Given to the ``State``, the scaler is synced to the
+    replacement and rolled back with the commit: the run ends bitwise equal to the undisturbed
+    one, the same scale on every rank. Left out, a replacement's scaler held its own initial
+    scale: measured before, exit 0 with the replacement's parameters and scale unlike the
+    survivors' (its scaled gradients weighed more in the average); now the first commit after a
+    scaled step is one line (under grow-back)."""
+    need_ulfm()
+    script = str(REPO / "tests" / "amp_elastic_script.py")
+    runs = {}
+    for name, extra in (("undisturbed", []), ("killed", ["--kill-at", "5"]),
+                        ("untracked", ["--kill-at", "5", "--untracked"])):
+        (tmp_path / name).mkdir()
+        out = subprocess.run([*mpiexec(4, ft=True), sys.executable, script, "--out",
+                              str(tmp_path / name), *extra],
+                             env=clean_env(HPCASYNC_GROW_BACK="1", HPCASYNC_JOIN_TIMEOUT="120"),
+                             cwd=REPO, capture_output=True, text=True, timeout=240)
+        if name == "untracked":
+            lines = [x for x in out.stderr.splitlines() if x.startswith("hpcasync: error")]
+            assert out.returncode != 0 and lines, out.stderr[-3000:]
+            assert "a GradScaler steps the optimizer 'optimizer' and is not in the state" in \
+                lines[0], lines
+            continue
+        assert out.returncode == 0, out.stderr[-3000:]
+        results = [json.loads(p.read_text()) for p in (tmp_path / name).glob("r*.json")]
+        assert len(results) == 4 and all(r["size"] == 4 for r in results), results
+        runs[name] = {(r["params"], r["scale"]) for r in results}
+    assert len(runs["killed"]) == 1 and runs["killed"] == runs["undisturbed"], runs
+
