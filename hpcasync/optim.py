@@ -122,7 +122,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
     algorithm: str = ""
     _add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
     _skip = False                      # inside skip_synchronize()
-    amp_stepped = False                # a GradScaler has stepped it (SSGD sets it)
+    amp_stepped = False                # a GradScaler has stepped it (_amp_step)
     _warns_unused = True               # _note_unused (SSGD: False, it skips them as torch)
     # torch.amp.GradScaler.step(opt) then calls step() itself, with ``grad_scale`` and
     # ``found_inf`` set on the optimizer, instead of deciding alone whether to skip it
@@ -207,6 +207,7 @@ class AlgorithmOptimizer(torch.optim.Optimizer):
         found_inf = self.__dict__.get("found_inf")
         if found_inf is None:
             return True
+        self.amp_stepped = True         # (a GradScaler drives it: hpcasync.elastic.State checks)
         if found_inf.item():
             return False
         scale = self.__dict__.get("grad_scale")

@@ -254,8 +254,6 @@ class DistributedOptimizer(AlgorithmOptimizer):
             raise
         self._passes.reset()
         self._synchronized = False
-        if self.__dict__.get("found_inf") is not None:
-            self.amp_stepped = True     # (a GradScaler drives it: hpcasync.elastic.State checks)
         if not self._amp_step():    # GradScaler: an inf in the averaged gradients on every rank
             return None
         self.steps += 1
