@@ -320,26 +320,35 @@ def _free(comm) -> None:
         pass
 
 
+def _poll(done, limit: float) -> bool:
+    """Call ``done()`` with growing pauses between calls (0.1 ms up to 10 ms) until it returns
+    True (then True) or ``limit`` seconds have passed (then False): a wait on nonblocking MPI
+    requests that can end, where a blocking one would wait forever."""
+    import time
+
+    t0, pause = time.monotonic(), 1e-4
+    while not done():
+        if time.monotonic() - t0 > limit:
+            return False
+        time.sleep(pause)
+        pause = min(0.01, pause * 2)
+    return True
+
+
 def _agree_at_exit(comm) -> None:
     """At interpreter exit (after the algorithms' own exit hooks): every rank joins a nonblocking
     barrier. A rank that waits longer than ``HPCASYNC_EXIT_TIMEOUT`` seconds (30) ends the job
     saying why: another rank is still inside a collective, most often because the ranks took
     different numbers of steps (uneven data shards), which would otherwise hang forever."""
-    import time
-
     from .errors import HpcasyncError, fail_fast
 
     limit = float(os.environ.get("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S))
-    req, t0, pause = comm.Ibarrier(), time.monotonic(), 1e-4
-    while not req.Test():
-        if time.monotonic() - t0 > limit:
-            fail_fast(HpcasyncError(
-                f"rank {comm.Get_rank()} ended its script but other ranks have not after "
-                f"{limit:g} s: they are most likely waiting in a collective that this rank no "
-                "longer joins. Give every rank the same number of steps (e.g. drop_last=True, or "
-                "the same number of batches per shard); HPCASYNC_EXIT_TIMEOUT sets this wait"))
-        time.sleep(pause)
-        pause = min(0.01, pause * 2)
+    if not _poll(comm.Ibarrier().Test, limit):
+        fail_fast(HpcasyncError(
+            f"rank {comm.Get_rank()} ended its script but other ranks have not after "
+            f"{limit:g} s: they are most likely waiting in a collective that this rank no "
+            "longer joins. Give every rank the same number of steps (e.g. drop_last=True, or "
+            "the same number of batches per shard); HPCASYNC_EXIT_TIMEOUT sets this wait"))
     comm.Free()
 
 
@@ -356,8 +365,6 @@ def _all_arrive(comm, what: str) -> None:
     otherwise wait forever in a collective the others never join while they wait in the next
     step's: rank 0 ends the job in one line once ``HPCASYNC_ARRIVAL_TIMEOUT`` seconds (60) pass
     without every rank's call."""
-    import time
-
     from .errors import HpcasyncError
 
     me, size = comm.Get_rank(), comm.Get_size()
@@ -369,19 +376,20 @@ def _all_arrive(comm, what: str) -> None:
         return
     limit = float(os.environ.get("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S))
     reqs = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG) for r in range(1, size)}
-    t0, pause = time.monotonic(), 1e-4
-    while reqs:
-        reqs = {r: q for r, q in reqs.items() if not q.test()[0]}
-        if reqs and time.monotonic() - t0 > limit:
-            for q in reqs.values():         # (the job ends; a caller that goes on posts anew)
-                q.Cancel()
-                q.Wait()
-            raise HpcasyncError(
-                f"{what} is called on every rank, and rank(s) {', '.join(map(str, reqs))} did not "
-                f"call it within {limit:g} s of rank 0's call (a call under `if rank == 0`? every "
-                "rank must call it: rank 0 writes); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
-        time.sleep(pause)
-        pause = min(0.01, pause * 2)
+
+    def arrived() -> bool:
+        for r in [r for r, q in reqs.items() if q.test()[0]]:
+            del reqs[r]
+        return not reqs
+
+    if not _poll(arrived, limit):
+        for q in reqs.values():             # (the job ends; a caller that goes on posts anew)
+            q.Cancel()
+            q.Wait()
+        raise HpcasyncError(
+            f"{what} is called on every rank, and rank(s) {', '.join(map(str, reqs))} did not "
+            f"call it within {limit:g} s of rank 0's call (a call under `if rank == 0`? every "
+            "rank must call it: rank 0 writes); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
     for r in range(1, size):
         comm.send(None, dest=r, tag=_ARRIVAL_TAG)
 
