@@ -909,10 +909,8 @@ def _check_parameters_held(handlers: dict) -> None:
     state holds: the commit keeps an optimizer's state, not the tensors it steps, so a death or
     a restart would roll its momentum back and leave those parameters where they were (a
     replacement's at its own initial values: the replicas apart), silently."""
-    held = {id(p) for h in handlers.values() if isinstance(h.value, torch.nn.Module)
-            for p in h.value.parameters()}
-    held |= {id(b) for h in handlers.values() if isinstance(h.value, torch.nn.Module)
-             for b in h.value.buffers()}
+    held = {id(t) for h in handlers.values() if isinstance(h.value, torch.nn.Module)
+            for t in (*h.value.parameters(), *h.value.buffers())}
     for k, h in handlers.items():
         if isinstance(h.value, torch.optim.Optimizer):
             out = sum(id(p) not in held for g in h.value.param_groups for p in g["params"])

@@ -143,17 +143,17 @@ class DistributedOptimizer(AlgorithmOptimizer):
         ``set_backward_passes_per_step``)."""
         return self._passes.passes
 
-    def passes_pending(self) -> int:
-        """Backward passes counted since the last ``step()`` when the step takes several
-        (``backward_passes_per_step`` > 1; else 0): a gradient accumulation in progress."""
-        return self._passes.seen if self._passes.passes > 1 else 0
-
     @backward_passes_per_step.setter
     def backward_passes_per_step(self, passes: int) -> None:
         if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
             raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
         self._passes.passes = passes
         self._passes.reset()
+
+    def passes_pending(self) -> int:
+        """Backward passes counted since the last ``step()`` when the step takes several
+        (``backward_passes_per_step`` > 1; else 0): a gradient accumulation in progress."""
+        return self._passes.seen if self._passes.passes > 1 else 0
 
     @property
     def passes(self) -> int:
