@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- the methods -------------------------------------------------------------------------------
 def _ssgd_hier(optimizer, flat, topo, delay):
     from ..comm import hierarchical_allreduce
-    from ..ssgd.runtime import DistributedOptimizer
+    from ..ssgd.optimizer import DistributedOptimizer
 
     class HierarchicalSSGD(DistributedOptimizer):
         def synchronize(self):
@@ -106,7 +106,7 @@ def build(method: str, model, topo, args, delay_us: float, nbatches: int):
     """(optimizer wrapper, per-epoch-end callable) for ``method``."""
     from ..comm import FlatModel
     from ..daso import DASO, LinkDelay
-    from ..ssgd.runtime import DistributedOptimizer
+    from ..ssgd.optimizer import DistributedOptimizer
 
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     delay = LinkDelay(delay_us)

@@ -467,3 +467,22 @@ def test_warns_when_blocking_epochs_cover_the_run(topo, caplog):
              batches_per_epoch=3)                         # 4 warm-up + 4 cool-down epochs
     warned = [r for r in caplog.records if "degenerates to blocking averaging" in r.message]
     assert len(warned) == (1 if RANK == 0 else 0)
+
+
+
+@pytest.mark.parametrize("method", ["daso", "ssgd", "ssgd-hier"])
+def test_the_daso_benchmark_trains_each_of_its_methods(topo, method):
+    """``hpcasync bench daso``'s methods each train an epoch (its ``build`` once imported the
+    SSGD optimizer from a module that no longer had it: every method ended in an ImportError)."""
+    import math
+    from types import SimpleNamespace
+
+    from hpcasync.bench.daso import train_epochs
+
+    args = SimpleNamespace(seed=0, model="lenet", batch_size=B, epochs=1, lr=0.05, momentum=0.9,
+                           daso_warmup_epochs=1, daso_cooldown_epochs=0, daso_global_skip=1,
+                           daso_batches_to_wait=1, daso_cast="none")
+    train, test = load_dataset("fashion-mnist-mini", train_limit=256, test_limit=32)
+    *_, out = train_epochs(method, topo, train, test, args, 0.0)
+    assert len(out["acc"]) == 1 and out["epoch_s"][0] > 0 and math.isfinite(out["loss"][0])
+    assert COMM.allgather((out["acc"], out["loss"])) == [(out["acc"], out["loss"])] * SIZE
