@@ -48,6 +48,9 @@ class Algorithm:
             fraction of a second on every rank), and may provide ``validate_options(cfg)``, its
             torch-free checks; None: the runtime module's ``add_arguments``.
         rule: the parameter-server family's update rule, ``"module:Class"`` (imported when built).
+        optimizer: the ``ssgd`` family's optimizer class, ``"module:Class"`` (a subclass of
+            :class:`hpcasync.ssgd.DistributedOptimizer`, imported when built): its
+            :class:`Option` s reach it as keywords, through its ``cli_keywords`` classmethod.
         rule_kwargs: keyword arguments the name fixes on the rule, as pairs (``(("mode",
             "adaptive"),)``: dcasgd-a is DCASGD with adaptive λ).
         momentum_rule: the momentum is the algorithm's own (``--momentum`` and an SGD's momentum
@@ -67,6 +70,7 @@ class Algorithm:
     family: str
     runtime: str
     rule: str | None = None
+    optimizer: str | None = None
     rule_kwargs: tuple[tuple[str, object], ...] = ()
     momentum_rule: bool = False
     user_optimizer: bool = False
@@ -88,7 +92,15 @@ def ps_algorithm(name: str, rule: str, summary: str = "", **fields) -> Algorithm
                      summary=summary, arguments="hpcasync.ps.options", **fields)
 
 
-_RULES = "hpcasync.rules."
+def sync_method(name: str, optimizer: str, summary: str = "", **fields) -> Algorithm:
+    """An entry of the ``ssgd`` family (local SGD, SlowMo, DiLoCo and their kin): its optimizer
+    class ``"module:Class"`` runs the user's torch optimizer, under ``hpcasync.ssgd.runtime``."""
+    fields.setdefault("user_optimizer", True)
+    return Algorithm(name, "ssgd", "hpcasync.ssgd.runtime", optimizer=optimizer, summary=summary,
+                     arguments="hpcasync.ssgd.options", **fields)
+
+
+_RULES, _SSGD = "hpcasync.rules.", "hpcasync.ssgd."
 _TABLE: dict[str, Algorithm] = {}
 
 
@@ -106,8 +118,13 @@ def register(alg: Algorithm) -> Algorithm:
     if alg.is_ps != (alg.rule is not None):
         raise ConfigError(f"algorithm {alg.name!r}: the ps family, and only it, has an update rule "
                           "(rule='module:Class')")
-    if alg.rule is not None and alg.rule.count(":") != 1:
-        raise ConfigError(f"algorithm {alg.name!r}: rule {alg.rule!r} is not 'module:Class'")
+    if (alg.family == "ssgd") != (alg.optimizer is not None):
+        raise ConfigError(f"algorithm {alg.name!r}: the ssgd family, and only it, names its "
+                          "optimizer class (optimizer='module:Class')")
+    for what in ("rule", "optimizer"):
+        value = getattr(alg, what)
+        if value is not None and (not isinstance(value, str) or value.count(":") != 1):
+            raise ConfigError(f"algorithm {alg.name!r}: {what} {value!r} is not 'module:Class'")
     declared = {p.dest: p for a in _TABLE.values() for p in a.options if isinstance(p, Option)}
     for o in alg.options:
         other = declared.get(o[0])
@@ -197,6 +214,12 @@ def option_owners() -> dict[str, tuple[str, ...]]:
     return owners
 
 
+def given(name: str, options: Mapping) -> dict:
+    """The keywords of ``name``'s options that ``options`` (a config's, by ``dest``) gives:
+    ``{hyper: value}``, an option left at None (not given) absent."""
+    return {o[1]: options[o[0]] for o in get(name).options if options.get(o[0]) is not None}
+
+
 def add_options(group, family: str) -> None:
     """Add to ``group`` (an argparse group) the :class:`Option` s of ``family``'s entries, each
     once, its help prefixed with the algorithms that take it."""
@@ -283,6 +306,7 @@ class LiveMapping(Mapping):
 for _alg in (
     Algorithm("ssgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True, horovod_backend=True,
               simulated=True, summary="synchronous SGD: one gradient allreduce per step",
+              optimizer=_SSGD + "optimizer:DistributedOptimizer",
               arguments="hpcasync.ssgd.options"),
     Algorithm("daso", "daso", "hpcasync.daso.runtime", user_optimizer=True, horovod_backend=True,
               summary="DASO: node-local sync, delayed global averaging",
@@ -290,16 +314,48 @@ for _alg in (
     Algorithm("odsgd", "odsgd", "hpcasync.odsgd.runtime",
               summary="OD-SGD: synchronous PS with its own global momentum",
               arguments="hpcasync.odsgd.options"),
-    Algorithm("localsgd", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
-              summary="post-local SGD: SSGD warm-up, then local steps averaged every H",
-              arguments="hpcasync.ssgd.options"),
-    Algorithm("slowmo", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
-              summary="SlowMo: local SGD with a slow momentum on the averaged displacement",
-              arguments="hpcasync.ssgd.options"),
-    Algorithm("diloco", "ssgd", "hpcasync.ssgd.runtime", user_optimizer=True,
-              summary="DiLoCo / Streaming DiLoCo: inner steps, outer Nesterov step on the mean "
-                      "pseudo-gradient",
-              arguments="hpcasync.ssgd.options"),
+    sync_method("localsgd", _SSGD + "localsgd:LocalSGD",
+                "post-local SGD: SSGD warm-up, then local steps averaged every H",
+                options=(Option("localsgd_period", "period", int,
+                                "steps between two averages of the parameters (default 4, "
+                                "torch's example)"),
+                         Option("localsgd_warmup_steps", "warmup_steps", int,
+                                "SSGD steps before the local ones (post-local SGD; default 100, "
+                                "torch's example)"))),
+    sync_method("slowmo", _SSGD + "slowmo:SlowMo",
+                "SlowMo: local SGD with a slow momentum on the averaged displacement",
+                options=(Option("slowmo_period", "period", int,
+                                "local steps between two syncs (default 48, fairscale's)"),
+                         Option("slowmo_momentum", "slow_momentum", float,
+                                "the slow momentum beta (default 0.5)"),
+                         Option("slowmo_lr", "slow_lr", float, "the slow lr alpha (default 1.0)"))),
+    sync_method("diloco", _SSGD + "diloco:DiLoCo",
+                "DiLoCo / Streaming DiLoCo: inner steps, outer Nesterov step on the mean "
+                "pseudo-gradient",
+                options=(Option("diloco_sync_every", "sync_every", int,
+                                "inner steps between two syncs of each fragment (H; default 500, "
+                                "the paper's)"),
+                         Option("diloco_outer_lr", "outer_lr", float,
+                                "the outer SGD's lr (default 0.7, the paper's)"),
+                         Option("diloco_outer_momentum", "outer_momentum", float,
+                                "the outer SGD's Nesterov momentum (default 0.9)"),
+                         Option("diloco_fragments", "fragments", int,
+                                "Streaming DiLoCo's fragments, runs of the model's top-level "
+                                "modules (default 1)"),
+                         Option("diloco_sync_delay", "fragment_sync_delay", int,
+                                "inner steps between a fragment's pseudo-gradient and its outer "
+                                "step (Streaming DiLoCo's tau; default 0)"),
+                         Option("diloco_alpha", "fragment_update_alpha", float,
+                                "share of the rank's own parameters mixed into the outer result "
+                                "(Streaming DiLoCo's alpha; default 0)"),
+                         Option("diloco_hierarchical", "hierarchical", bool,
+                                "the ranks of a node train one replica with synchronous SGD, "
+                                "DiLoCo runs across the nodes (--ranks-per-node sets virtual "
+                                "nodes; nodes of equal size; not under --with-ft ulfm)"),
+                         Option("diloco_quantize", "quantize", bool,
+                                "exchange the outer gradients as FP8 (E4M3, a scale per chunk) "
+                                "and average them in float32, as torchft's should_quantize (not "
+                                "with --diloco-hierarchical)"))),
     ps_algorithm("asgd", _RULES + "asgd:ASGD", "ASGD (optional shared momentum)"),
     ps_algorithm("dcasgd", _RULES + "dcasgd:DCASGD", "DC-ASGD-c, constant λ",
                  rule_kwargs=(("mode", "constant"),),

@@ -27,7 +27,7 @@ from .config import OPTIMIZER_ALGORITHMS, TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
 from . import inject
-from .runtime import algorithms, join, runtime_module, startup
+from .runtime import algorithms, argument_checks, join, runtime_module, startup
 from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
@@ -41,6 +41,7 @@ def precheck(cfg: TrainConfig):
     ``--resume PATH`` (intact, same algorithm and model; the world size is checked once MPI runs),
     that user code (``MODULE:FACTORY``) imports, the data files."""
     cfg.validate(algorithms())
+    argument_checks(cfg)
     runtime = runtime_module(cfg.algorithm)
     if hasattr(runtime, "validate"):
         runtime.validate(cfg)

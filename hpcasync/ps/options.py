@@ -27,13 +27,10 @@ def add_arguments(parser) -> None:
 
 
 def validate_options(cfg) -> None:
-    """The checks that need no torch (``hpcasync train`` makes them before importing it): an option
-    of another algorithm, ``--ps-momentum`` beside a momentum rule, the warm-up's length."""
+    """The checks that need no torch (``hpcasync train`` makes them before importing it, after
+    the refusal of another algorithm's option: ``runtime.argument_checks``): ``--ps-momentum``
+    beside a momentum rule, the warm-up's length."""
     opt = cfg.options
-    for option, owners in registry.option_owners().items():
-        if opt.get(option) is not None and cfg.algorithm not in owners:
-            flag = "--" + option.replace("_", "-")
-            raise ConfigError(f"{flag} applies to {', '.join(owners)}, not {cfg.algorithm}")
     if opt.get("ps_momentum", 0.0) and registry.get(cfg.algorithm).momentum_rule:
         raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
     warm = opt.get("ps_warmup_epochs")

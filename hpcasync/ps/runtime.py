@@ -53,9 +53,7 @@ def rule_hyper(cfg) -> dict:
         hyper["weight_decay"] = cfg.weight_decay
     if "momentum" in accepted:
         hyper["momentum"] = cfg.momentum if alg.momentum_rule else opt.get("ps_momentum", 0.0)
-    for option in alg.options:                   # the options this algorithm owns (registry)
-        if opt.get(option[0]) is not None:
-            hyper[option[1]] = opt[option[0]]
+    hyper.update(registry.given(alg.name, opt))   # the options this algorithm owns
     if "seed" in accepted:                       # lcasgd's LSTM predictor
         hyper["seed"] = cfg.seed
     return hyper

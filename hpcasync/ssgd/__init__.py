@@ -19,9 +19,10 @@ __getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module 
 
 
 def optimizer_class(algorithm: str):
-    """The optimizer class of an algorithm of this family."""
+    """The optimizer class of an algorithm of this family (its registry entry's ``optimizer``)."""
     import importlib
 
-    name = {"ssgd": "DistributedOptimizer", "localsgd": "LocalSGD", "diloco": "DiLoCo",
-            "slowmo": "SlowMo"}[algorithm]
-    return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    from .. import registry
+
+    module, name = registry.get(algorithm).optimizer.split(":")
+    return getattr(importlib.import_module(module), name)

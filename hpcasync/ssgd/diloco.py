@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 
@@ -114,6 +115,24 @@ class DiLoCo(LocalSGD):
         self.local_step = 0        # inner steps since the last sync (torchft's _local_step)
         self.syncs = 0             # syncs done (torchft's manager step)
         self._pending: list[torch.Tensor] | None = None    # Δ̄ of the fragment taken early
+
+    @classmethod
+    def cli_keywords(cls, given: dict, topo=None) -> dict:
+        """The ``--diloco-*`` options as keywords: ``outer_lr``/``outer_momentum`` make the outer
+        optimizer (SGD, Nesterov when the momentum is not 0), ``hierarchical`` the node groups
+        (``topo.local``)."""
+        kw = dict(given)
+        outer = (kw.pop("outer_lr", OUTER_LR), kw.pop("outer_momentum", OUTER_MOMENTUM))
+        hierarchical = kw.pop("hierarchical", False)
+        check(kw.get("sync_every", DEFAULT_SYNC_EVERY), kw.get("fragments", 1),
+              kw.get("fragment_sync_delay", 0), kw.get("fragment_update_alpha", 0.0), outer)
+        if kw.get("quantize") and hierarchical:
+            raise ConfigError("--diloco-quantize and --diloco-hierarchical do not go together: "
+                              "the node mean is exact")
+        kw["outer_optimizer"] = functools.partial(nesterov_sgd, lr=outer[0], momentum=outer[1])
+        if hierarchical and topo is not None:
+            kw["node_comm"] = topo.local
+        return kw
 
     def broadcast_parameters(self, root: int = 0) -> None:
         """Rank ``root``'s parameters everywhere, and they are θ."""
@@ -286,6 +305,11 @@ class DiLoCo(LocalSGD):
         super()._load_extra(extra)
         if "globals" in extra:
             self._load_schedule(extra)
+
+
+def nesterov_sgd(params, *, lr: float, momentum: float):
+    """The outer optimizer of the CLI's DiLoCo: SGD with Nesterov momentum (plain SGD at 0)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def check(sync_every, fragments, fragment_sync_delay, fragment_update_alpha,

@@ -82,6 +82,12 @@ class LocalSGD(DistributedOptimizer):
     def _whole_reduction(self):
         return self._reduce_gradients
 
+    @classmethod
+    def cli_keywords(cls, given: dict, topo=None) -> dict:
+        """Checks ``period`` and ``warmup_steps`` (the CLI's ``--localsgd-*``, ``--slowmo-period``)."""
+        cls.check(given.get("period"), given.get("warmup_steps"), algorithm=cls.algorithm)
+        return dict(given)
+
     @staticmethod
     def check(period, warmup_steps, *, algorithm: str = "localsgd") -> None:
         """One-line errors for a bad ``period`` / ``warmup_steps`` (None: the default), naming

@@ -160,6 +160,16 @@ class DistributedOptimizer(AlgorithmOptimizer):
         """Backward passes seen this step (the most of any parameter)."""
         return self._passes.seen
 
+    @classmethod
+    def cli_keywords(cls, given: dict, topo=None) -> dict:
+        """This class's constructor keywords for ``hpcasync train`` from ``given``: the values of
+        its algorithm's registry :class:`~hpcasync.registry.Option` s that the command line
+        gave, by their ``hyper`` names (an option not given is absent: the constructor's default
+        applies). ``topo`` is the run's topology, or None for the check made before MPI starts
+        (a bad value: a ConfigError). A method whose options are not its keywords one for one
+        (DiLoCo's outer lr) overrides it."""
+        return dict(given)
+
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every replica start from ``root``'s parameters and buffers (not from seeds)."""
         for tensor in (self.flat.params, self.flat.buffers):

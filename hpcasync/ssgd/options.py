@@ -1,12 +1,18 @@
-"""The ``hpcasync train`` options of SSGD (``--algorithm ssgd``): torch-free, so that a command line
-is parsed, and a bad option said, before any rank imports torch."""
+"""The ``hpcasync train`` options of the ``ssgd`` family: SSGD's own (``--compress``, the buckets,
+the emulated link) and each method's registry :class:`~hpcasync.registry.Option` s (``--localsgd-*``,
+``--slowmo-*``, ``--diloco-*``). Torch-free, so that a command line is parsed, and a bad option
+said, before any rank imports torch."""
 from __future__ import annotations
 
 import argparse
 
+from .. import registry
 from ..errors import ConfigError
 from ..runtime import join
 
+#: options of this family without its name in front (``runtime.family_options``: refused for
+#: another family's algorithm, which would ignore them; DASO has ``--daso-link-delay-us-per-mb``)
+FAMILY_OPTIONS = ("link_delay_us_per_mb",)
 #: how overlapped buckets progress (:class:`hpcasync.ssgd.buckets.BucketReducer`): a
 #: communication thread of blocking allreduces, or nonblocking ones tested from the gradient hooks
 PROGRESS = ("thread", "test")
@@ -49,42 +55,7 @@ def add_arguments(parser) -> None:
                        help="ssgd: how overlapped buckets progress: a communication thread of "
                             "blocking allreduces, or nonblocking ones tested from the gradient "
                             "hooks (default %(default)s)")
-    group.add_argument("--localsgd-period", type=int, default=None,
-                       help="localsgd: steps between two averages of the parameters (default 4, "
-                            "torch's example)")
-    group.add_argument("--localsgd-warmup-steps", type=int, default=None,
-                       help="localsgd: SSGD steps before the local ones (post-local SGD; default "
-                            "100, torch's example)")
-    group.add_argument("--slowmo-period", type=int, default=None,
-                       help="slowmo: local steps between two syncs (default 48, fairscale's)")
-    group.add_argument("--slowmo-momentum", type=float, default=None,
-                       help="slowmo: the slow momentum beta (default 0.5)")
-    group.add_argument("--slowmo-lr", type=float, default=None,
-                       help="slowmo: the slow lr alpha (default 1.0)")
-    group.add_argument("--diloco-sync-every", type=int, default=None,
-                       help="diloco: inner steps between two syncs of each fragment (H; default "
-                            "500, the paper's)")
-    group.add_argument("--diloco-outer-lr", type=float, default=None,
-                       help="diloco: the outer SGD's lr (default 0.7, the paper's)")
-    group.add_argument("--diloco-outer-momentum", type=float, default=None,
-                       help="diloco: the outer SGD's Nesterov momentum (default 0.9)")
-    group.add_argument("--diloco-fragments", type=int, default=None,
-                       help="diloco: Streaming DiLoCo's fragments, runs of the model's top-level "
-                            "modules (default 1)")
-    group.add_argument("--diloco-sync-delay", type=int, default=None,
-                       help="diloco: inner steps between a fragment's pseudo-gradient and its "
-                            "outer step (Streaming DiLoCo's tau; default 0)")
-    group.add_argument("--diloco-alpha", type=float, default=None,
-                       help="diloco: share of the rank's own parameters mixed into the outer "
-                            "result (Streaming DiLoCo's alpha; default 0)")
-    group.add_argument("--diloco-hierarchical", action="store_const", const=True, default=None,
-                       help="diloco: the ranks of a node train one replica with synchronous SGD, "
-                            "DiLoCo runs across the nodes (--ranks-per-node sets virtual nodes; "
-                            "nodes of equal size; not under --with-ft ulfm)")
-    group.add_argument("--diloco-quantize", action="store_const", const=True, default=None,
-                       help="diloco: exchange the outer gradients as FP8 (E4M3, a scale per "
-                            "chunk) and average them in float32, as torchft's should_quantize "
-                            "(not with --diloco-hierarchical)")
+    registry.add_options(group, "ssgd")      # localsgd, slowmo, diloco and any added method
     join.add_arguments(group)
 
 
@@ -92,23 +63,6 @@ def add_arguments(parser) -> None:
 POWERSGD_OPTIONS = {"powersgd_rank": 1, "powersgd_start_iter": 1000,
                     "powersgd_min_compression_rate": 2.0, "powersgd_error_feedback": True,
                     "powersgd_warm_start": True}
-
-
-def validate_options(cfg) -> None:
-    """The family's torch-free checks: the ``--localsgd-*`` options are localsgd's, the
-    ``--diloco-*`` ones diloco's."""
-    for owner, names in (("localsgd", ("localsgd_period", "localsgd_warmup_steps")),
-                         ("slowmo", ("slowmo_period", "slowmo_momentum", "slowmo_lr")),
-                         ("diloco", ("diloco_sync_every", "diloco_outer_lr",
-                                     "diloco_outer_momentum", "diloco_fragments",
-                                     "diloco_sync_delay", "diloco_alpha",
-                                     "diloco_hierarchical", "diloco_quantize"))):
-        if cfg.algorithm == owner:
-            continue
-        for name in names:
-            if cfg.options.get(name) is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to {owner}, not "
-                                  f"{cfg.algorithm}")
 
 
 def check_compress(cfg) -> None:

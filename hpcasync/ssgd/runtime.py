@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from .. import registry
 from ..checkpoint import PER_RANK, own_part
 from ..daso.comm import LinkDelay
 from ..errors import ConfigError
 from ..hetero import check_options as check_hetero
+from . import optimizer_class
 from .horovod import check_backend
 from ..runtime.context import RunContext, RunResult, max_over
 from ..runtime import driver, join
@@ -54,21 +56,12 @@ def validate(cfg) -> None:
     if progress not in PROGRESS:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
-    if cfg.algorithm in ("localsgd", "diloco", "slowmo"):
-        from .localsgd import LocalSGD
-
-        if cfg.backend == "horovod":
-            raise ConfigError(f"{cfg.algorithm} needs --backend mpi")
+    if cfg.algorithm != "ssgd":             # a method of the family: its options, its checks
         for name in ("ssgd_overlap", "ssgd_bucket_mb"):
             if cfg.options.get(name) is not None:
                 raise ConfigError(f"--{name.replace('_', '-')} applies to ssgd, not "
                                   f"{cfg.algorithm} (its gradients stay local)")
-        o = cfg.options
-        LocalSGD.check(o.get("localsgd_period"), o.get("localsgd_warmup_steps"))
-    if cfg.algorithm == "diloco":
-        diloco(cfg, check_only=True)
-    if cfg.algorithm == "slowmo":
-        slowmo(cfg, check_only=True)
+        optimizer_class(cfg.algorithm).cli_keywords(registry.given(cfg.algorithm, cfg.options))
     if cfg.options.get("compress") == "powersgd":
         if cfg.backend == "horovod":
             raise ConfigError("--compress powersgd needs --backend mpi (Horovod has no PowerSGD)")
@@ -77,60 +70,6 @@ def validate(cfg) -> None:
                               "drop --ssgd-overlap")
         powersgd(cfg)                           # its own checks, as one line
     join.validate(cfg)
-
-
-def _given(options: dict, name: str, default):
-    """The option's value, or ``default`` when it was not given (a given 0 stays 0, for the
-    checks to refuse it)."""
-    value = options.get(name)
-    return default if value is None else value
-
-
-def slowmo(cfg, *, check_only: bool = False) -> dict | None:
-    """The :class:`~hpcasync.ssgd.slowmo.SlowMo` keywords of the ``--slowmo-*`` options."""
-    from .localsgd import LocalSGD
-    from .slowmo import DEFAULT_MOMENTUM, DEFAULT_PERIOD, DEFAULT_SLOW_LR, check
-
-    o = cfg.options
-    kw = dict(period=_given(o, "slowmo_period", DEFAULT_PERIOD),
-              slow_momentum=_given(o, "slowmo_momentum", DEFAULT_MOMENTUM),
-              slow_lr=_given(o, "slowmo_lr", DEFAULT_SLOW_LR))
-    if check_only:
-        LocalSGD.check(kw["period"], 0, algorithm="slowmo")
-        check(kw["slow_momentum"], kw["slow_lr"])
-        return None
-    return kw
-
-
-def diloco(cfg, *, check_only: bool = False, topo=None) -> dict | None:
-    """The :class:`~hpcasync.ssgd.diloco.DiLoCo` keywords of the ``--diloco-*`` options (its
-    checks alone with ``check_only``: the options' one-line errors before the run)."""
-    from .diloco import DEFAULT_SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM, check
-
-    o = cfg.options
-    kw = dict(sync_every=_given(o, "diloco_sync_every", DEFAULT_SYNC_EVERY),
-              fragments=_given(o, "diloco_fragments", 1),
-              fragment_sync_delay=o.get("diloco_sync_delay") or 0,
-              fragment_update_alpha=o.get("diloco_alpha") or 0.0)
-    outer = (_given(o, "diloco_outer_lr", OUTER_LR),
-             _given(o, "diloco_outer_momentum", OUTER_MOMENTUM))
-    if check_only:
-        check(kw["sync_every"], kw["fragments"], kw["fragment_sync_delay"],
-              kw["fragment_update_alpha"], outer)
-        if o.get("diloco_quantize") and o.get("diloco_hierarchical"):
-            raise ConfigError("--diloco-quantize and --diloco-hierarchical do not go together: "
-                              "the node mean is exact")
-        return None
-    return dict(kw, outer_optimizer=lambda ps: torch_sgd(ps, *outer),
-                node_comm=topo.local if o.get("diloco_hierarchical") else None,
-                quantize=bool(o.get("diloco_quantize")))
-
-
-def torch_sgd(params, lr: float, momentum: float):
-    """The outer optimizer of the CLI's DiLoCo: SGD with Nesterov momentum (plain SGD at 0)."""
-    import torch
-
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def powersgd(cfg):
@@ -170,17 +109,10 @@ class SSGD(driver.Family):
 
     def keywords(self) -> tuple:
         cfg, topo, o = self.cfg, self.ctx.topo, self.cfg.options
-        kw: dict = {"comm": topo.world}
-        if cfg.algorithm == "diloco":
-            kw.update(diloco(cfg, topo=topo))
-        elif cfg.algorithm == "slowmo":
-            kw.update(slowmo(cfg))
-        elif cfg.algorithm == "localsgd":
-            from .localsgd import DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS
-
-            kw.update(period=_given(o, "localsgd_period", DEFAULT_PERIOD),
-                      warmup_steps=_given(o, "localsgd_warmup_steps", DEFAULT_WARMUP_STEPS))
-        else:
+        kw: dict = {"comm": topo.world,
+                    **optimizer_class(cfg.algorithm).cli_keywords(
+                        registry.given(cfg.algorithm, o), topo)}
+        if cfg.algorithm == "ssgd":
             mb, compress = o.get("ssgd_bucket_mb"), o.get("compress", "none")
             kw.update(overlap=o.get("ssgd_overlap"),
                       compress=(powersgd(cfg) if compress == "powersgd"

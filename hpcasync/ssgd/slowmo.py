@@ -61,6 +61,12 @@ class SlowMo(LocalSGD):
                         for p, lo in zip(self.flat.parameters, self.flat.offsets)}
         self.u = torch.zeros_like(self.x0)
 
+    @classmethod
+    def cli_keywords(cls, given: dict, topo=None) -> dict:
+        kw = super().cli_keywords(given, topo)
+        check(kw.get("slow_momentum", DEFAULT_MOMENTUM), kw.get("slow_lr", DEFAULT_SLOW_LR))
+        return kw
+
     def broadcast_parameters(self, root: int = 0) -> None:
         super().broadcast_parameters(root)
         self.x0.copy_(self.flat.params)

@@ -19,7 +19,8 @@ from hpcasync.errors import ConfigError
 from hpcasync.options import command_parser
 from hpcasync.ps import optimizer as ps_optimizer
 from hpcasync.ps import runtime as ps_runtime
-from hpcasync.runtime import RUNTIMES, runtime_module, runtime_modules
+from hpcasync.ssgd import runtime as ssgd_runtime
+from hpcasync.runtime import RUNTIMES, argument_checks, runtime_module, runtime_modules
 from hpcasync.runtime import algorithms as runtime_algorithms
 from hpcasync.sim import driver as sim_driver
 
@@ -81,6 +82,11 @@ def test_the_sixteen_and_their_families():
         "ssgd": "hpcasync.ssgd.runtime", "daso": "hpcasync.daso.runtime",
         "odsgd": "hpcasync.odsgd.runtime", "nag": "hpcasync.ps.runtime"}
     assert registry.option_owners() == {
+        "localsgd_period": ("localsgd",), "localsgd_warmup_steps": ("localsgd",),
+        **{f"slowmo_{k}": ("slowmo",) for k in ("period", "momentum", "lr")},
+        **{f"diloco_{k}": ("diloco",) for k in ("sync_every", "outer_lr", "outer_momentum",
+                                                 "fragments", "sync_delay", "alpha",
+                                                 "hierarchical", "quantize")},
         "dc_lambda": ("dcasgd",), "dc_lambda0": ("dcasgd-a",), "dc_ms_momentum": ("dcasgd-a",),
         "lc_predictor": ("lcasgd",), "lc_lambda": ("lcasgd",), "lc_anchor": ("lcasgd",),
         "lc_window": ("lcasgd",), "lc_max_factor": ("lcasgd",), "smega2_estimate": ("smega2",),
@@ -145,7 +151,7 @@ def test_the_front_door_and_the_cli_take_a_new_one(copy_alg):
     args = command_parser("train").parse_args(["--algorithm", "asgd-copy", "--dc-lambda", "0.1",
                                                *SMALL])
     with pytest.raises(ConfigError, match="--dc-lambda applies to dcasgd, not asgd-copy"):
-        ps_runtime.validate(config.config_from_args(args))
+        argument_checks(config.config_from_args(args))
     args = command_parser("train").parse_args(["--algorithm", "dcasgd-a", "--dc-lambda0", "2.5",
                                                "--dc-ms-momentum", "0.9", *SMALL])
     hyper = ps_runtime.rule_hyper(config.config_from_args(args))     # the entry's options
@@ -186,6 +192,13 @@ def test_duplicates_and_unknown_names_are_one_line_errors():
         registry.register(registry.Algorithm("x", "ps", "hpcasync.ps.runtime"))
     with pytest.raises(ConfigError, match="is not 'module:Class'"):
         registry.register(registry.ps_algorithm("x", "hpcasync.rules.asgd.ASGD"))
+    with pytest.raises(ConfigError, match="the ssgd family, and only it, names its optimizer"):
+        registry.register(registry.Algorithm("x", "ssgd", "hpcasync.ssgd.runtime"))
+    with pytest.raises(ConfigError, match="the ssgd family, and only it, names its optimizer"):
+        registry.register(registry.Algorithm("x", "daso", "hpcasync.daso.runtime",
+                                             optimizer="hpcasync.ssgd.localsgd:LocalSGD"))
+    with pytest.raises(ConfigError, match="optimizer 'hpcasync.ssgd.LocalSGD' is not"):
+        registry.register(registry.sync_method("x", "hpcasync.ssgd.LocalSGD"))
     with pytest.raises(ConfigError, match="needs a non-empty name"):
         registry.register(registry.ps_algorithm("", "hpcasync.rules.asgd:ASGD"))
     # nothing half-registered
@@ -270,3 +283,64 @@ def test_an_entrys_options_are_added_to_the_parser_and_declared_once():
         assert "toy-y" not in registry.names()
     finally:
         registry.unregister("toy-x")
+
+
+def _train_cfg(*argv):
+    return config.config_from_args(command_parser("train").parse_args([*argv, *SMALL]))
+
+
+@pytest.mark.parametrize("argv, line", [
+    (("--algorithm", "ssgd", "--daso-global-skip", "2"), "--daso-global-skip applies to daso, "
+                                                         "not ssgd"),
+    (("--algorithm", "localsgd", "--odsgd-delta", "2"), "--odsgd-delta applies to odsgd, not "
+                                                        "localsgd"),
+    (("--algorithm", "daso", "--ps-transport", "p2p"), "--ps-transport applies to the ps "
+                                                       "family's algorithms, not daso"),
+    (("--algorithm", "asgd", "--ssgd-progress", "test"), "--ssgd-progress applies to ssgd, "
+                                                         "localsgd, slowmo, diloco, not asgd"),
+    (("--algorithm", "daso", "--link-delay-us-per-mb", "5"), "--link-delay-us-per-mb applies "
+                                                             "to ssgd, localsgd, slowmo, diloco, "
+                                                             "not daso"),
+    (("--algorithm", "odsgd", "--slowmo-lr", "2"), "--slowmo-lr applies to slowmo, not odsgd"),
+    (("--algorithm", "diloco", "--localsgd-period", "2"), "--localsgd-period applies to "
+                                                          "localsgd, not diloco"),
+])
+def test_an_option_of_another_family_is_refused_not_ignored(argv, line):
+    """Each family's options (named after it, or listed as its ``FAMILY_OPTIONS``) and each
+    method's registry options given to another algorithm: one line before MPI (they were
+    ignored: ``--algorithm ssgd --daso-global-skip 2`` ran plain SSGD). Their defaults pass."""
+    with pytest.raises(ConfigError) as err:
+        argument_checks(_train_cfg(*argv))
+    assert str(err.value) == line
+    argument_checks(_train_cfg(*argv[:2]))
+    argument_checks(_train_cfg(*argv[:2], "--ps-transport", "rma", "--daso-cast", "bf16"))
+
+
+def test_a_synchronous_method_is_one_entry_with_its_options():
+    """An ``ssgd``-family entry (``registry.sync_method``) names its optimizer class; its
+    ``Option`` s are added to the parser, refused for the others, and reach the class's
+    constructor through ``cli_keywords`` (LocalSGD's checks included)."""
+    import argparse
+
+    from hpcasync.ssgd import optimizer_class
+    from hpcasync.ssgd.localsgd import LocalSGD
+
+    registry.register(registry.sync_method(
+        "toy-local", "hpcasync.ssgd.localsgd:LocalSGD", "a test's",
+        options=(registry.Option("toy_h", "period", int, "H"),)))
+    try:
+        assert optimizer_class("toy-local") is LocalSGD and optimizer_class("ssgd").__name__ == \
+            "DistributedOptimizer"
+        parser = argparse.ArgumentParser()
+        registry.add_options(parser.add_argument_group("ssgd"), "ssgd")
+        assert parser.parse_args(["--toy-h", "3"]).toy_h == 3
+        cfg = _train_cfg("--algorithm", "toy-local", "--toy-h", "3")
+        argument_checks(cfg)
+        assert registry.given("toy-local", cfg.options) == {"period": 3}
+        assert LocalSGD.cli_keywords({"period": 3}) == {"period": 3}
+        with pytest.raises(ConfigError, match="--toy-h applies to toy-local, not localsgd"):
+            argument_checks(_train_cfg("--algorithm", "localsgd", "--toy-h", "3"))
+        with pytest.raises(ConfigError, match="localsgd period must be an integer >= 1, got 0"):
+            ssgd_runtime.validate(_train_cfg("--algorithm", "toy-local", "--toy-h", "0"))
+    finally:
+        registry.unregister("toy-local")
