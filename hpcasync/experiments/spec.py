@@ -8,8 +8,9 @@ cartesian product gives the runs: a scalar axis sets the option of its name, a b
 labelled tables of options (``link = [{label = "slow", link_delay_us_per_mb = 5e4}, ...]``);
 ``[[matrix]]`` blocks are joined (same axes in each); ``[[variants]]`` is a bundle axis named
 ``variant``; ``[[overrides]]`` ``match`` axis values and ``set`` options; ``[mini]`` replaces
-``base`` options, scalar axes' values and keeps bundle labels (``--mini``); ``[report]`` rows,
-columns, facet, target, time. Precedence: base < mini.base < axes < overrides. A run's id is the
+``base`` options, scalar axes' values and keeps bundle labels, and adds its own
+``[[mini.overrides]]`` (``--mini``); ``[report]`` rows, columns, facet, target, time.
+Precedence: base < mini.base < axes < overrides < mini.overrides. A run's id is the
 slug of its axis values sorted by axis name: ``algorithm=shat__seed=0__workers=4``.
 
 Example::
@@ -35,7 +36,7 @@ PIVOT_NAMES = ("accuracy", "time_per_epoch", "ps_busy", "ps_wait")
 MODES = ("sim", "mpi")
 TOP_KEYS = ("name", "description", "claim", "mode", "timeout", "jobs", "base", "matrix",
             "variants", "overrides", "mini", "report")
-MINI_KEYS = ("base", "matrix", "timeout")
+MINI_KEYS = ("base", "matrix", "overrides", "timeout")
 REPORT_KEYS = ("rows", "columns", "facet", "target", "time", "pivot")
 RUNNER_SET = ("metrics", "progress", "config", "resume", "checkpoint_dir")   # the runner's business
 DEFAULT_TIMEOUT_S = 1800.0
@@ -181,6 +182,10 @@ def parse_spec(data: dict, *, source: str = "<experiment>", mini: bool = False,
     bundle_opts = {name: {label: o for b in blocks for label, o in b[name]} for name in axes
                    if name in bundles}
     overrides = _overrides(data.get("overrides", []), axes, opts, fail)
+    mini_overrides = _overrides(mini_t.get("overrides", []), _axis_values(mini_blocks), opts,
+                                fail)          # checked with or without --mini
+    if mini:
+        overrides += mini_overrides
     report = _report(data.get("report", {}), axes, mode, fail)
 
     runs: dict[str, Run] = {}

@@ -47,6 +47,15 @@ class _LocalComm:
         return 1
 
 
+#: ``hpcasync train`` options the simulator has no use for: given (not at the parser's
+#: default), they would be ignored, so :func:`check` refuses them (the families' own options
+#: are refused by ``runtime.argument_checks`` when they are not the algorithm's; SSGD's bucket
+#: options and emulated link, which the simulator's SSGD has no use for, are listed here)
+TRAIN_ONLY = ("ranks_per_node", "checkpoint_dir", "resume", "checkpoint_every", "checkpoint_keep",
+              "grow_back", "max_ranks", "min_ranks", "ssgd_overlap", "ssgd_bucket_mb",
+              "ssgd_progress", "link_delay_us_per_mb")
+
+
 def check(cfg) -> None:
     """Pre-run checks: the driver's precheck plus the simulator's options."""
     from ..train import precheck
@@ -76,6 +85,16 @@ def check(cfg) -> None:
                           f"not {cfg.algorithm}")
     if cfg.backend != "mpi":
         raise ConfigError("the simulator does not use --backend; leave it at mpi")
+    from ..options import command_parser
+
+    pristine = command_parser("sim")
+    for name in TRAIN_ONLY:
+        default = pristine.get_default(name)
+        if (getattr(cfg, name) if hasattr(cfg, name) else cfg.options.get(name, default)) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} applies to hpcasync train: the "
+                              "simulator runs in one process, without MPI")
+    if cfg.device == "cuda":
+        raise ConfigError("--device cuda applies to hpcasync train: the simulator runs on the CPU")
     precheck(cfg)
 
 

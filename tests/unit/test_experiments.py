@@ -88,6 +88,45 @@ def test_matrix_blocks_variants_overrides_and_ids():
                        "mini": {"base": {"epochs": 3}, "matrix": {"seed": [5], "variant": ["b"]}}},
                       mini=True, check_runs=False)
     assert [(r.id, r.options["epochs"]) for r in mini.runs] == [("seed=5__variant=b", 3)]
+    # [[mini.overrides]]: for --mini only, after the others (an option one algorithm owns)
+    table = {"overrides": [{"match": {"algorithm": "asgd"}, "set": {"lr": 0.2}}],
+             "mini": {"overrides": [{"match": {"algorithm": "asgd"}, "set": {"lr": 0.3}},
+                                    {"match": {"algorithm": "ssgd"}, "set": {"epochs": 2}}]}}
+    for mini, want in ((False, {"asgd": (0.2, 1), "ssgd": (None, 1)}),
+                       (True, {"asgd": (0.3, 1), "ssgd": (None, 2)})):
+        spec = _spec(**table) if not mini else parse_spec(
+            {"name": "t", "mode": "sim", "base": dict(TINY_BASE),
+             "matrix": {"seed": [0], "algorithm": ["asgd", "ssgd"]}, **table},
+            mini=True, check_runs=False)
+        got = {r.axes["algorithm"]: (r.options.get("lr"), r.options["epochs"])
+               for r in spec.runs if r.axes["seed"] == 0}
+        assert got == want, (mini, got)
+    with pytest.raises(ConfigError, match="no such axis 'workers'"):
+        _spec(mini={"overrides": [{"match": {"workers": 2}, "set": {"lr": 0.1}}]})
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--checkpoint-dir", "."], "--checkpoint-dir applies to hpcasync train"),
+    (["--grow-back"], "--grow-back applies to hpcasync train"),
+    (["--ssgd-bucket-mb", "1"], "--ssgd-bucket-mb applies to hpcasync train"),
+    (["--device", "cuda"], "--device cuda applies to hpcasync train"),
+    (["--daso-cast", "fp16"], "--daso-cast applies to daso, not ssgd"),
+])
+def test_the_simulator_refuses_what_it_would_ignore(argv, line):
+    """An ``hpcasync train`` option the simulator has no use for (checkpoints, grow-back, SSGD's
+    buckets, a GPU, another family's): one line, not a run that ignored it."""
+    from hpcasync import config
+    from hpcasync.options import command_parser
+    from hpcasync.sim.driver import check
+
+    def cfg(*more):
+        return config.config_from_args(command_parser("sim").parse_args(
+            ["--algorithm", "ssgd", "--workers", "2", *more, *[
+                f"--{k.replace('_', '-')}={v}" for k, v in TINY_BASE.items()]]))
+
+    with pytest.raises(ConfigError, match=line):
+        check(cfg(*argv))
+    check(cfg("--device", "cpu", "--ps-ranks", "1"))
 
 
 # ------------------------------------------------------------------------------------ resume
