@@ -50,7 +50,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default {registry.DEFAULT_LR:g}{lrs}: the registry's "
                         "default_lr)")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="the momentum of the workers' SGD (ssgd and its kin, daso), OD-SGD's "
+                        "and the momentum rules' (smega2, dana, nag); the other parameter-server "
+                        "rules take --ps-momentum (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", default=None, help="JSONL metrics file (rank 0 writes it)")

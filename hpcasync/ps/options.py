@@ -3,6 +3,7 @@ command line is parsed, and a bad option said, before any rank imports torch."""
 from __future__ import annotations
 
 from .. import registry
+from ..config import TrainConfig
 from ..errors import ConfigError
 from ..hetero import add_arguments as add_hetero_arguments
 
@@ -29,10 +30,15 @@ def add_arguments(parser) -> None:
 def validate_options(cfg) -> None:
     """The checks that need no torch (``hpcasync train`` makes them before importing it, after
     the refusal of another algorithm's option: ``runtime.argument_checks``): ``--ps-momentum``
-    beside a momentum rule, the warm-up's length."""
+    beside a momentum rule, ``--momentum`` beside another rule (where it would do nothing), the
+    warm-up's length."""
     opt = cfg.options
-    if opt.get("ps_momentum", 0.0) and registry.get(cfg.algorithm).momentum_rule:
+    momentum_rule = registry.get(cfg.algorithm).momentum_rule
+    if opt.get("ps_momentum", 0.0) and momentum_rule:
         raise ConfigError(f"--ps-momentum does not apply to {cfg.algorithm}; use --momentum")
+    if not momentum_rule and cfg.momentum != TrainConfig.momentum:
+        raise ConfigError(f"--momentum does not apply to {cfg.algorithm} (its workers push "
+                          f"gradients); its server's momentum is --ps-momentum")
     warm = opt.get("ps_warmup_epochs")
     if warm is not None and not 0 <= warm < float("inf"):
         raise ConfigError(f"--ps-warmup-epochs must be a finite number >= 0, got {warm}")

@@ -304,11 +304,15 @@ def _train_cfg(*argv):
     (("--algorithm", "odsgd", "--slowmo-lr", "2"), "--slowmo-lr applies to slowmo, not odsgd"),
     (("--algorithm", "diloco", "--localsgd-period", "2"), "--localsgd-period applies to "
                                                           "localsgd, not diloco"),
+    (("--algorithm", "shat", "--momentum", "0.5"), "--momentum does not apply to shat (its "
+                                                   "workers push gradients); its server's "
+                                                   "momentum is --ps-momentum"),
 ])
 def test_an_option_of_another_family_is_refused_not_ignored(argv, line):
     """Each family's options (named after it, or listed as its ``FAMILY_OPTIONS``) and each
-    method's registry options given to another algorithm: one line before MPI (they were
-    ignored: ``--algorithm ssgd --daso-global-skip 2`` ran plain SSGD). Their defaults pass."""
+    method's registry options given to another algorithm, ``--momentum`` given to a rule
+    without one: one line before MPI (they were ignored: ``--algorithm ssgd --daso-global-skip
+    2`` ran plain SSGD). Their defaults pass."""
     with pytest.raises(ConfigError) as err:
         argument_checks(_train_cfg(*argv))
     assert str(err.value) == line
