@@ -20,6 +20,7 @@ and enters the loop where the survivors are. Design: docs/design/recovery.md.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .. import inject
@@ -27,6 +28,8 @@ from ..hetero import StepDelay
 from . import join
 from .context import RunContext, RunResult
 from .recovery import EpochCursor, SyncWorld, fault_tolerance
+
+log = logging.getLogger("hpcasync")
 
 
 class Family:
@@ -165,7 +168,9 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
     else:
         state = fam.resumed = ctx.resume_state()
         if state is not None:
+            fresh = _hyper(fam.opt)
             cur.epoch, cur.done, cur.loss_sum = fam.resume(state)
+            _keep_command_line(ctx, fam.opt, fresh)
             cur.loss_n = cur.done
             cur.resume_plan(state)
             ft.failures = list(state.get("rank_failures", []))
@@ -195,3 +200,30 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
             ft.reset(fam.position())
             fam.settled()
     return RunResult(model=fam.model, summary={**summary, **fam.summary(), **ft.summary()})
+
+
+#: the optimizer's hyperparameters the command line sets (``--lr``, ``--momentum``,
+#: ``--weight-decay``)
+HYPER = ("lr", "momentum", "weight_decay")
+
+
+def _hyper(opt) -> list:
+    return [{k: g[k] for k in HYPER if k in g} for g in getattr(opt, "param_groups", ())]
+
+
+def _keep_command_line(ctx: RunContext, opt, fresh: list) -> None:
+    """After a resume, each param group's ``--lr``/``--momentum``/``--weight-decay`` as this run's
+    command line made them (``fresh``, read before the load): a torch optimizer's
+    ``load_state_dict`` brings back the checkpoint's, which would silently override a changed
+    option (the parameter server and OD-SGD take the command line's too). Said once where a
+    value changes."""
+    changed: dict[str, set] = {}
+    for group, want in zip(getattr(opt, "param_groups", ()), fresh):
+        for key, value in want.items():
+            if group.get(key, value) != value:
+                changed.setdefault(key, set()).add(group[key])
+                group[key] = value
+    if changed and ctx.is_root:
+        log.warning("resumed with this run's %s (the checkpoint's optimizer had %s)",
+                    ", ".join(f"--{k.replace('_', '-')} {fresh[0].get(k)}" for k in changed),
+                    ", ".join(f"{k} {', '.join(map(str, sorted(v)))}" for k, v in changed.items()))

@@ -144,3 +144,27 @@ def test_default_lr_is_per_algorithm_and_an_explicit_lr_wins(argv, lr):
     ns = build_parser().parse_args(["train", *argv])
     assert config_from_args(ns).lr == lr
     assert TrainConfig(algorithm="nag").lr == default_lr("nag") == 0.02
+
+
+@pytest.mark.rank0
+@pytest.mark.one_mpi     # the resume's MPI paths are test_resume_all's
+def test_a_resume_with_another_lr_goes_on_with_it_and_says_so(tmp_path):
+    """``--resume`` with a changed ``--lr``/``--weight-decay``: the run goes on with the command
+    line's values, as the parameter server's and OD-SGD's resumes do, and says it once (a torch
+    optimizer's ``load_state_dict`` brought the checkpoint's back: ``--lr 0.5`` trained at 0.05,
+    silently). The same options resume bitwise (test_resume_all.py)."""
+    from hpcasync.checkpoint import read_checkpoint
+
+    ck = tmp_path / "ck"
+    base = ["train", "--algorithm", "localsgd", "--localsgd-warmup-steps", "2", *SMALL,
+            "--train-limit", "512", "--checkpoint-dir", str(ck)]
+    r = run_mpi(2, [*base, "--lr", "0.05"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_mpi(2, [*base, "--epochs", "2", "--lr", "0.5", "--weight-decay", "0.001", "--resume",
+                    "auto"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "resumed with this run's" in ln]
+    assert len(said) == 1 and "--lr 0.5, --weight-decay 0.001" in said[0], r.stderr[-2000:]
+    assert "lr 0.05, weight_decay 0.0" in said[0]
+    groups = [read_checkpoint(p)[1]["optimizer"]["param_groups"] for p in sorted(ck.glob("*.pt"))]
+    assert [(g[0]["lr"], g[0]["weight_decay"]) for g in groups] == [(0.05, 0.0), (0.5, 0.001)]
