@@ -187,6 +187,9 @@ def train(cfg: TrainConfig) -> dict:
     metrics.write("summary", **summary)
     metrics.close()
     if topo.rank == report:
+        if cfg.resume and not ctx.history:
+            log.warning("the checkpoint resumed from had trained --epochs %d already: nothing was "
+                        "trained (raise --epochs to go on)", cfg.epochs)
         acc = summary["test_accuracy"]
         log.info("done: %s on %d ranks, test accuracy %s, %.1f s", cfg.algorithm, topo.size,
                  f"{100 * acc:.2f}%" if acc is not None else "n/a", wall)

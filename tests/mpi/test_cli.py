@@ -168,3 +168,8 @@ def test_a_resume_with_another_lr_goes_on_with_it_and_says_so(tmp_path):
     assert "lr 0.05, weight_decay 0.0" in said[0]
     groups = [read_checkpoint(p)[1]["optimizer"]["param_groups"] for p in sorted(ck.glob("*.pt"))]
     assert [(g[0]["lr"], g[0]["weight_decay"]) for g in groups] == [(0.05, 0.0), (0.5, 0.001)]
+    # resumed where --epochs is already reached: exit 0 (a requeued job), said once
+    r = run_mpi(2, [*base, "--epochs", "2", "--lr", "0.5", "--weight-decay", "0.001", "--resume",
+                    "auto"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("had trained --epochs 2 already: nothing was trained") == 1
