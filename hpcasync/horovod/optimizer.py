@@ -394,6 +394,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         if pset.process_set_id != 0:
             raise NotImplementedError(f"hpcasync.horovod: DistributedOptimizer(process_set=...) "
                                       f"runs SSGD only, not algorithm={algorithm!r}")
+        _check_allreduce_only(algorithm, compression, op, gradient_predivide_factor,
+                              groups or num_groups, sparse_as_dense)
         return _algorithm_optimizer(st, optimizer, algorithm, hyper)
     if hyper:
         raise TypeError(f"DistributedOptimizer got unexpected keyword(s) {', '.join(hyper)} "
@@ -425,6 +427,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         opt._hvd_reducer.sparse = opt._hvd_sparse
     _timeline.name_rows(opt._hvd_desc.name, [f"allreduce.{n}" for n in names])
     return opt
+
+
+def _check_allreduce_only(algorithm, compression, op, predivide, groups, sparse_as_dense) -> None:
+    """The arguments that shape SSGD's gradient allreduce do nothing for another algorithm (it
+    averages parameters, pushes to a server, or reduces with its own schedule and casts):
+    given, a one-line error (a ConfigError, a ValueError as Horovod's argument errors) instead of
+    a run that ignored them. ``backward_passes_per_step`` is kept: a step after several backward passes
+    steps on their sum, as Horovod's does."""
+    given = [name for name, on in (("compression", compression is not Compression.none),
+                                   ("op", op != Average),
+                                   ("gradient_predivide_factor", predivide != 1.0),
+                                   ("groups", bool(groups)), ("sparse_as_dense", sparse_as_dense))
+             if on]
+    if given:
+        raise ConfigError(f"DistributedOptimizer({', '.join(given)}=...) shapes SSGD's gradient "
+                          f"allreduce; algorithm={algorithm!r} reduces in its own way: leave "
+                          f"{'it' if len(given) == 1 else 'them'} at Horovod's default")
 
 
 def _process_set(process_set):

@@ -432,6 +432,33 @@ def test_horovods_guards(backends, backend):
         opt.step()
 
 
+@pytest.mark.parametrize("algorithm, kw", [
+    ("localsgd", {"compression": fh.Compression.fp16}),
+    ("daso", {"op": fh.Sum, "epochs": 1, "steps_per_epoch": 2}),
+    ("slowmo", {"gradient_predivide_factor": 2.0}),
+    ("diloco", {"groups": 2, "sparse_as_dense": True}),
+])
+def test_allreduce_arguments_beside_another_algorithm_are_one_line(algorithm, kw):
+    """Horovod's arguments that shape SSGD's gradient allreduce, given with ``algorithm=`` (which
+    reduces in its own way): a one-line error, not a run that ignored them (a fp16 compression
+    beside local SGD trained uncompressed). Their defaults, and backward_passes_per_step, pass."""
+    from hpcasync.errors import ConfigError
+
+    fh.init()
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = [k for k in kw if k not in ("epochs", "steps_per_epoch")]
+    with pytest.raises(ConfigError, match=rf"DistributedOptimizer\({', '.join(given)}=\.\.\.\) "
+                                          f"shapes SSGD's gradient allreduce; "
+                                          f"algorithm='{algorithm}'"):
+        fh.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                algorithm=algorithm, **kw)
+    extra = {k: v for k, v in kw.items() if k in ("epochs", "steps_per_epoch")}
+    fh.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), algorithm=algorithm,
+                            compression=fh.Compression.none, op=fh.Average,
+                            gradient_predivide_factor=1.0, backward_passes_per_step=2, **extra)
+
+
 def test_elastic_has_horovods_names():
     """hvd.elastic is no longer refused (tests/mpi/reliability/test_horovod_elastic.py runs it)."""
     for name in ("run", "TorchState", "ObjectState", "ElasticSampler", "State"):
