@@ -418,6 +418,7 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     if family == "odsgd":
         from .odsgd.optimizer import ODSGD
 
+        _check_keywords(algorithm, ODSGD, hyper)
         return ODSGD(model, **hyper)
     from .ps.optimizer import ParameterServer
 
@@ -446,6 +447,8 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
         hyper["total_epochs"] = hyper.pop("epochs")
         if "steps_per_epoch" in hyper:
             hyper["batches_per_epoch"] = hyper.pop("steps_per_epoch")
+        _check_keywords(algorithm, DASO, hyper, names={"total_epochs": "epochs",
+                                                       "batches_per_epoch": "steps_per_epoch"})
         result = DASO(opt, model, **hyper)
     if broadcast:
         try:
@@ -458,14 +461,15 @@ def _sync_optimizer(algorithm, family, model, opt, hyper):
     return result
 
 
-def _check_keywords(algorithm: str, cls, hyper: dict) -> None:
-    """A keyword ``cls`` does not take is a one-line error naming the ones it does."""
+def _check_keywords(algorithm: str, cls, hyper: dict, names: dict | None = None) -> None:
+    """A keyword ``cls`` does not take is a one-line error naming the ones it does (``names``:
+    a constructor's keyword -> the name users pass)."""
     import inspect
 
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
-    known = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    known = [(names or {}).get(n, n) for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
     bad = sorted(set(hyper) - set(params))
     if bad:
         raise ConfigError(f"{algorithm} takes no {', '.join(bad)} (its keywords: "

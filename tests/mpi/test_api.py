@@ -772,3 +772,20 @@ def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
     assert hpcasync.load_checkpoint(directory, again, opt2)["epoch"] == 1
     assert digest(again) == digest(model) and opt2.lr() == pytest.approx(0.05)
     topo.free()
+
+
+@pytest.mark.parametrize("algorithm, kw, line", [
+    ("ssgd", {"period": 3}, "ssgd takes no period (its keywords: backward_passes_per_step, "),
+    ("localsgd", {"overlap": True}, "localsgd takes no overlap (its keywords: period, "),
+    ("daso", {"epochs": 1, "steps_per_epoch": 2, "compress": "bf16"},
+     "daso takes no compress (its keywords: epochs, steps_per_epoch, sampler, "),
+    ("odsgd", {"period": 2}, "odsgd takes no period (its keywords: lr, momentum, "),
+])
+def test_a_keyword_the_algorithm_does_not_take_is_one_line(algorithm, kw, line):
+    """``hpcasync.optimizer(..., unknown=...)``: one line naming the algorithm's keywords (DASO's
+    by the names users pass), on every rank, before any collective (DASO and OD-SGD raised
+    Python's TypeError naming their internal constructor)."""
+    model = make_model()
+    with pytest.raises(ConfigError) as err:
+        hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    assert str(err.value).startswith(line), str(err.value)
