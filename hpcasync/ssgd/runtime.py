@@ -57,8 +57,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"--ssgd-progress must be one of {', '.join(PROGRESS)}, got {progress!r}")
     check_backend(cfg.backend)
     if cfg.algorithm != "ssgd":             # a method of the family: its options, its checks
-        for name in ("ssgd_overlap", "ssgd_bucket_mb"):
-            if cfg.options.get(name) is not None:
+        for name, default in (("ssgd_overlap", None), ("ssgd_bucket_mb", None),
+                              ("ssgd_progress", DEFAULT_PROGRESS)):
+            if cfg.options.get(name, default) != default:
                 raise ConfigError(f"--{name.replace('_', '-')} applies to ssgd, not "
                                   f"{cfg.algorithm} (its gradients stay local)")
         optimizer_class(cfg.algorithm).cli_keywords(registry.given(cfg.algorithm, cfg.options))

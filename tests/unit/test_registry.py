@@ -346,5 +346,8 @@ def test_a_synchronous_method_is_one_entry_with_its_options():
             argument_checks(_train_cfg("--algorithm", "localsgd", "--toy-h", "3"))
         with pytest.raises(ConfigError, match="localsgd period must be an integer >= 1, got 0"):
             ssgd_runtime.validate(_train_cfg("--algorithm", "toy-local", "--toy-h", "0"))
+        for flag in (["--ssgd-progress", "test"], ["--ssgd-bucket-mb", "1"]):   # SSGD's buckets
+            with pytest.raises(ConfigError, match=f"{flag[0]} applies to ssgd, not toy-local"):
+                ssgd_runtime.validate(_train_cfg("--algorithm", "toy-local", *flag))
     finally:
         registry.unregister("toy-local")

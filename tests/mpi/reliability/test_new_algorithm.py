@@ -63,6 +63,7 @@ def test_a_new_synchronous_method_survives_rank_0s_death_grows_back_and_resumes(
     from hpcasync.checkpoint import read_checkpoint
     from tests.toy_algorithm import schedule
 
+    need_ulfm()
     toy = ("toy-localsgd", "--toy-period", "2", "--toy-growth", "1")
     steps = TRAIN // 4 // 32                                 # 23 a rank and epoch
     s, records = _toy(tmp_path, "grow", "--epochs", "2", "--grow-back", kill_at="0:step:5",
