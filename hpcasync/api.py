@@ -183,6 +183,7 @@ def average_metric(value, roles: Roles):
         raise ConfigError(f"rank {roles.rank} is a parameter server: it does not train, so it "
                           "takes no part in average_metric (call it on the workers: "
                           "ctx.is_worker), or average over ctx.topology.world after finish()")
+    _all_arrive(comm, "hpcasync.average_metric")      # (`if rank == 0: print(average_...)`)
     n = comm.Get_size()
     if torch.is_tensor(value):
         flat = value.detach().to("cpu", torch.float64).clone()
@@ -359,9 +360,10 @@ _ARRIVAL_TAG = 7371
 
 
 def _all_arrive(comm, what: str) -> None:
-    """Before the collectives of ``what`` (called on every rank): each rank tells rank 0 it is
-    there (a message with a tag of its own, apart from the collectives' traffic) and waits for
-    rank 0's answer. A call made on rank 0 alone (torch's habit ``if rank == 0: save``) would
+    """Before the collectives of ``what`` (called on every rank: ``save_checkpoint``,
+    ``average_metric``, ``load_checkpoint(..., comm=)``): each rank tells rank 0 it is there (a
+    message with a tag of its own, apart from the collectives' traffic) and waits for rank 0's
+    answer. A call made on rank 0 alone (torch's habit ``if rank == 0: save``) would
     otherwise wait forever in a collective the others never join while they wait in the next
     step's: rank 0 ends the job in one line once ``HPCASYNC_ARRIVAL_TIMEOUT`` seconds (60) pass
     without every rank's call."""
@@ -389,7 +391,7 @@ def _all_arrive(comm, what: str) -> None:
         raise HpcasyncError(
             f"{what} is called on every rank, and rank(s) {', '.join(map(str, reqs))} did not "
             f"call it within {limit:g} s of rank 0's call (a call under `if rank == 0`? every "
-            "rank must call it: rank 0 writes); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
+            "rank must call it); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
     for r in range(1, size):
         comm.send(None, dest=r, tag=_ARRIVAL_TAG)
 
@@ -635,6 +637,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         found = read_sharded(optimizer, p, expect)
         state = None if found is None else found[2]
     else:
+        if comm is not None:
+            _all_arrive(comm, "hpcasync.load_checkpoint(..., comm=)")
         state = read() if comm is None else read_once(
             read, root=comm.Get_rank() == 0, bcast=lambda obj: bcast_object(comm, obj, 0),
             what="hpcasync.load_checkpoint")

@@ -377,6 +377,35 @@ def test_save_checkpoint_on_rank_0_alone_is_one_line(data, tmp_path_factory, mon
 
 
 @needs4
+@pytest.mark.timeout(60)        # (without the check: a hang, ended by this)
+def test_average_metric_and_a_comm_load_on_rank_0_alone_are_one_line(data, tmp_path_factory,
+                                                                     monkeypatch):
+    """``if rank == 0: print(hpcasync.average_metric(loss, ctx))`` in an SSGD loop (measured
+    before: 4 ranks hung into a 60 s timeout, rank 0 in the metric's allreduce, the others in the
+    next step's) and ``load_checkpoint(..., comm=)`` on rank 0 alone: one line from rank 0 within
+    seconds; called on every rank afterwards, both work."""
+    from hpcasync.errors import HpcasyncError
+
+    directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt1")) if RANK == 0 else None)
+    monkeypatch.setenv("HPCASYNC_ARRIVAL_TIMEOUT", "1")
+    ctx = hpcasync.init("ssgd")
+    model = make_model()
+    opt = hpcasync.optimizer("ssgd", model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for call, what in ((lambda: hpcasync.average_metric(1.0, ctx), "average_metric"),
+                       (lambda: hpcasync.load_checkpoint(directory, model, opt, comm=COMM),
+                        r"load_checkpoint\(\.\.\., comm=\)")):
+        if RANK == 0:
+            t0 = time.monotonic()
+            with pytest.raises(HpcasyncError, match=rf"hpcasync\.{what} is called on every rank, "
+                                                    r"and rank\(s\) 1, 2, 3 did not call it"):
+                call()
+            assert time.monotonic() - t0 < 10
+        COMM.Barrier()
+    assert hpcasync.average_metric(float(RANK), ctx) == 1.5
+    assert hpcasync.load_checkpoint(directory, model, opt, comm=COMM) is None
+
+
+@needs4
 def test_load_checkpoint_with_a_comm_is_read_by_its_rank_0_alone(data, tmp_path_factory,
                                                                   monkeypatch):
     """``load_checkpoint(..., comm=COMM)``: rank 0 reads the newest file, once, and the others
