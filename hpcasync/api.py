@@ -151,6 +151,10 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
     logging.basicConfig(level=(logging.DEBUG if verbose else logging.INFO) if topo.rank == report
                         else logging.WARNING, stream=sys.stderr,
                         format=f"[%(asctime)s r{topo.rank}] %(message)s", datefmt="%H:%M:%S")
+    if topo.rank == report:
+        from .environ import say_unknown
+
+        say_unknown()               # a misspelt HPCASYNC_* variable (read by nothing)
     if threads is None:
         threads = max(1, len(os.sched_getaffinity(0)) // topo.local_size)
     torch.set_num_threads(threads)
