@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import registry
+from .environ import seconds
 from .errors import ConfigError
 from .rules import MOMENTUM_RULES
 
@@ -119,6 +120,9 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
 
     if algorithm is not None and algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
+    for name, default in (("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S),
+                          ("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S)):
+        seconds(name, default)      # a bad value: one line now, not inside a later wait
     if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats it
         INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,
                             fail_fast=fail_fast, ps_ranks=ps_ranks)
@@ -225,8 +229,9 @@ _EXIT_HOOKS: dict[int, tuple] = {}
 
 
 def _register_exit_agreement(world) -> None:
+    limit = seconds("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S)     # (a bad value: said at init)
     comm = world.Dup()
-    hook = functools.partial(_agree_at_exit, comm)
+    hook = functools.partial(_agree_at_exit, comm, limit)
     atexit.register(hook)
     _EXIT_HOOKS[id(world)] = (hook, comm)
 
@@ -340,14 +345,13 @@ def _poll(done, limit: float) -> bool:
     return True
 
 
-def _agree_at_exit(comm) -> None:
+def _agree_at_exit(comm, limit: float) -> None:
     """At interpreter exit (after the algorithms' own exit hooks): every rank joins a nonblocking
     barrier. A rank that waits longer than ``HPCASYNC_EXIT_TIMEOUT`` seconds (30) ends the job
     saying why: another rank is still inside a collective, most often because the ranks took
     different numbers of steps (uneven data shards), which would otherwise hang forever."""
     from .errors import HpcasyncError, fail_fast
 
-    limit = float(os.environ.get("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S))
     if not _poll(comm.Ibarrier().Test, limit):
         fail_fast(HpcasyncError(
             f"rank {comm.Get_rank()} ended its script but other ranks have not after "
@@ -380,7 +384,7 @@ def _all_arrive(comm, what: str) -> None:
         comm.send(None, dest=0, tag=_ARRIVAL_TAG)
         comm.recv(source=0, tag=_ARRIVAL_TAG)
         return
-    limit = float(os.environ.get("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S))
+    limit = seconds("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S)
     reqs = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG) for r in range(1, size)}
 
     def arrived() -> bool:

@@ -48,6 +48,23 @@ KNOWN = frozenset({
 _said = False
 
 
+def seconds(name: str, default: float, environ=None) -> float:
+    """The number of seconds variable ``name`` holds (``default`` when unset or empty); a value
+    that is not a number >= 0 is a one-line ConfigError naming it."""
+    from .errors import ConfigError
+
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds")
+    return value
+
+
 def unknown(environ=None) -> list[tuple[str, str | None]]:
     """``(name, nearest known name or None)`` for each ``HPCASYNC_*`` variable of ``environ``
     (default ``os.environ``) that nothing reads."""

@@ -39,3 +39,21 @@ def test_an_unknown_name_is_said_with_the_nearest_known_one():
     assert out.returncode == 0, out.stderr[-2000:]
     said = [ln for ln in out.stderr.splitlines() if "not read by hpcasync" in ln]
     assert len(said) == 1 and "HPCASYNC_GROW_BAK (HPCASYNC_GROW_BACK?)" in said[0], out.stderr
+
+
+def test_a_timeout_that_is_not_a_number_is_one_line():
+    """``HPCASYNC_ARRIVAL_TIMEOUT=abc`` (and ``HPCASYNC_EXIT_TIMEOUT``, read by ``init``): one
+    line naming it (they were Python's ValueError, the exit's in an atexit traceback)."""
+    import pytest
+
+    from hpcasync.errors import ConfigError
+
+    assert environ.seconds("X", 60, {}) == 60 and environ.seconds("X", 60, {"X": " 2.5 "}) == 2.5
+    for bad in ("abc", "-1", "nan"):
+        with pytest.raises(ConfigError, match=rf"X='{re.escape(bad)}' is not a number of seconds"):
+            environ.seconds("X", 60, {"X": bad})
+    out = subprocess.run([sys.executable, "-c", "import hpcasync; hpcasync.init('ssgd')"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=clean_env(HPCASYNC_EXIT_TIMEOUT="abc"))
+    assert out.returncode != 0
+    assert "HPCASYNC_EXIT_TIMEOUT='abc' is not a number of seconds" in out.stderr.splitlines()[-1]
