@@ -433,17 +433,24 @@ def _check_allreduce_only(algorithm, compression, op, predivide, groups, sparse_
     """The arguments that shape SSGD's gradient allreduce do nothing for another algorithm (it
     averages parameters, pushes to a server, or reduces with its own schedule and casts):
     given, a one-line error (a ConfigError, a ValueError as Horovod's argument errors) instead of
-    a run that ignored them. ``backward_passes_per_step`` is kept: a step after several backward passes
-    steps on their sum, as Horovod's does."""
-    given = [name for name, on in (("compression", compression is not Compression.none),
-                                   ("op", op != Average),
-                                   ("gradient_predivide_factor", predivide != 1.0),
-                                   ("groups", bool(groups)), ("sparse_as_dense", sparse_as_dense))
-             if on]
+    a run that ignored them. ``backward_passes_per_step`` is kept: a step after several backward
+    passes steps on their sum, as Horovod's does."""
+    given = _allreduce_arguments_given(compression, op, groups, sparse_as_dense, predivide)
     if given:
         raise ConfigError(f"DistributedOptimizer({', '.join(given)}=...) shapes SSGD's gradient "
                           f"allreduce; algorithm={algorithm!r} reduces in its own way: leave "
                           f"{'it' if len(given) == 1 else 'them'} at Horovod's default")
+
+
+def _allreduce_arguments_given(compression, op, groups, sparse_as_dense, predivide,
+                               pset=None) -> list[str]:
+    """The names of Horovod's arguments that shape the gradient allreduce (and ``pset``, the
+    process set, when passed) given at other than their defaults."""
+    return [name for name, odd in (
+        ("compression", compression is not Compression.none), ("op", op != Average),
+        ("groups", bool(groups)), ("process_set", pset is not None and pset.process_set_id != 0),
+        ("sparse_as_dense", bool(sparse_as_dense)),
+        ("gradient_predivide_factor", predivide != 1.0)) if odd]
 
 
 def _process_set(process_set):
@@ -481,11 +488,7 @@ def _check_front_door_ssgd(compression, passes, op, groups, pset, sparse_as_dens
                            predivide) -> None:
     """``compress=`` (PowerSGD, which Horovod has not) runs the front door's SSGD: Horovod's
     own options that it does not take are one-line errors, not dropped."""
-    given = [name for name, odd in (
-        ("compression", compression is not Compression.none), ("op", op != Average),
-        ("groups", bool(groups)), ("process_set", pset.process_set_id != 0),
-        ("sparse_as_dense", bool(sparse_as_dense)),
-        ("gradient_predivide_factor", predivide != 1.0)) if odd]
+    given = _allreduce_arguments_given(compression, op, groups, sparse_as_dense, predivide, pset)
     if given:
         raise ConfigError(f"DistributedOptimizer(compress=...) runs hpcasync's SSGD with that "
                           f"compression; it does not take {', '.join(given)} (drop "
