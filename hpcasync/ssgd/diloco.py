@@ -104,8 +104,8 @@ class DiLoCo(LocalSGD):
             self._peers = _node_peers(self.comm, node_comm)
         groups = _fragments(self.flat.module, fragments)
         check(sync_every, len(groups), fragment_sync_delay, fragment_update_alpha)
-        make = outer_optimizer or (lambda ps: torch.optim.SGD(
-            ps, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True))
+        make = outer_optimizer or functools.partial(nesterov_sgd, lr=OUTER_LR,
+                                                    momentum=OUTER_MOMENTUM)
         self.sync_every, self.delay = sync_every, fragment_sync_delay
         self.alpha = float(fragment_update_alpha)
         self.fragments = groups
@@ -308,7 +308,8 @@ class DiLoCo(LocalSGD):
 
 
 def nesterov_sgd(params, *, lr: float, momentum: float):
-    """The outer optimizer of the CLI's DiLoCo: SGD with Nesterov momentum (plain SGD at 0)."""
+    """DiLoCo's outer optimizer (the default's, and the CLI's): SGD with Nesterov momentum
+    (plain SGD at 0)."""
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
