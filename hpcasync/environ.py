@@ -20,6 +20,8 @@ import difflib
 import logging
 import os
 
+from .errors import ConfigError
+
 log = logging.getLogger("hpcasync")
 
 #: every ``HPCASYNC_*`` variable read anywhere in this repository (the package, scripts/,
@@ -51,8 +53,6 @@ _said = False
 def seconds(name: str, default: float, environ=None) -> float:
     """The number of seconds variable ``name`` holds (``default`` when unset or empty); a value
     that is not a number >= 0 is a one-line ConfigError naming it."""
-    from .errors import ConfigError
-
     raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
         return float(default)

@@ -214,6 +214,14 @@ def option_owners() -> dict[str, tuple[str, ...]]:
     return owners
 
 
+def resolve(spec: str):
+    """The object an entry's ``"module:Class"`` (``rule``, ``optimizer``) names, imported now."""
+    import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def given(name: str, options: Mapping) -> dict:
     """The keywords of ``name``'s options that ``options`` (a config's, by ``dest``) gives:
     ``{hyper: value}``, an option left at None (not given) absent."""

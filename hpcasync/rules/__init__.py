@@ -11,7 +11,6 @@ Design: docs/design/rules.md#the-rules (the table of rules; each rule's section 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any
 
@@ -39,8 +38,7 @@ def _rule_factories() -> dict[str, functools.partial]:
 
 def _partial(name: str) -> functools.partial:
     alg = registry.get(name)
-    module, cls = alg.rule.split(":")
-    return functools.partial(getattr(importlib.import_module(module), cls), **dict(alg.rule_kwargs))
+    return functools.partial(registry.resolve(alg.rule), **dict(alg.rule_kwargs))
 
 
 #: name -> rule factory (``partial(RuleClass, **fixed)``), a live view of :mod:`hpcasync.registry`

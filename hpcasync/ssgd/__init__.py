@@ -20,9 +20,6 @@ __getattr__ = lazy_exports(__name__, _LAZY)     # first use: the options module 
 
 def optimizer_class(algorithm: str):
     """The optimizer class of an algorithm of this family (its registry entry's ``optimizer``)."""
-    import importlib
-
     from .. import registry
 
-    module, name = registry.get(algorithm).optimizer.split(":")
-    return getattr(importlib.import_module(module), name)
+    return registry.resolve(registry.get(algorithm).optimizer)
