@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import registry
-from .environ import seconds
+from .environ import check as check_environ, seconds
 from .errors import ConfigError
 from .rules import MOMENTUM_RULES
 
@@ -120,9 +120,7 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
 
     if algorithm is not None and algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
-    for name, default in (("HPCASYNC_EXIT_TIMEOUT", EXIT_TIMEOUT_S),
-                          ("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S)):
-        seconds(name, default)      # a bad value: one line now, not inside a later wait
+    check_environ()                 # a bad value: one line now, not inside a later wait
     if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats it
         INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,
                             fail_fast=fail_fast, ps_ranks=ps_ranks)
@@ -374,17 +372,26 @@ def _all_arrive(comm, what: str) -> None:
     answer. A call made on rank 0 alone (torch's habit ``if rank == 0: save``) would
     otherwise wait forever in a collective the others never join while they wait in the next
     step's: rank 0 ends the job in one line once ``HPCASYNC_ARRIVAL_TIMEOUT`` seconds (60) pass
-    without every rank's call."""
+    without every rank's call; a rank whose call rank 0 does not answer in that time (rank 0
+    never called, or answers nobody since another rank did not) ends it too."""
     from .errors import HpcasyncError
 
     me, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         return
+    limit = seconds("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S)
     if me != 0:
         comm.send(None, dest=0, tag=_ARRIVAL_TAG)
-        comm.recv(source=0, tag=_ARRIVAL_TAG)
+        answer = comm.irecv(source=0, tag=_ARRIVAL_TAG)
+        # (longer than rank 0's wait: where rank 0 called, its line, naming who did not, is first)
+        if not _poll(lambda: answer.test()[0], limit + 5):
+            answer.Cancel()
+            answer.Wait()
+            raise HpcasyncError(
+                f"{what} is called on every rank, and rank 0 did not answer rank {me}'s call "
+                f"within {limit + 5:g} s (rank 0 did not call it, or not all the others did: a "
+                "call under `if rank != 0`?); HPCASYNC_ARRIVAL_TIMEOUT sets this wait")
         return
-    limit = seconds("HPCASYNC_ARRIVAL_TIMEOUT", ARRIVAL_TIMEOUT_S)
     reqs = {r: comm.irecv(source=r, tag=_ARRIVAL_TAG) for r in range(1, size)}
 
     def arrived() -> bool:

@@ -208,7 +208,7 @@ def _parse(argv):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     announce()                # under `hpcasync launch`: this rank's pid, for its lines
-    startup.watch()           # under ULFM: a rank that dies before MPI is up ends the job
+    run_guarded(startup.watch)    # under ULFM: a rank dead before MPI is up ends the job
     run_guarded(inject.point, "launch")
     ns = run_guarded(_parse, argv)
     if ns.command != "train":

@@ -47,6 +47,21 @@ KNOWN = frozenset({
     "HPCASYNC_TEST_RESTART_JOB", "HPCASYNC_TEST_TIMEOUT", "HPCASYNC_TEST_TIMEOUT_PER_TEST",
 })
 
+#: the form of each variable whose value is read as a number of seconds, a switch or one of a
+#: few words (so that a value it cannot hold is one line at ``hpcasync.init`` rather than
+#: read as something else: ``HPCASYNC_HOROVOD_AGREE=no`` as on, a bad timeout as its default)
+FORMS: dict[str, object] = {
+    **dict.fromkeys(("HPCASYNC_ARRIVAL_TIMEOUT", "HPCASYNC_EXIT_TIMEOUT",
+                     "HPCASYNC_HOROVOD_PROBE_S", "HPCASYNC_JOIN_CONNECT_TIMEOUT",
+                     "HPCASYNC_JOIN_TIMEOUT", "HPCASYNC_STARTUP_TIMEOUT"), "seconds"),
+    **dict.fromkeys(("HPCASYNC_FULL_EXIT", "HPCASYNC_GROW_BACK", "HPCASYNC_HOROVOD_AGREE",
+                     "HPCASYNC_PERSISTENT", "HPCASYNC_TUNE_RECHECK"), "switch"),
+    "HPCASYNC_ALLREDUCE": ("mpi", "shm"),
+    "HPCASYNC_MALLOC": ("default",),
+}
+
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
 _said = False
 
 
@@ -63,6 +78,40 @@ def seconds(name: str, default: float, environ=None) -> float:
     if not value >= 0:
         raise ConfigError(f"{name}={raw!r} is not a number of seconds")
     return value
+
+
+def switch(name: str, default: bool, environ=None) -> bool:
+    """Whether switch ``name`` is on (``1``/``true``/``on``/``yes``, or ``0``/``false``/``off``/
+    ``no``; ``default`` when unset or empty); another value is a one-line ConfigError."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in _ON + _OFF:
+        raise ConfigError(f"{name}={raw!r}: use 1 or 0")
+    return raw in _ON
+
+
+def word(name: str, environ=None) -> str:
+    """The value of ``name``, one of :data:`FORMS`' words for it (lower case), or ``""`` when
+    unset or empty; another value is a one-line ConfigError."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if raw and raw not in FORMS[name]:
+        raise ConfigError(f"{name}={raw!r}: use {' or '.join(FORMS[name])}, or leave it unset")
+    return raw
+
+
+def check(environ=None) -> None:
+    """Every set variable of :data:`FORMS` holds a value of its form (else the one-line
+    ConfigError of :func:`seconds`, :func:`switch` or :func:`word`); ``hpcasync.init`` calls this
+    on every rank, so that a value read later (at exit, in a wait, by a grow-back) is never a
+    surprise there."""
+    for name, form in FORMS.items():
+        if form == "seconds":
+            seconds(name, 0.0, environ)
+        elif form == "switch":
+            switch(name, False, environ)
+        else:
+            word(name, environ)
 
 
 def unknown(environ=None) -> list[tuple[str, str | None]]:

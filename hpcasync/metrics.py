@@ -75,6 +75,9 @@ class MetricsWriter:
     """Append-only JSONL writer, and TensorBoard writer when ``tensorboard`` names a directory; a
     no-op on ranks other than the writer or when neither ``path`` nor ``tensorboard`` is given.
 
+    ``keep_previous``: a stream already at ``path`` (the run a resume goes on from) is moved to
+    the first free ``PATH.N`` (:attr:`kept`) instead of being replaced.
+
     Example::
 
         with MetricsWriter("run.jsonl", enabled=rank == 0, tensorboard="runs/tb") as m:
@@ -82,7 +85,7 @@ class MetricsWriter:
     """
 
     def __init__(self, path: str | os.PathLike | None, *, enabled: bool = True,
-                 tensorboard: str | os.PathLike | None = None):
+                 tensorboard: str | os.PathLike | None = None, keep_previous: bool = False):
         self.path = Path(path) if path is not None else None
         if self.path is not None:                  # the stream while it is written
             self.partial = self.path.with_name(self.path.name + ".partial")
@@ -97,7 +100,11 @@ class MetricsWriter:
         self.tb_file: Path | None = None     # this writer's TensorBoard event file
         self.epochs: set = set()      # epochs whose ``epoch`` record is in the stream
         self.counts: dict[str, int] = {}     # records written per event
+        self.kept: Path | None = None        # where an earlier stream at ``path`` was moved
         if self.enabled:
+            if keep_previous and self.path is not None and self.path.exists():
+                self.kept = _free_name(self.path)
+                os.replace(self.path, self.kept)
             self._open("w")
 
     @property
@@ -182,6 +189,14 @@ class MetricsWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(complete=exc_type is None)
+
+
+def _free_name(path: Path) -> Path:
+    """``PATH.1``, ``PATH.2``, ...: the first that does not exist."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

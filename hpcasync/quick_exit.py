@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import gc
 import io
-import os
 
 _FILES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 _installed = False
@@ -48,10 +47,22 @@ def freeze() -> None:
     gc.freeze()
 
 
+def _full_exit() -> bool:
+    """``HPCASYNC_FULL_EXIT`` on (a value that is no switch: off here, and one line from
+    ``hpcasync.init``, which checks every variable; an import does not raise)."""
+    from . import environ
+    from .errors import ConfigError
+
+    try:
+        return environ.switch("HPCASYNC_FULL_EXIT", False)
+    except ConfigError:
+        return False
+
+
 def install() -> None:
     """Register the hook once (``import hpcasync`` calls this)."""
     global _installed
-    if _installed or os.environ.get("HPCASYNC_FULL_EXIT") == "1":
+    if _installed or _full_exit():
         return
     _installed = True
     atexit.register(freeze)

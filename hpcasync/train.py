@@ -138,7 +138,10 @@ def train(cfg: TrainConfig) -> dict:
         return build_model(cfg.model, train_set.input_shape, train_set.num_classes).to(topo.device)
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
-    metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report, tensorboard=cfg.tensorboard)
+    metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report, tensorboard=cfg.tensorboard,
+                            keep_previous=bool(cfg.resume))
+    if metrics.kept is not None:        # the resumed run's records: not replaced
+        log.warning("--metrics %s held a run's records: kept as %s", cfg.metrics, metrics.kept)
     checkpoints = (CheckpointManager(cfg.checkpoint_dir, keep=cfg.checkpoint_keep)
                    if cfg.checkpoint_dir else None)
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,

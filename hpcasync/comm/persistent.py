@@ -18,11 +18,11 @@ Example::
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
+from .. import environ
 from ..errors import ConfigError
 from .cache import on_free, private_dup
 from .ops import check_dtype, mpi_datatype, sum_op
@@ -72,10 +72,7 @@ def enabled() -> bool:
     """Whether allreduce()/iallreduce() take the persistent path (``HPCASYNC_PERSISTENT``)."""
     global _on
     if _on is None:
-        raw = os.environ.get(_ENV, "").strip().lower()
-        if raw not in ("", "0", "1"):
-            raise ConfigError(f"{_ENV} must be 0 or 1, got {raw!r}")
-        _on = (raw == "1" if raw else DEFAULT) and supported()
+        _on = environ.switch(_ENV, DEFAULT) and supported()
     return _on
 
 

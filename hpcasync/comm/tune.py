@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from .. import environ
 from ..launch import ft_requested
 from .cache import comm_cache
 from .ops import HALF_DTYPES
@@ -168,15 +168,13 @@ def use_shm(comm, nbytes: int, wire: torch.dtype) -> bool:
         # under ULFM a peer's death must surface as an MPI error, not as a spin on window memory
         hit = decisions[(cls, half)] = False
     if hit is None:
-        forced = os.environ.get("HPCASYNC_ALLREDUCE", "").lower()
-        if forced and forced not in ("mpi", "shm"):
-            raise ConfigError(f"HPCASYNC_ALLREDUCE must be mpi or shm, got {forced!r}")
+        forced = environ.word("HPCASYNC_ALLREDUCE")
         hit = decisions[(cls, half)] = (forced == "shm") if forced else _decide(comm, cls, wire)
     return hit
 
 
 def _rechecks() -> bool:
-    return os.environ.get("HPCASYNC_TUNE_RECHECK", "1") != "0"
+    return environ.switch("HPCASYNC_TUNE_RECHECK", True)
 
 
 def stale(record: dict, ranks: int, now: float | None = None,

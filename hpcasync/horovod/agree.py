@@ -53,6 +53,7 @@ import os
 
 import numpy as np
 
+from .. import environ
 from . import timeline as _timeline
 
 BIG = 1 << 62
@@ -81,7 +82,7 @@ class HorovodInternalError(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("HPCASYNC_HOROVOD_AGREE", "1") != "0"
+    return environ.switch("HPCASYNC_HOROVOD_AGREE", True)
 
 
 class Desc(tuple):
@@ -301,7 +302,8 @@ def join(comm) -> int:
 # -- process sets: the wait-for probes -------------------------------------------------------------
 
 #: seconds an exchange waits before it asks whether the ranks wait for each other in a cycle
-PROBE_S = float(os.environ.get("HPCASYNC_HOROVOD_PROBE_S", "1"))
+#: (None: ``HPCASYNC_HOROVOD_PROBE_S``, default 1)
+PROBE_S: float | None = None
 _PROBE, _ABORT = 1, 2
 
 
@@ -385,8 +387,9 @@ def _wait(req, buf, uid: int, k: int, label: str) -> None:
     back to its sender, still in the same wait, is a cycle: a deadlock (Chandy-Misra-Haas)."""
     import time
 
+    probe_s = environ.seconds("HPCASYNC_HOROVOD_PROBE_S", 1.0) if PROBE_S is None else PROBE_S
     t0 = time.monotonic()
-    due, rnd = t0 + PROBE_S, 0
+    due, rnd = t0 + probe_s, 0
     _W.blocked, _W.forwarded = (uid, k, label), set()
     try:
         while not req.Test():
@@ -397,7 +400,7 @@ def _wait(req, buf, uid: int, k: int, label: str) -> None:
             time.sleep(0.0002 if now - t0 < 0.05 else 0.001)
             _service()
             if now >= due:
-                rnd, due = rnd + 1, now + PROBE_S
+                rnd, due = rnd + 1, now + probe_s
                 _probe((_W.me, uid, k, rnd, uid, k, [(_W.me, _W.members[uid][0], label)]), uid)
     except HorovodInternalError:
         _W.dangling.append((req, buf))

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import inject
+from .. import environ, inject
 from . import join
 from ..errors import ConfigError, ProcessFailedError, TopologyError, proc_failure
 from ..errors import ranks_in as _ranks_in
@@ -343,7 +343,7 @@ class FaultTolerance:
             self.grow_back, self.max_ranks = True, joined.get("max_ranks")
             return
         if grow_back is None:
-            grow_back = _env_flag(GROW_ENV)
+            grow_back = environ.switch(GROW_ENV, False)
         if max_ranks is None:
             raw = os.environ.get(MAX_ENV, "")
             if raw and not raw.isdigit():
@@ -687,15 +687,6 @@ def _mpi_error(exc: BaseException) -> bool:
     from mpi4py import MPI
 
     return proc_failure(exc) or isinstance(exc, MPI.Exception)
-
-
-def _env_flag(name: str) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    raise ConfigError(f"{name}={raw!r}: use 1 or 0")
 
 
 def sync_root() -> int:

@@ -52,7 +52,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import inject
+from .. import environ, inject
 from ..errors import ConfigError, HpcasyncError
 from .logs import setup_logging
 
@@ -219,11 +219,7 @@ def _release_at_exit() -> None:
 def _timeout(connect: bool = False) -> float:
     name, default = ((CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S) if connect
                      else (TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    return environ.seconds(name, default)
 
 
 class _Watchdog:

@@ -21,6 +21,8 @@ import ctypes.util
 import logging
 import os
 
+from .. import environ
+
 log = logging.getLogger("hpcasync")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3          # glibc's mallopt parameters (malloc.h)
@@ -34,7 +36,7 @@ def tune_malloc() -> bool:
     if "done" in _state:
         return _state["done"]
     _state["done"] = False
-    if os.environ.get("HPCASYNC_MALLOC", "").lower() == "default":
+    if environ.word("HPCASYNC_MALLOC") == "default":
         return False
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False

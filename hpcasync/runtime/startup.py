@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+from .. import environ
 from ..launch import ft_requested
 
 POLL_S = 0.25
@@ -179,11 +180,7 @@ def _restore(signum: int, saved) -> None:
 
 
 def _timeout(env) -> float:
-    raw = env.get(TIMEOUT_ENV, "")
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
+    return environ.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, env)
 
 
 class _Watcher:

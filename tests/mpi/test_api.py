@@ -383,7 +383,8 @@ def test_average_metric_and_a_comm_load_on_rank_0_alone_are_one_line(data, tmp_p
     """``if rank == 0: print(hpcasync.average_metric(loss, ctx))`` in an SSGD loop (measured
     before: 4 ranks hung into a 60 s timeout, rank 0 in the metric's allreduce, the others in the
     next step's) and ``load_checkpoint(..., comm=)`` on rank 0 alone: one line from rank 0 within
-    seconds; called on every rank afterwards, both work."""
+    seconds; on every rank but 0, one line from each; called on every rank afterwards, both
+    work."""
     from hpcasync.errors import HpcasyncError
 
     directory = COMM.bcast(str(tmp_path_factory.mktemp("ckpt1")) if RANK == 0 else None)
@@ -401,6 +402,18 @@ def test_average_metric_and_a_comm_load_on_rank_0_alone_are_one_line(data, tmp_p
                 call()
             assert time.monotonic() - t0 < 10
         COMM.Barrier()
+    # the converse (`if rank != 0:`): each caller ends in one line, not in a wait for rank 0
+    if RANK != 0:
+        t0 = time.monotonic()
+        with pytest.raises(HpcasyncError, match=r"hpcasync\.average_metric is called on every "
+                                                rf"rank, and rank 0 did not answer rank {RANK}'s"):
+            hpcasync.average_metric(1.0, ctx)
+        assert time.monotonic() - t0 < 12
+    else:                               # (the three calls it never answered: read, for the test)
+        from hpcasync.api import _ARRIVAL_TAG
+        for r in range(1, SIZE):
+            COMM.recv(source=r, tag=_ARRIVAL_TAG)
+    COMM.Barrier()
     assert hpcasync.average_metric(float(RANK), ctx) == 1.5
     assert hpcasync.load_checkpoint(directory, model, opt, comm=COMM) is None
 

@@ -155,9 +155,9 @@ def test_a_resume_with_another_lr_goes_on_with_it_and_says_so(tmp_path):
     silently). The same options resume bitwise (test_resume_all.py)."""
     from hpcasync.checkpoint import read_checkpoint
 
-    ck = tmp_path / "ck"
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     base = ["train", "--algorithm", "localsgd", "--localsgd-warmup-steps", "2", *SMALL,
-            "--train-limit", "512", "--checkpoint-dir", str(ck)]
+            "--train-limit", "512", "--checkpoint-dir", str(ck), "--metrics", str(m)]
     r = run_mpi(2, [*base, "--lr", "0.05"], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_mpi(2, [*base, "--epochs", "2", "--lr", "0.5", "--weight-decay", "0.001", "--resume",
@@ -168,6 +168,10 @@ def test_a_resume_with_another_lr_goes_on_with_it_and_says_so(tmp_path):
     assert "lr 0.05, weight_decay 0.0" in said[0]
     groups = [read_checkpoint(p)[1]["optimizer"]["param_groups"] for p in sorted(ck.glob("*.pt"))]
     assert [(g[0]["lr"], g[0]["weight_decay"]) for g in groups] == [(0.05, 0.0), (0.5, 0.001)]
+    # the resumed run's metrics are kept, not replaced by the resume's (the same --metrics)
+    assert [r["epoch"] for r in read_metrics(str(m) + ".1") if r["event"] == "epoch"] == [1]
+    assert [r["epoch"] for r in read_metrics(m) if r["event"] == "epoch"] == [2]
+    assert "--metrics %s held a run's records: kept as %s.1" % (m, m) in r.stderr
     # resumed where --epochs is already reached: exit 0 (a requeued job), said once
     r = run_mpi(2, [*base, "--epochs", "2", "--lr", "0.5", "--weight-decay", "0.001", "--resume",
                     "auto"], timeout=120)

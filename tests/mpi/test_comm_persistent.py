@@ -199,8 +199,8 @@ def test_ssgd_steps_are_bitwise_the_same_with_persistent_requests(monkeypatch, o
 
 def test_switch_reads_the_environment(monkeypatch):
     persistent.set_enabled(None)
-    monkeypatch.setenv("HPCASYNC_PERSISTENT", "yes")
-    with pytest.raises(ConfigError, match="HPCASYNC_PERSISTENT must be 0 or 1"):
+    monkeypatch.setenv("HPCASYNC_PERSISTENT", "maybe")
+    with pytest.raises(ConfigError, match="HPCASYNC_PERSISTENT='maybe': use 1 or 0"):
         persistent.enabled()
     monkeypatch.setenv("HPCASYNC_PERSISTENT", "0")
     persistent.set_enabled(None)

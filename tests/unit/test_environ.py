@@ -57,3 +57,48 @@ def test_a_timeout_that_is_not_a_number_is_one_line():
                          env=clean_env(HPCASYNC_EXIT_TIMEOUT="abc"))
     assert out.returncode != 0
     assert "HPCASYNC_EXIT_TIMEOUT='abc' is not a number of seconds" in out.stderr.splitlines()[-1]
+
+
+def test_each_variable_of_a_form_refuses_a_value_of_another():
+    """A switch given ``no`` (``HPCASYNC_HOROVOD_AGREE=no`` was read as on), a timeout that is no
+    number (``HPCASYNC_STARTUP_TIMEOUT=abc`` fell back to 300 s), a word not among its choices
+    (``HPCASYNC_MALLOC=off`` left the tuning on): one ConfigError naming the variable, from
+    :func:`environ.check` (``hpcasync.init``'s); the valid forms read as meant."""
+    import pytest
+
+    from hpcasync.errors import ConfigError
+
+    bad = {"seconds": "abc", "switch": "maybe"}
+    for name, form in environ.FORMS.items():
+        environ.check({name: "" if form != "seconds" else "5"})
+        with pytest.raises(ConfigError, match=re.escape(name)):
+            environ.check({name: bad.get(form, "nonsense")})
+    assert [environ.switch("S", d, {"S": v}) for d, v in
+            ((True, "no"), (True, "OFF"), (False, "yes"), (False, "1"), (True, ""))] == \
+        [False, False, True, True, True]
+    assert environ.word("HPCASYNC_MALLOC", {"HPCASYNC_MALLOC": "Default"}) == "default"
+    # every variable the package reads as a number, switch or word is in FORMS (a read outside
+    # the helpers would skip the check)
+    helpers = re.compile(r"environ\.(seconds|switch|word)\(\s*\"(HPCASYNC_[A-Z_]+)\"|"
+                         r"(?:seconds|switch)\(\s*\"(HPCASYNC_[A-Z_]+)\"")
+    read = set()
+    for path in REPO.glob("hpcasync/**/*.py"):
+        for m in helpers.finditer(path.read_text()):
+            read.add(m.group(2) or m.group(3))
+    assert read and read <= set(environ.FORMS), read - set(environ.FORMS)
+
+
+def test_a_bad_value_ends_init_and_the_cli_in_one_line():
+    for env in ({"HPCASYNC_HOROVOD_AGREE": "no way"}, {"HPCASYNC_STARTUP_TIMEOUT": "abc"}):
+        name = next(iter(env))
+        out = subprocess.run([sys.executable, "-c", "import hpcasync; hpcasync.init('ssgd')"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=clean_env(**env))
+        assert out.returncode != 0 and name in out.stderr.splitlines()[-1], out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "hpcasync", "train", "--algorithm", "ssgd",
+                          "--epochs", "1", "--train-limit", "256"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env=clean_env(HPCASYNC_MALLOC="off"))
+    assert out.returncode != 0, out.stderr[-2000:]
+    assert "HPCASYNC_MALLOC='off'" in out.stderr.splitlines()[-1], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
