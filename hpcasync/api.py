@@ -120,6 +120,9 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
 
     if algorithm is not None and algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
+    if algorithm is not None and algorithm not in PS_ALGORITHMS and (ps_rank, ps_ranks) != (0, 1):
+        raise ConfigError(f"ps_rank= and ps_ranks= place a parameter server; {algorithm} has none "
+                          "(leave them out)")
     check_environ()                 # a bad value: one line now, not inside a later wait
     if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats it
         INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,

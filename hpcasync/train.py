@@ -27,7 +27,7 @@ from .config import OPTIMIZER_ALGORITHMS, TrainConfig
 from .errors import DivergedError, HpcasyncError, launcher_rank
 from .metrics import MetricsWriter, read_metrics
 from . import inject
-from .runtime import algorithms, argument_checks, join, runtime_module, startup
+from .runtime import algorithms, argument_checks, ft, join, runtime_module, startup
 from .runtime.logs import setup_logging
 from .checkpoint import EXIT_PREEMPTED, CheckpointManager, PreemptionFlag
 from .runtime.context import Preempted, Progress, RunContext
@@ -132,6 +132,9 @@ def train(cfg: TrainConfig) -> dict:
         log.info("hpcasync %s: %s", cfg.algorithm, topo.describe())
         if cfg.device != "cpu" and topo.device == "cpu":
             log.info("no GPU visible: running on the CPU")
+    asked = [f"--{k.replace('_', '-')}" for k in ("grow_back", "min_ranks") if cfg.options.get(k)]
+    if asked and not ft.ulfm_enabled():
+        ft.say_without_ulfm(" and ".join(asked), topo.rank)
 
     def make_model() -> torch.nn.Module:
         torch.manual_seed(cfg.seed)

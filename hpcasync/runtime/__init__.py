@@ -53,6 +53,9 @@ def argument_checks(cfg) -> None:
             who = ", ".join(names) if len(names) <= 4 else f"the {owner} family's algorithms"
             raise ConfigError(f"--{option.replace('_', '-')} applies to {who}, not "
                               f"{cfg.algorithm}")
+    if family != "ps" and getattr(cfg, "ps_rank", 0) != 0:
+        raise ConfigError(f"--ps-rank applies to the ps family's algorithms, not {cfg.algorithm} "
+                          "(it has no server)")
     check_compress(cfg)
     module = importlib.import_module(registry.argument_modules()[cfg.algorithm])
     if hasattr(module, "validate_options"):

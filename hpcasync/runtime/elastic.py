@@ -354,6 +354,10 @@ class FaultTolerance:
             raise ConfigError(f"max_ranks must be an integer >= 1, got {max_ranks!r}")
         self.grow_back = bool(grow_back)
         self.max_ranks = max_ranks or (self.max_ranks or self.membership.size())
+        if self.grow_back and not self.ulfm:
+            from .ft import say_without_ulfm
+
+            say_without_ulfm("grow-back", self.membership.rank())
 
     def is_failure(self, exc: BaseException) -> bool:
         """``exc`` is a process failure of this world (:func:`is_process_failure` over the

@@ -99,6 +99,21 @@ def ulfm_enabled() -> bool:
         and hasattr(MPI, "ERR_PROC_FAILED")
 
 
+_said_without_ulfm = False
+
+
+def say_without_ulfm(what: str, rank: int) -> None:
+    """One warning line (rank 0, once a process): ``what`` was asked for (a grow-back, a floor on
+    the ranks) but this job does not run under ULFM, so a death ends it instead."""
+    global _said_without_ulfm
+    if _said_without_ulfm or rank != 0:
+        return
+    _said_without_ulfm = True
+    log.warning("%s asked for, but this job does not run under ULFM (`mpirun --with-ft ulfm`): "
+                "a dead rank ends it (`hpcasync launch --max-restarts N` restarts it from its "
+                "checkpoints)", what)
+
+
 def describe(ulfm: bool) -> str:
     if ulfm:
         return ("fault tolerance: ULFM (a dead worker is retired; a dead server is replaced by a "

@@ -177,3 +177,27 @@ def test_a_resume_with_another_lr_goes_on_with_it_and_says_so(tmp_path):
                     "auto"], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("had trained --epochs 2 already: nothing was trained") == 1
+
+
+def test_fault_tolerance_asked_for_without_ulfm_is_said_once():
+    """``--grow-back``/``--min-ranks`` (the CLI) and ``@hpcasync.elastic.run(grow_back=True)``
+    (your own loop) under a launch without ULFM: the run goes on as without them, and says so
+    once (they did nothing, without a word). Under MPICH the same (no ULFM there)."""
+    r = run_mpi(2, ["train", "--algorithm", "asgd", *SMALL, "--train-limit", "512", "--grow-back",
+                    "--min-ranks", "2"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "does not run under ULFM" in ln]
+    assert len(said) == 1 and "--grow-back and --min-ranks asked for" in said[0], r.stderr[-2000:]
+    script = ("import torch, hpcasync\n"
+              "hpcasync.init('ssgd')\n"
+              "model = torch.nn.Linear(2, 1)\n"
+              "opt = hpcasync.optimizer('ssgd', model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+              "state = hpcasync.elastic.State(model=model, optimizer=opt)\n"
+              "@hpcasync.elastic.run(grow_back=True)\n"
+              "def train(state):\n"
+              "    state.commit()\n"
+              "train(state)\n")
+    r = run_mpi(2, ["--", sys.executable, "-c", script], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "does not run under ULFM" in ln]
+    assert len(said) == 1 and "grow-back asked for" in said[0], r.stderr[-2000:]

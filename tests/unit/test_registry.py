@@ -173,6 +173,17 @@ def test_the_simulator_trains_a_new_one_as_the_rule_it_copies(copy_alg):
         k: v for k, v in asgd.items() if k not in skip}
 
 
+def test_a_server_placed_for_an_algorithm_without_one_is_refused():
+    """``hpcasync.init("ssgd", ps_rank=1)`` (or ``ps_ranks=2``) placed no server and said nothing:
+    one line, before MPI starts."""
+    import hpcasync
+
+    for kw in ({"ps_rank": 1}, {"ps_ranks": 2}):
+        with pytest.raises(ConfigError, match="ps_rank= and ps_ranks= place a parameter server; "
+                                              "ssgd has none"):
+            hpcasync.init("ssgd", **kw)
+
+
 def test_duplicates_and_unknown_names_are_one_line_errors():
     with pytest.raises(ConfigError, match="'asgd' is already registered") as err:
         registry.register(registry.ps_algorithm("asgd", "hpcasync.rules.asgd:ASGD"))
@@ -307,6 +318,8 @@ def _train_cfg(*argv):
     (("--algorithm", "shat", "--momentum", "0.5"), "--momentum does not apply to shat (its "
                                                    "workers push gradients); its server's "
                                                    "momentum is --ps-momentum"),
+    (("--algorithm", "diloco", "--ps-rank", "1"), "--ps-rank applies to the ps family's "
+                                                  "algorithms, not diloco (it has no server)"),
 ])
 def test_an_option_of_another_family_is_refused_not_ignored(argv, line):
     """Each family's options (named after it, or listed as its ``FAMILY_OPTIONS``) and each
