@@ -88,6 +88,7 @@ class Daso(driver.Family):
     plan fixes each rank's shard and the batch count the schedule runs on."""
 
     refill_only = True
+    any_world_size = False
 
     @property
     def recover(self) -> bool:

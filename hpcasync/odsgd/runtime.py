@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from ..checkpoint import own_part
 from ..errors import ConfigError
 from ..runtime import driver, join
 from ..runtime.context import RunContext, RunResult
@@ -143,7 +144,10 @@ class OdSgd(driver.Family):
         self.worker.broadcast_parameters(root=0)
         state = self.resumed
         if state is not None:                # (after the broadcast, which sets W from params)
-            load_state(self.worker, state["global"], state["locals"][self.ctx.topo.rank])
+            topo = self.ctx.topo
+            own = own_part(state["locals"], topo.rank, topo.size, "odsgd")
+            load_state(self.worker, state["global"], own if own is not None else
+                       state["locals"][0])      # (another world size: rank 0's, said once)
 
     def adopt(self, same: bool) -> None:
         # (a grow: the Dup of set_comm matches the one in a replacement's ODSGD constructor)

@@ -153,6 +153,10 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)   # runtime-specific summary fields
 
 
+#: the key of a resumed state that holds the world size of the job that wrote it
+WRITTEN_SIZE = "written_world_size"
+
+
 @dataclass
 class RunContext:
     cfg: Any                               # TrainConfig
@@ -180,6 +184,9 @@ class RunContext:
     # cursor, runtime.recovery.EpochCursor.plan_state): its own loss sum, gathered to rank 0 as
     # ``loss_sums``, the loss count, and the plan where a recovery moved it (``shards``)
     epoch_plan: Callable[[], dict] | None = None
+    # a checkpoint of another world size may be resumed (the synchronous families but DASO: the
+    # resumed state under :data:`WRITTEN_SIZE` says the size that wrote it)
+    any_world_size: bool = False
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor
 
     def __post_init__(self) -> None:
@@ -255,16 +262,22 @@ class RunContext:
 
     def _read_resume(self, resume: str) -> tuple[str, dict] | None:
         """``(path, state)`` of ``--resume`` (``auto``: the newest intact checkpoint), or None."""
-        from ..checkpoint import load_checkpoint
+        from ..checkpoint import read_checkpoint
 
         expect = self.checkpoint_header()
+        if self.any_world_size:
+            del expect["world_size"]
         if resume != "auto":
-            return str(resume), load_checkpoint(resume, expect=expect)
-        found = self.checkpoints.load_latest(expect=expect)
+            found = (resume, *read_checkpoint(resume, expect=expect))
+        else:
+            found = self.checkpoints.load_latest(expect=expect)
         if found is None:
             log.info("no checkpoint in %s: starting fresh", self.checkpoints.directory)
             return None
-        return str(found[0]), found[2]
+        path, header, state = found
+        if self.any_world_size and isinstance(state, dict):
+            state[WRITTEN_SIZE] = header.get("world_size", self.topo.size)
+        return str(path), state
 
     def consistent_point(self, comm, make_state, *, epoch: int, step: int, writer: bool,
                          force: bool = False, local_state=None,

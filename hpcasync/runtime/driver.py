@@ -50,6 +50,10 @@ class Family:
     recover = True
     #: grow back only into the dead ranks' places (DASO: the epoch's plan fixes the shards)
     refill_only = False
+    #: a checkpoint written by another number of ranks may be resumed: every rank from rank 0's
+    #: state, the rest of an epoch re-sharded over this run's ranks (False: DASO, whose
+    #: schedule counts an epoch's batches over the world that began it)
+    any_world_size = True
 
     def __init__(self, ctx: RunContext):
         self.ctx, self.cfg = ctx, ctx.cfg
@@ -166,6 +170,7 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
         fam.load_live(joined["state"])
         join.take_live_state(joined, ctx, cur, ft, check=fam.digest)
     else:
+        ctx.any_world_size = fam.any_world_size
         state = fam.resumed = ctx.resume_state()
         if state is not None:
             fresh = _hyper(fam.opt)

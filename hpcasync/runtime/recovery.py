@@ -244,13 +244,32 @@ class EpochCursor:
 
     def resume_plan(self, state: dict) -> None:
         """Where a checkpoint inside an epoch left this rank (:meth:`plan_state`): its own loss
-        sum, the loss count and the moved plan, which the next :meth:`begin_epoch` takes."""
+        sum, the loss count and the moved plan, which the next :meth:`begin_epoch` takes. A
+        checkpoint of another world size (``WRITTEN_SIZE``) inside an epoch: the rest of that
+        epoch's plan re-sharded over this run's ranks (as after a death), each rank's loss sum
+        the mean of the writers'."""
         from ..errors import CheckpointError
+        from .context import WRITTEN_SIZE
 
         shards, sums, size = state.get("shards"), state.get("loss_sums"), self.ctx.topo.size
+        was = state.get(WRITTEN_SIZE, size)
+        if was != size:
+            self._resume_resized(state, was)
+            return
         if shards is not None and len(shards) != size:
             raise CheckpointError(f"checkpoint's epoch plan has {len(shards)} shards, this run "
                                   f"has {size} ranks")
+        self._check_same_data(state)
+        self.resumed_shards = shards
+        self.loss_n = state.get("loss_n", self.loss_n)
+        if sums is not None and len(sums) == size:
+            self.loss_sum = sums[self.ctx.topo.rank]
+
+    def _check_same_data(self, state: dict) -> None:
+        """A checkpoint inside an epoch goes on with the rest of that epoch's batches: the same
+        batch size, training set and seed, else one line."""
+        from ..errors import CheckpointError
+
         was = (state.get("batch_size"), state.get("train_size"), state.get("data_seed"))
         now = (self.ctx.cfg.batch_size, len(self.ctx.train), self.ctx.cfg.seed)
         if was[0] is not None and was != now:     # the rest of the epoch: other batches
@@ -261,10 +280,30 @@ class EpochCursor:
                 f"--seed {now[2]}: the rest of that epoch would be other batches; resume with "
                 "the same --batch-size, --train-limit and --seed, or from a checkpoint at an "
                 "epoch's end")
-        self.resumed_shards = shards
+
+    def _resume_resized(self, state: dict, was: int) -> None:
+        from ..data import EpochShards
+
+        self._check_same_data(state)
+        size, done = self.ctx.topo.size, self.done
+        if self.ctx.topo.rank == 0:
+            log.warning("resumed on %d ranks from a checkpoint written by %d%s", size, was,
+                        f": the rest of epoch {self.epoch} ({done} of its batches done) re-sharded "
+                        f"over {size}" if done else "")
+        if not done:                    # an epoch's end: the next plan is this world's
+            return
+        cfg, shards = self.ctx.cfg, state.get("shards")
+        if shards is not None:          # a plan a recovery had moved
+            plan = EpochShards.__new__(EpochShards)
+            plan.shards = shards
+        else:
+            plan = EpochShards(len(self.ctx.train), num_shards=was, seed=cfg.seed, epoch=self.epoch)
+        self.resumed_shards = plan.reshard(done, size, cfg.batch_size).shards
+        self.done = 0
+        sums = state.get("loss_sums")
         self.loss_n = state.get("loss_n", self.loss_n)
-        if sums is not None and len(sums) == size:
-            self.loss_sum = sums[self.ctx.topo.rank]
+        if sums:
+            self.loss_sum = sum(sums) / len(sums)
 
     def adopt(self, adopted: tuple, *, keep: list[int] | None = None,
               size_before: int | None = None) -> None:

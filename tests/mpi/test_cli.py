@@ -201,3 +201,39 @@ def test_fault_tolerance_asked_for_without_ulfm_is_said_once():
     assert r.returncode == 0, r.stderr[-3000:]
     said = [ln for ln in r.stderr.splitlines() if "does not run under ULFM" in ln]
     assert len(said) == 1 and "grow-back asked for" in said[0], r.stderr[-2000:]
+
+
+def test_a_checkpoint_of_another_world_size_resumes_with_the_rest_of_its_epoch_resharded(
+        tmp_path):
+    """A job requeued on fewer (or more) ranks: a synchronous family's checkpoint written by 4
+    ranks inside epoch 1 (batch 10 of 16) resumes on 2 — every rank from rank 0's state, the
+    rest of the epoch (6 batches x 4 ranks) re-sharded over 2 ranks (12 batches), said once;
+    it was one line, "world_size is 4, this run has 2" (your own loop's persist already went on
+    from rank 0's). DASO, whose schedule counts an epoch over the world that began it, still
+    refuses in that one line (so does the parameter server, whose rule keeps per-worker
+    state)."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    base = ["train", *SMALL, "--batch-size", "32", "--checkpoint-dir", str(ck)]
+    r = run_mpi(4, [*base, "--algorithm", "ssgd", "--checkpoint-every", "5"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for p in ck.glob("*.pt"):
+        if p.name != "ckpt-e0001-s00000010.pt":
+            p.unlink()
+    r = run_mpi(2, [*base, "--algorithm", "ssgd", "--epochs", "2", "--resume", "auto",
+                    "--metrics", str(m)], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "from a checkpoint written by" in ln]
+    assert len(said) == 1 and said[0].endswith(
+        "resumed on 2 ranks from a checkpoint written by 4: the rest of epoch 1 (10 of its "
+        "batches done) re-sharded over 2"), r.stderr[-2000:]
+    summary = [x for x in read_metrics(m) if x["event"] == "summary"][-1]
+    assert summary["steps"] == 10 + 12 + 32, summary["steps"]     # epoch 2: 2048 / 2 / 32
+    assert sorted(p.name for p in ck.glob("*.pt"))[:2] == ["ckpt-e0001-s00000010.pt",
+                                                            "ckpt-e0001-s00000022.pt"]
+    r = run_mpi(4, [*base, "--algorithm", "daso", "--checkpoint-dir", str(tmp_path / "d")],
+                timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_mpi(2, [*base, "--algorithm", "daso", "--checkpoint-dir", str(tmp_path / "d"),
+                    "--epochs", "2", "--resume", "auto"], timeout=120)
+    assert r.returncode != 0 and "world_size is 4, this run has 2" in error_lines(r.stderr)[0], \
+        r.stderr[-2000:]
