@@ -29,12 +29,12 @@ import logging
 from .. import inject
 from ..comm import DASO_CHUNK_ELEMS
 from . import DasoSchedule, LinkDelay
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..hetero import check_options as check_hetero
 from ..ssgd.horovod import check_backend
 from ..checkpoint import PER_RANK, own_part
 from ..runtime import driver, join
-from ..runtime.context import RunContext, RunResult, max_over
+from ..runtime.context import WRITTEN_SIZE, RunContext, RunResult, max_over
 from .optimizer import optimizer_state_tensors
 from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .schedule import CYCLING
@@ -85,10 +85,11 @@ class Daso(driver.Family):
     lost a rank goes on smaller: uneven nodes) and adopt the furthest position; in a blocking
     epoch they adopt its replica, in a cycling one they average theirs. ``--grow-back``:
     replacements take the dead ranks' places (and so their nodes) and only those: the epoch's
-    plan fixes each rank's shard and the batch count the schedule runs on."""
+    plan fixes each rank's shard and the batch count the schedule runs on. A checkpoint of
+    another world size resumes from an epoch's end only (the next epoch is planned over this
+    run's ranks); one inside an epoch is a one-line error."""
 
     refill_only = True
-    any_world_size = False
 
     @property
     def recover(self) -> bool:
@@ -192,9 +193,15 @@ class Daso(driver.Family):
         return tuple(self.opt.comm.group_comms())
 
     def resume(self, state: dict) -> tuple:
+        topo, was = self.ctx.topo, state.get(WRITTEN_SIZE, self.ctx.topo.size)
+        if was != topo.size and state.get("batch", 0):
+            raise CheckpointError(
+                f"DASO checkpoint written by {was} ranks inside epoch {state['epoch']} (batch "
+                f"{state['batch']}): its schedule counts that epoch's batches over {was} ranks; "
+                f"resume it on {was} ranks, or on {topo.size} from a checkpoint at an epoch's end")
         self.model.load_state_dict(state["model"])        # copies into the FlatModel views
         self.opt.load_state_dict(state["optimizer"])
-        topo = self.ctx.topo                # a --checkpoint-every one: each rank's own replica
+        # a --checkpoint-every one: each rank's own replica
         self.own = own_part(state.get(PER_RANK), topo.rank, topo.size, "daso")
         return state["epoch"], state.get("batch", 0), state.get("loss_sum", 0.0)
 

@@ -51,8 +51,9 @@ class Family:
     #: grow back only into the dead ranks' places (DASO: the epoch's plan fixes the shards)
     refill_only = False
     #: a checkpoint written by another number of ranks may be resumed: every rank from rank 0's
-    #: state, the rest of an epoch re-sharded over this run's ranks (False: DASO, whose
-    #: schedule counts an epoch's batches over the world that began it)
+    #: state, the rest of an epoch re-sharded over this run's ranks (the state holds the
+    #: writer's size under ``context.WRITTEN_SIZE``; DASO's :meth:`resume` refuses one written
+    #: inside an epoch, whose batches its schedule counts over the writer's ranks)
     any_world_size = True
 
     def __init__(self, ctx: RunContext):

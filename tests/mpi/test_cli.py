@@ -209,9 +209,9 @@ def test_a_checkpoint_of_another_world_size_resumes_with_the_rest_of_its_epoch_r
     ranks inside epoch 1 (batch 10 of 16) resumes on 2 — every rank from rank 0's state, the
     rest of the epoch (6 batches x 4 ranks) re-sharded over 2 ranks (12 batches), said once;
     it was one line, "world_size is 4, this run has 2" (your own loop's persist already went on
-    from rank 0's). DASO, whose schedule counts an epoch over the world that began it, still
-    refuses in that one line (so does the parameter server, whose rule keeps per-worker
-    state)."""
+    from rank 0's). DASO resumes so from an epoch's end; from inside one (its schedule counts
+    that epoch over the world that began it) it is one line. The parameter server, whose rule
+    keeps per-worker state, still refuses another size."""
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     base = ["train", *SMALL, "--batch-size", "32", "--checkpoint-dir", str(ck)]
     r = run_mpi(4, [*base, "--algorithm", "ssgd", "--checkpoint-every", "5"], timeout=120)
@@ -230,10 +230,22 @@ def test_a_checkpoint_of_another_world_size_resumes_with_the_rest_of_its_epoch_r
     assert summary["steps"] == 10 + 12 + 32, summary["steps"]     # epoch 2: 2048 / 2 / 32
     assert sorted(p.name for p in ck.glob("*.pt"))[:2] == ["ckpt-e0001-s00000010.pt",
                                                             "ckpt-e0001-s00000022.pt"]
-    r = run_mpi(4, [*base, "--algorithm", "daso", "--checkpoint-dir", str(tmp_path / "d")],
+    # DASO: from an epoch's end (the next epoch planned over 2 ranks: 32 batches), not from
+    # inside one (its schedule counts that epoch's batches over the writer's 4)
+    d, md = tmp_path / "d", tmp_path / "d.jsonl"
+    daso = [*base, "--algorithm", "daso", "--checkpoint-dir", str(d), "--daso-warmup-epochs", "1",
+            "--daso-cooldown-epochs", "0"]
+    r = run_mpi(4, [*daso, "--checkpoint-every", "5"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_mpi(2, [*daso, "--epochs", "2", "--resume", str(d / "ckpt-e0001-s00000010.pt")],
+                timeout=120)
+    assert r.returncode != 0 and error_lines(r.stderr)[0].endswith(
+        "DASO checkpoint written by 4 ranks inside epoch 1 (batch 10): its schedule counts that "
+        "epoch's batches over 4 ranks; resume it on 4 ranks, or on 2 from a checkpoint at an "
+        "epoch's end"), r.stderr[-2000:]
+    r = run_mpi(2, [*daso, "--epochs", "2", "--resume", "auto", "--metrics", str(md)],
                 timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_mpi(2, [*base, "--algorithm", "daso", "--checkpoint-dir", str(tmp_path / "d"),
-                    "--epochs", "2", "--resume", "auto"], timeout=120)
-    assert r.returncode != 0 and "world_size is 4, this run has 2" in error_lines(r.stderr)[0], \
-        r.stderr[-2000:]
+    epochs = [x for x in read_metrics(md) if x["event"] == "epoch"]
+    assert [(x["epoch"], x["daso_batches"]) for x in epochs] == [(2, 32)]
+    assert [x for x in read_metrics(md) if x["event"] == "summary"][-1]["steps"] == 16 + 32
