@@ -123,6 +123,10 @@ def init(algorithm: str | None = None, *, ranks_per_node: int | None = None,
     if algorithm is not None and algorithm not in PS_ALGORITHMS and (ps_rank, ps_ranks) != (0, 1):
         raise ConfigError(f"ps_rank= and ps_ranks= place a parameter server; {algorithm} has none "
                           "(leave them out)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ConfigError(f"threads must be an integer >= 1 (None: the cores of this process / "
+                          f"ranks per node), got {threads!r}")
     check_environ()                 # a bad value: one line now, not inside a later wait
     if not INIT_OPTIONS:            # the first call's: an elastic grow-back repeats it
         INIT_OPTIONS.update(ranks_per_node=ranks_per_node, device=device, ps_rank=ps_rank,

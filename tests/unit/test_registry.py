@@ -173,15 +173,18 @@ def test_the_simulator_trains_a_new_one_as_the_rule_it_copies(copy_alg):
         k: v for k, v in asgd.items() if k not in skip}
 
 
-def test_a_server_placed_for_an_algorithm_without_one_is_refused():
-    """``hpcasync.init("ssgd", ps_rank=1)`` (or ``ps_ranks=2``) placed no server and said nothing:
-    one line, before MPI starts."""
+def test_init_arguments_ignored_or_failing_late_are_one_line():
+    """``hpcasync.init("ssgd", ps_rank=1)`` (or ``ps_ranks=2``) placed no server and said nothing;
+    ``threads=0`` was torch's RuntimeError once MPI was up: one line each, before MPI starts."""
     import hpcasync
 
     for kw in ({"ps_rank": 1}, {"ps_ranks": 2}):
         with pytest.raises(ConfigError, match="ps_rank= and ps_ranks= place a parameter server; "
                                               "ssgd has none"):
             hpcasync.init("ssgd", **kw)
+    for bad in (0, -2, 1.5):        # (torch's RuntimeError after MPI was up, a traceback)
+        with pytest.raises(ConfigError, match=rf"threads must be an integer >= 1 .*got {bad}"):
+            hpcasync.init("ssgd", threads=bad)
 
 
 def test_duplicates_and_unknown_names_are_one_line_errors():
