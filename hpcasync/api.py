@@ -431,6 +431,12 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     if algorithm not in algorithms():
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
     family = registry.get(algorithm).family            # the package that runs it
+    if family in ("daso", "odsgd", "ps"):               # the run's length, by the names you pass
+        for name in ("epochs", "steps_per_epoch"):
+            value = hyper.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigError(f"{algorithm}: {name} must be a positive integer, got {value!r}")
     if registry.get(algorithm).user_optimizer:          # ssgd, daso
         if optimizer is None:
             raise ConfigError(f"{algorithm} runs your torch optimizer: "

@@ -126,6 +126,10 @@ class ParameterServer(AlgorithmOptimizer):
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):
+            raise ConfigError(f"epochs must be a positive integer (None: as many as the pushes "
+                              f"cross), got {epochs!r}")
         if (ps_lr_factor(algorithm, 2, warmup_epochs) is not None and warmup_epochs != 0
                 and steps_per_epoch is None):
             raise ConfigError(

@@ -822,6 +822,13 @@ def test_checkpoint_of_daso_from_a_user_loop(data, tmp_path_factory):
     ("daso", {"epochs": 1, "steps_per_epoch": 2, "compress": "bf16"},
      "daso takes no compress (its keywords: epochs, steps_per_epoch, sampler, "),
     ("odsgd", {"period": 2}, "odsgd takes no period (its keywords: lr, momentum, "),
+    # the run's length by the names users pass (DASO said its internal total_epochs; OD-SGD
+    # and the parameter server took epochs=0)
+    ("daso", {"epochs": 0, "steps_per_epoch": 2}, "daso: epochs must be a positive integer, "
+                                                  "got 0"),
+    ("odsgd", {"epochs": 0, "steps_per_epoch": 2}, "odsgd: epochs must be a positive integer"),
+    ("asgd", {"epochs": 1, "steps_per_epoch": 2.5}, "asgd: steps_per_epoch must be a positive "
+                                                    "integer, got 2.5"),
 ])
 def test_a_keyword_the_algorithm_does_not_take_is_one_line(algorithm, kw, line):
     """``hpcasync.optimizer(..., unknown=...)``: one line naming the algorithm's keywords (DASO's

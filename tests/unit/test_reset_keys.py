@@ -27,6 +27,9 @@ class _World(Membership):
     def size(self) -> int:
         return self.n
 
+    def rank(self) -> int:
+        return 0
+
 
 def test_a_grow_spawns_up_to_max_ranks_or_only_into_the_emptied_places():
     ft = FaultTolerance(_World(4), ulfm=False, grow_back=True, max_ranks=6)
