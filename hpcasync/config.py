@@ -119,9 +119,7 @@ class TrainConfig:
         if self.resume == "auto" and self.checkpoint_dir is None:
             raise ConfigError("--resume auto needs --checkpoint-dir")
         if self.checkpoint_dir is not None:
-            ckdir = Path(self.checkpoint_dir)
-            if ckdir.exists() and not ckdir.is_dir():
-                raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is not a directory")
+            _writable_dir("--checkpoint-dir", self.checkpoint_dir)
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise ConfigError(f"--data-dir {self.data_dir}: no such directory")
         if self.metrics is not None:
@@ -143,6 +141,21 @@ class TrainConfig:
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _writable_dir(flag: str, path) -> None:
+    """``path`` is a directory this process can write into, made if missing (so that the first
+    checkpoint, an epoch into the run, does not end it with a traceback); else one line."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path} is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".hpcasync-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
 
 
 def _choice(flag: str, value, choices) -> None:

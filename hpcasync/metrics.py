@@ -76,7 +76,8 @@ class MetricsWriter:
     no-op on ranks other than the writer or when neither ``path`` nor ``tensorboard`` is given.
 
     ``keep_previous``: a stream already at ``path`` (the run a resume goes on from) is moved to
-    the first free ``PATH.N`` (:attr:`kept`) instead of being replaced.
+    the first free ``PATH.N`` (:attr:`kept`) when this one is complete, instead of being
+    replaced (a run that fails leaves it where it is).
 
     Example::
 
@@ -100,11 +101,9 @@ class MetricsWriter:
         self.tb_file: Path | None = None     # this writer's TensorBoard event file
         self.epochs: set = set()      # epochs whose ``epoch`` record is in the stream
         self.counts: dict[str, int] = {}     # records written per event
+        self.keep_previous = keep_previous
         self.kept: Path | None = None        # where an earlier stream at ``path`` was moved
         if self.enabled:
-            if keep_previous and self.path is not None and self.path.exists():
-                self.kept = _free_name(self.path)
-                os.replace(self.path, self.kept)
             self._open("w")
 
     @property
@@ -182,6 +181,9 @@ class MetricsWriter:
         self._fh.close()
         self._fh = None
         if complete:
+            if self.keep_previous and self.path.exists():
+                self.kept = _free_name(self.path)
+                os.replace(self.path, self.kept)
             os.replace(self.partial, self.path)
 
     def __enter__(self) -> "MetricsWriter":

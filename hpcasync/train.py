@@ -142,9 +142,7 @@ def train(cfg: TrainConfig) -> dict:
 
     progress_on = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
     metrics = MetricsWriter(cfg.metrics, enabled=topo.rank == report, tensorboard=cfg.tensorboard,
-                            keep_previous=bool(cfg.resume))
-    if metrics.kept is not None:        # the resumed run's records: not replaced
-        log.warning("--metrics %s held a run's records: kept as %s", cfg.metrics, metrics.kept)
+                            keep_previous=bool(cfg.resume))     # (the resumed run's records)
     checkpoints = (CheckpointManager(cfg.checkpoint_dir, keep=cfg.checkpoint_keep)
                    if cfg.checkpoint_dir else None)
     ctx = RunContext(cfg=cfg, topo=topo, train=train_set, test=test_set, make_model=make_model,
@@ -192,6 +190,8 @@ def train(cfg: TrainConfig) -> dict:
                "wall_time_s": round(wall, 3), **result.summary}
     metrics.write("summary", **summary)
     metrics.close()
+    if metrics.kept is not None:
+        log.warning("--metrics %s held a run's records: kept as %s", cfg.metrics, metrics.kept)
     if topo.rank == report:
         if cfg.resume and not ctx.history:
             log.warning("the checkpoint resumed from had trained --epochs %d already: nothing was "
