@@ -56,6 +56,10 @@ END_GRACE_S = 5.0
 MARK = "hpcasync-{job}-exit-{rank}"
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+#: the signals of a crash: in start-up they end the rank with that number as its exit status
+#: (a death by signal is a success to the ULFM launcher; Open MPI 5.0.11's MPI_Init can crash
+#: on every survivor when a peer dies inside it)
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL)
 _state: dict = {}
 
 
@@ -86,6 +90,7 @@ def watch() -> None:
     job = {"namespace": namespace, "rank": rank, "size": size, "marks": marks,
            "local_size": _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 0, "timeout": _timeout(env)}
     term = _exit_on(signal.SIGTERM)     # first: the watcher may end this rank at any moment
+    crash = _on_crash()
     read, write = os.pipe()
     try:
         pid = os.fork()
@@ -93,6 +98,7 @@ def watch() -> None:
         os.close(read)
         os.close(write)
         _restore(signal.SIGTERM, term)
+        _restore_crash(crash)
         return
     if pid == 0:                # the watcher
         code = 0
@@ -105,7 +111,7 @@ def watch() -> None:
         finally:
             os._exit(code)
     os.close(read)
-    _state.update(pid=pid, pipe=write, mark=marks.format(rank=rank), term=term)
+    _state.update(pid=pid, pipe=write, mark=marks.format(rank=rank), term=term, crash=crash)
     atexit.register(_mark_exit)
 
 
@@ -121,6 +127,7 @@ def done() -> None:
     _send(b"u")
     os.close(_state.pop("pipe"))
     _restore(signal.SIGTERM, _state.pop("term", None))
+    _restore_crash(_state.pop("crash", None))
     pid = _state.get("pid")
     for _ in range(100):                # reap it (it exits at once); never wait long
         try:
@@ -179,6 +186,35 @@ def _restore(signum: int, saved) -> None:
         saved["libc"].signal(signum, saved["handler"])
 
 
+def _on_crash() -> dict:
+    """Until :func:`done`: a crash (:data:`CRASH_SIGNALS`) ends this rank with the signal's
+    number as exit status (:func:`_exit_on`), after faulthandler's traceback when it is on
+    (re-enabled over the new handlers, which it then calls). Returns what
+    :func:`_restore_crash` puts back."""
+    import faulthandler
+
+    fault = faulthandler.is_enabled()
+    if fault:
+        faulthandler.disable()
+    saved = {signum: _exit_on(signum) for signum in CRASH_SIGNALS}
+    if fault:
+        faulthandler.enable(all_threads=True)
+    return {"saved": saved, "fault": fault}
+
+
+def _restore_crash(crash: dict | None) -> None:
+    if crash is None:
+        return
+    import faulthandler
+
+    if crash["fault"]:
+        faulthandler.disable()
+    for signum, saved in crash["saved"].items():
+        _restore(signum, saved)
+    if crash["fault"]:
+        faulthandler.enable(all_threads=True)
+
+
 def _timeout(env) -> float:
     return environ.seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, env)
 
@@ -202,7 +238,12 @@ class _Watcher:
             ready, _, _ = select.select([self.pipe], [], [], POLL_S)
             if ready:
                 msg = os.read(self.pipe, 16)
-                if not msg or b"u" in msg:          # the rank exited, or MPI is up
+                if b"u" in msg:                     # MPI is up
+                    return
+                if not msg:                         # the rank is gone: on purpose if marked
+                    if not self._marked(self.rank):
+                        self._end_after(f"rank(s) {self.rank} died during start-up, before MPI "
+                                        "was up on every rank")
                     return
                 self.in_mpi = self.in_mpi or time.monotonic()
             if not self.local_size or len(self.peers) < self.local_size:
@@ -302,6 +343,32 @@ class _Watcher:
         for sig in (signal.SIGTERM, signal.SIGKILL):   # exit status 15; what is left: killed
             for pid, start in victims.items():
                 if start is not None and (_stat(pid) or (None, None, None))[2] == start:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+            time.sleep(0.5)
+
+
+    def _end_after(self, what: str) -> None:
+        """This watcher's rank died (killed, or crashed: :func:`_on_crash`): unless another
+        watcher already said a death, say ``what`` and end this host's other ranks of the job
+        (a survivor left alone in ``MPI_Init`` waits there for good; all of them crashed: the
+        job would otherwise end without a word)."""
+        if not self.peers or len(self.peers) < (self.local_size or 0):
+            self._scan()
+        try:
+            os.close(os.open(self.marks.format(rank="ending"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except OSError:
+            return                  # another watcher said it and ends the ranks
+        print(f"hpcasync: error (rank {self.rank}): {what}; this run cannot survive it; "
+              "ending the job", file=sys.stderr, flush=True)
+        time.sleep(0.3)             # let the launcher forward the line before the ranks go
+        victims = {pid: start for r, (pid, start) in self.peers.items() if r != self.rank}
+        for sig in (signal.SIGTERM, signal.SIGKILL):   # exit status 15; what is left: killed
+            for pid, start in victims.items():
+                if (_stat(pid) or (None, None, None))[2] == start:
                     try:
                         os.kill(pid, sig)
                     except OSError:

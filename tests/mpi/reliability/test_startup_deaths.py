@@ -111,3 +111,31 @@ def test_without_ulfm_a_death_before_mpi_ends_the_job_naming_the_rank(tmp_path):
         assert "BAD TERMINATION" in out and "signal 9" in out, out[-3000:]
     else:
         assert len(re.findall(r"rank 0\b", out, re.IGNORECASE)) == 1, out[-3000:]
+
+
+CRASH = """
+import os, signal, sys, time
+from hpcasync.runtime import startup
+startup.watch()
+time.sleep(0.3)
+os.kill(os.getpid(), signal.SIGSEGV)     # what Open MPI's MPI_Init did on every survivor
+"""
+
+
+@pytest.mark.rank0
+def test_ulfm_crash_of_every_rank_in_start_up_ends_non_zero_with_one_line(tmp_path):
+    """Open MPI 5.0.11's ``MPI_Init`` crashed (SIGSEGV) on every survivor when a peer died
+    inside it (2 of 87 kills of the random-kill study, seed 68): a death by signal is a
+    success to the ULFM launcher, so the job ended with **exit status 0, no result and no
+    line**. In start-up a crash now ends the rank with the signal's number as its status
+    (after faulthandler's traceback where it is on), and a rank's own watcher says its death."""
+    need_ulfm()
+    for fault in ("", "1"):
+        job = subprocess.run([*mpiexec(3, ft=True), sys.executable, "-c", CRASH],
+                             env=clean_env(PYTHONFAULTHANDLER=fault), cwd=REPO,
+                             capture_output=True, text=True, timeout=LIMIT_S)
+        out = job.stdout + job.stderr
+        assert job.returncode == signal.SIGSEGV, (job.returncode, out[-3000:])
+        ours = error_lines(out)
+        assert len(ours) == 1 and "died during start-up" in ours[0], out[-3000:]
+        assert ("Segmentation fault" in out) == bool(fault), out[-3000:]
