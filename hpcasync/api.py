@@ -432,11 +432,11 @@ def optimizer(algorithm: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise ConfigError(f"unknown algorithm {algorithm!r} (choose from {', '.join(algorithms())})")
     family = registry.get(algorithm).family            # the package that runs it
     if family in ("daso", "odsgd", "ps"):               # the run's length, by the names you pass
+        from .config import _positive
+
         for name in ("epochs", "steps_per_epoch"):
-            value = hyper.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ConfigError(f"{algorithm}: {name} must be a positive integer, got {value!r}")
+            if hyper.get(name) is not None:
+                _positive(f"{algorithm}: {name}", hyper[name])
     if registry.get(algorithm).user_optimizer:          # ssgd, daso
         if optimizer is None:
             raise ConfigError(f"{algorithm} runs your torch optimizer: "

@@ -184,7 +184,7 @@ class RunContext:
     # cursor, runtime.recovery.EpochCursor.plan_state): its own loss sum, gathered to rank 0 as
     # ``loss_sums``, the loss count, and the plan where a recovery moved it (``shards``)
     epoch_plan: Callable[[], dict] | None = None
-    # a checkpoint of another world size may be resumed (the synchronous families but DASO: the
+    # a checkpoint of another world size may be resumed (the synchronous driver's runs; the
     # resumed state under :data:`WRITTEN_SIZE` says the size that wrote it)
     any_world_size: bool = False
     divergence: DivergenceGuard = field(default=None, init=False)   # from --divergence-factor

@@ -50,11 +50,6 @@ class Family:
     recover = True
     #: grow back only into the dead ranks' places (DASO: the epoch's plan fixes the shards)
     refill_only = False
-    #: a checkpoint written by another number of ranks may be resumed: every rank from rank 0's
-    #: state, the rest of an epoch re-sharded over this run's ranks (the state holds the
-    #: writer's size under ``context.WRITTEN_SIZE``; DASO's :meth:`resume` refuses one written
-    #: inside an epoch, whose batches its schedule counts over the writer's ranks)
-    any_world_size = True
 
     def __init__(self, ctx: RunContext):
         self.ctx, self.cfg = ctx, ctx.cfg
@@ -171,7 +166,10 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
         fam.load_live(joined["state"])
         join.take_live_state(joined, ctx, cur, ft, check=fam.digest)
     else:
-        ctx.any_world_size = fam.any_world_size
+        # a checkpoint of another number of ranks resumes: every rank from rank 0's state, the
+        # rest of an epoch re-sharded (EpochCursor.resume_plan; the state holds the writer's
+        # size under context.WRITTEN_SIZE; DASO's resume refuses one written inside an epoch)
+        ctx.any_world_size = True
         state = fam.resumed = ctx.resume_state()
         if state is not None:
             fresh = _hyper(fam.opt)

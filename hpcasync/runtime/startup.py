@@ -329,26 +329,9 @@ class _Watcher:
                         return
             alive = self._alive()
         victims = [self.parent]
-        try:
-            os.close(os.open(self.marks.format(rank="ending"),
-                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except OSError:
-            pass                    # another watcher said it
-        else:
-            print(f"hpcasync: error (rank {self.rank}): {what}; this run cannot survive it; "
-                  "ending the job", file=sys.stderr, flush=True)
-            time.sleep(0.3)         # let the launcher forward the line before the ranks go
+        if self._say(what):         # (else another watcher said it)
             victims = [p for r, p in alive.items() if r != self.rank] + victims
-        victims = {pid: (_stat(pid) or (None, None, None))[2] for pid in victims}
-        for sig in (signal.SIGTERM, signal.SIGKILL):   # exit status 15; what is left: killed
-            for pid, start in victims.items():
-                if start is not None and (_stat(pid) or (None, None, None))[2] == start:
-                    try:
-                        os.kill(pid, sig)
-                    except OSError:
-                        pass
-            time.sleep(0.5)
-
+        _end_processes({pid: (_stat(pid) or (None, None, None))[2] for pid in victims})
 
     def _end_after(self, what: str) -> None:
         """This watcher's rank died (killed, or crashed: :func:`_on_crash`): unless another
@@ -357,23 +340,35 @@ class _Watcher:
         job would otherwise end without a word)."""
         if not self.peers or len(self.peers) < (self.local_size or 0):
             self._scan()
+        if self._say(what):         # (else another watcher said it and ends the ranks)
+            _end_processes({pid: start for r, (pid, start) in self.peers.items()
+                            if r != self.rank})
+
+    def _say(self, what: str) -> bool:
+        """Say ``what`` in the job's one line, unless another watcher has (the ``ending``
+        mark, made once); True when this one said it."""
         try:
             os.close(os.open(self.marks.format(rank="ending"),
                              os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except OSError:
-            return                  # another watcher said it and ends the ranks
+            return False
         print(f"hpcasync: error (rank {self.rank}): {what}; this run cannot survive it; "
               "ending the job", file=sys.stderr, flush=True)
         time.sleep(0.3)             # let the launcher forward the line before the ranks go
-        victims = {pid: start for r, (pid, start) in self.peers.items() if r != self.rank}
-        for sig in (signal.SIGTERM, signal.SIGKILL):   # exit status 15; what is left: killed
-            for pid, start in victims.items():
-                if (_stat(pid) or (None, None, None))[2] == start:
-                    try:
-                        os.kill(pid, sig)
-                    except OSError:
-                        pass
-            time.sleep(0.5)
+        return True
+
+
+def _end_processes(victims: dict) -> None:
+    """SIGTERM (exit status 15), then SIGKILL what is left, each of ``victims`` (pid -> start
+    time) that is still the process seen then."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, start in victims.items():
+            if start is not None and (_stat(pid) or (None, None, None))[2] == start:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        time.sleep(0.5)
 
 
 def _children(pid: int | None) -> int:
