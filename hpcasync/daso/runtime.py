@@ -35,7 +35,6 @@ from ..ssgd.horovod import check_backend
 from ..checkpoint import PER_RANK, own_part
 from ..runtime import driver, join
 from ..runtime.context import WRITTEN_SIZE, RunContext, RunResult, max_over
-from .optimizer import optimizer_state_tensors
 from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .schedule import CYCLING
 
@@ -157,37 +156,23 @@ class Daso(driver.Family):
 
     def live(self) -> dict:
         """What a replacement gets (after the reset: no global message in flight, every replica
-        the same — adopted in a blocking epoch, averaged in a cycling one)."""
-        opt = self.opt
-        return {"model": self.model.state_dict(), "optimizer": opt.optimizer.state_dict(),
-                "steps": opt.steps, "batches_per_epoch": opt.batches_per_epoch,
-                "lost_before": opt._lost_before,
-                "schedule": {**self._schedule(), "nbatches": opt.schedule.nbatches},
-                "rows": dict(self.rows), "counters": dict(self.counters),
-                "undo": dict(self.undo)}
+        the same: adopted in a blocking epoch, averaged in a cycling one): the model and
+        ``DASO.state_dict`` (schedule, steps, the receives the reset dropped), the epoch's batch
+        count and the summary's rows."""
+        return {**super().live(), "batches_per_epoch": self.opt.batches_per_epoch,
+                "rows": dict(self.rows), "counters": dict(self.counters), "undo": dict(self.undo)}
 
     def load_live(self, blob: dict) -> None:
-        opt = self.opt
-        self.model.load_state_dict(blob["model"])         # (into the FlatModel views)
-        opt.optimizer.load_state_dict(blob["optimizer"])
-        opt.steps, opt.batches_per_epoch = blob["steps"], blob["batches_per_epoch"]
-        opt._lost_before = blob["lost_before"]       # receives of sends dropped in the reset
-        src = blob["schedule"]
-        self._load_schedule(src, src["batch"], src["nbatches"])
+        super().load_live(blob)              # (the model into the FlatModel views)
+        self.opt.batches_per_epoch = blob["batches_per_epoch"]
         self.rows.update(blob["rows"])
         self.counters.update(blob["counters"])           # (the sender's per-rank totals)
         self.undo.update(blob["undo"])
 
     def digest(self) -> tuple:
         """What every rank holds alike after a join (replicas, optimizer state, schedule)."""
-        opt = self.opt
-        sch = opt.schedule
-        return (tuple(self.cur.position),
-                (opt.steps, opt.batches_per_epoch, opt._lost_before, len(opt.inflight),
-                 sch.epoch, sch.batch, sch.nbatches, tuple(sch.knobs),
-                 repr(sch.plateau.state_dict())),
-                join.digest([*self.model.state_dict().values(),
-                             *optimizer_state_tensors(opt.optimizer)]))
+        return (tuple(self.cur.position), self.opt.batches_per_epoch,
+                join.digest([self.model.state_dict(), self.opt.state_dict()]))
 
     def comms(self) -> tuple:
         return tuple(self.opt.comm.group_comms())

@@ -34,7 +34,7 @@ from ..checkpoint import own_part
 from ..errors import ConfigError
 from ..runtime import driver, join
 from ..runtime.context import RunContext, RunResult
-from .checkpoint import consistent_point, global_state, load_state, local_state
+from .checkpoint import consistent_point, global_state, load_state
 from .core import GlobalState, ODSGDHyper, WorkerState, global_update, local_update, simulate_round
 from .options import add_arguments  # noqa: F401 (the runtime's options)
 from .pipeline import PROGRESS_MODES, ODSGDWorker, StepTimes
@@ -113,16 +113,6 @@ class OdSgd(driver.Family):
         w = self.worker
         load_state(w, blob["global"], {"local": blob["global"]["W"], "ms": w.ws.ms,
                                        "buffers": blob["buffers"]})
-
-    def live(self) -> dict:
-        """What a replacement needs (no round in flight after a reset): the global state and the
-        sender's own part — its local weights (W on every survivor after the reset), BatchNorm
-        buffers and dc-adaptive mean square (the dead rank's is lost; the sender's is the
-        nearest estimate of the same gradients' statistics)."""
-        return {"global": global_state(self.worker), "local": local_state(self.worker)}
-
-    def load_live(self, blob: dict) -> None:
-        load_state(self.worker, blob["global"], blob["local"])
 
     def digest(self) -> tuple:
         """What every rank holds alike after a join (the mean square differs per rank)."""

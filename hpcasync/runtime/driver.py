@@ -40,10 +40,11 @@ class Family:
     backward); the driver sets ``cur``, ``ft`` and ``world`` before the loop.
 
     A subclass gives :meth:`keywords` (its optimizer is built by the front door,
-    ``hpcasync.optimizer``, as in a user's loop), :meth:`state`/:meth:`load` (what a reset
-    broadcasts from the survivor furthest on, identical on every rank afterwards),
-    :meth:`epoch_end` and :meth:`final`; the rest has defaults a family overrides where it
-    differs.
+    ``hpcasync.optimizer``, as in a user's loop), :meth:`epoch_end` and :meth:`final`; the
+    rest has defaults a family overrides where it differs. What a reset broadcasts from the
+    survivor furthest on (:meth:`state`/:meth:`load`) and what a replacement gets
+    (:meth:`live`/:meth:`load_live`) default to the model's and the optimizer's
+    ``state_dict()``.
     """
 
     #: the reset can run (False: e.g. the Horovod backend, which has no ULFM recovery)
@@ -78,11 +79,12 @@ class Family:
         return api.optimizer(self.cfg.algorithm, self.model, inner, broadcast=False, **keywords)
 
     def state(self) -> dict:
-        """The job's state (model and optimizer) on the sync root during a reset."""
-        raise NotImplementedError
+        """The job's state on the sync root during a reset (default: :meth:`live`'s; every rank
+        loads it with :meth:`load`)."""
+        return self.live()
 
     def load(self, blob: dict) -> None:
-        raise NotImplementedError
+        self.load_live(blob)
 
     def epoch_end(self) -> None:
         """Evaluate, record and checkpoint the epoch ``self.cur.epoch`` (its batches done)."""
@@ -103,11 +105,14 @@ class Family:
         self.opt.broadcast_parameters(root=0)
 
     def live(self) -> dict:
-        """What a replacement gets besides the cursor and the records (:func:`join.live_state`)."""
-        return self.state()
+        """What a replacement gets besides the cursor and the records (:func:`join.live_state`):
+        the model's and the optimizer's ``state_dict()`` (complete for the algorithm: DASO's
+        schedule, OD-SGD's global and local weights, a rank's own part under ``LOCAL_KEY``)."""
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
 
     def load_live(self, blob: dict) -> None:
-        self.load(blob)
+        self.model.load_state_dict(blob["model"])
+        self.opt.load_state_dict(blob["optimizer"])
 
     def digest(self) -> tuple:
         """What every rank holds alike once a replacement is in."""

@@ -149,14 +149,6 @@ class SSGD(driver.Family):
                 "epoch": epoch, "batch": batch, "loss_sum": loss_sum,
                 "rank_failures": self.ft.failures}
 
-    def load(self, blob: dict) -> None:
-        self.model.load_state_dict(blob["model"])
-        self.opt.load_state_dict(blob["optimizer"])
-
-    def live(self) -> dict:
-        cur = self.cur
-        return self.state((cur.epoch, cur.done, cur.loss_sum))
-
     def resume(self, state: dict) -> tuple:
         self.load(state)
         # this rank's own part (loaded after the start's broadcast, which would overwrite it)
