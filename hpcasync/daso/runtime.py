@@ -119,23 +119,12 @@ class Daso(driver.Family):
         self.redo, self.slept = None, self.delay.slept
         self.own = None                      # this rank's part of a checkpoint resumed from
 
-    def _schedule(self) -> dict:
-        sch = self.opt.schedule
-        return {"epoch": sch.epoch, "batch": sch.batch, "knobs": list(sch.knobs),
-                "plateau": dict(sch.plateau.state_dict())}
-
-    def _load_schedule(self, src: dict, batch: int, nbatches) -> None:
-        sch = self.opt.schedule
-        sch.epoch, sch.batch, sch.nbatches = src["epoch"], batch, nbatches
-        sch.knobs = type(sch.knobs)(*src["knobs"])
-        sch.plateau.load_state_dict(src["plateau"])
-
     def state(self) -> dict:
         opt, (epoch, done) = self.opt, self.world.position[:2]
         ahead = opt.schedule.epoch > epoch and self.undo.get("epoch") == epoch
         return {"model": self.model.state_dict(), "optimizer": opt.optimizer.state_dict(),
                 "steps": opt.steps, "done": done, "nbatches": opt.batches_per_epoch,
-                "schedule": self.undo["state"] if ahead else self._schedule(),
+                "schedule": self.undo["state"] if ahead else opt.schedule.state_dict(),
                 "rows": {e: r for e, r in self.rows.items() if e < epoch or not ahead}}
 
     def load(self, blob: dict) -> None:
@@ -145,8 +134,8 @@ class Daso(driver.Family):
         # the batches done (the schedule counts one more when the death hit inside a step)
         if blob["done"]:                 # (a rank behind the epoch's start has no count yet)
             opt.batches_per_epoch = blob["nbatches"]
-        self._load_schedule(blob["schedule"], blob["done"],
-                            opt.batches_per_epoch if blob["done"] else None)
+        opt.schedule.load_state_dict({**blob["schedule"], "batch": blob["done"],
+                                      "nbatches": opt.batches_per_epoch})
         opt.steps = blob["steps"]
         cycling = opt.schedule.phase == CYCLING
         if not cycling:                  # replicas are identical in a blocking epoch: exact
@@ -249,7 +238,7 @@ class Daso(driver.Family):
     def epoch_end(self) -> None:
         ctx, opt, cur = self.ctx, self.opt, self.cur
         topo, epoch = ctx.topo, cur.epoch
-        self.undo.update(epoch=epoch, state=self._schedule())
+        self.undo.update(epoch=epoch, state=self.opt.schedule.state_dict())
         record = opt.epoch_end(cur.loss_sum / max(1, cur.loss_n))
         record["daso_global_wait_max_s"] = round(max_over(topo.world,
                                                           record["daso_global_wait_s"]), 4)
