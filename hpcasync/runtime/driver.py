@@ -115,8 +115,11 @@ class Family:
         self.opt.load_state_dict(blob["optimizer"])
 
     def digest(self) -> tuple:
-        """What every rank holds alike once a replacement is in."""
-        return join.state_digest(self.model, self.opt, self.cur)
+        """What every rank holds alike once a replacement is in: the position, the step count
+        and :func:`join.digest` of the model's and the optimizer's state dicts (a rank's own
+        part, under ``LOCAL_KEY``, left out)."""
+        return (tuple(self.cur.position), int(getattr(self.opt, "steps", 0)),
+                join.digest([self.model.state_dict(), self.opt.state_dict()]))
 
     def position(self) -> tuple:
         """How far this rank got (the reset's key)."""

@@ -402,18 +402,6 @@ def live_state(ctx, cur, ft, snapshot: dict) -> dict:
             "clocks": (ctx.t0, ctx.metrics.t0)}   # the run's start: records' times agree
 
 
-def state_digest(model, opt, cur) -> tuple:
-    """What every rank of a synchronous run holds alike once a joiner is in: the data position,
-    the optimizer's step count, and a :func:`digest` of the model's parameters and buffers and of
-    the optimizer's state tensors (momentum)."""
-    import torch
-
-    tensors = [*model.state_dict().values()]
-    for state in opt.state_dict().get("state", {}).values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return (tuple(cur.position), int(getattr(opt, "steps", 0)), digest(tensors))
-
-
 def digest(x) -> str:
     """SHA-256 of ``x``: tensors as their bytes (any dtype: bfloat16 has no numpy type), dicts
     by sorted key (a rank's own part, under :data:`LOCAL_KEY`, left out), lists and tuples in
