@@ -49,7 +49,8 @@ from hpcasync.metrics import read_metrics  # noqa: E402
 BASE = ["train", "--dataset", "fashion-mnist", "--model", "lenet", "--epochs", "2",
         "--batch-size", "32", "--progress", "off"]
 EXTRA = {"daso": ["--ranks-per-node", "2", "--daso-warmup-epochs", "0",
-                  "--daso-cooldown-epochs", "1"]}
+                  "--daso-cooldown-epochs", "1"],
+         "diloco": ["--diloco-sync-every", "16"]}       # (H = 500 would take no outer step)
 SYNC = ("ssgd", "odsgd", "daso")
 KILLS = {  # deaths -> (sync kills, PS kills)
     0: ("", ""),
@@ -220,6 +221,9 @@ ROUTES = {
     "ssgd-grow": ("cli", "ssgd", (0, 1, 2, 3)),
     "asgd-grow-worker": ("cli", "asgd", (1, 2, 3)),
     "asgd-grow-server": ("cli", "asgd", (0,)),
+    "odsgd-grow": ("cli", "odsgd", (0, 1, 2, 3)),
+    "daso-grow": ("cli", "daso", (0, 1, 2, 3)),
+    "diloco-grow": ("cli", "diloco", (0, 1, 2, 3)),
     "own-loop": ("loop", "ssgd", (0, 1, 2, 3)),
     "elastic": ("elastic", "ssgd", (0, 1, 2, 3)),
     "own-loop-elastic": ("elastic", "ssgd", (0, 1, 2, 3)),     # hpcasync.elastic
