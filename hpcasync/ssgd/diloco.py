@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 
 import torch
 
@@ -55,6 +56,8 @@ from ..errors import ConfigError
 from .localsgd import LocalSGD
 
 __all__ = ["DiLoCo"]
+
+log = logging.getLogger("hpcasync")
 
 #: the paper's H and outer optimizer (SGD, Nesterov momentum)
 DEFAULT_SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 500, 0.7, 0.9
@@ -263,9 +266,34 @@ class DiLoCo(LocalSGD):
         self.syncs += 1
         self._equal_since = self.steps if len(self.fragments) == 1 and self.alpha == 0 else -1
 
+    def check_run_length(self, steps: int) -> None:
+        """A run of ``steps`` inner steps per rank (the CLI's, before training) takes an outer
+        step of every fragment: the last one's first comes after H (``sync_every``) inner
+        steps, and :meth:`finish` ends on θ, so a shorter run would end on its initial
+        parameters: a one-line ``ConfigError``."""
+        if steps < self.sync_every:
+            raise ConfigError(
+                f"diloco: sync_every (--diloco-sync-every) {self.sync_every} is more than the "
+                f"run's {steps} inner steps per rank: "
+                f"{'no' if steps < self._per_fragment else 'not every'} fragment would take an "
+                "outer step and the model at the end (the global parameters) would be "
+                f"{'the initial one' if steps < self._per_fragment else 'partly the initial one'}"
+                f"; lower --diloco-sync-every to at most {steps} or train more epochs")
+
     def finish(self) -> None:
         """The end of training: every rank holds the global parameters θ (the last outer
-        steps' results; inner steps since each fragment's last sync are dropped)."""
+        steps' results; inner steps since each fragment's last sync are dropped). Said once if
+        a fragment never took an outer step (its parameters are the initial ones)."""
+        if self.syncs < len(self.fragments) and not getattr(self, "_told_unsynced", False):
+            self._told_unsynced = True
+            log.warning("diloco: finish() after %d inner steps with sync_every %d: %s took no "
+                        "outer step, so the model ends on %s initial parameters", self.steps,
+                        self.sync_every, "no fragment" if not self.syncs else
+                        f"{len(self.fragments) - self.syncs} of {len(self.fragments)} fragments",
+                        "its" if not self.syncs else "their")
+        self._to_global()
+
+    def _to_global(self) -> None:
         with torch.no_grad():
             for params, globals_ in zip(self.fragments, self.globals):
                 for p, g in zip(params, globals_):
@@ -275,8 +303,8 @@ class DiLoCo(LocalSGD):
         self._equal_since = self.steps
 
     def average_parameters(self) -> None:
-        """Every rank's parameters set to the global θ (:meth:`finish`)."""
-        self.finish()
+        """Every rank's parameters set to the global θ (as :meth:`finish`)."""
+        self._to_global()
 
     @contextlib.contextmanager
     def global_weights(self):

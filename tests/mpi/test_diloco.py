@@ -244,6 +244,42 @@ def test_diloco_quantize_syncs_every_replica_to_one_theta():
         node.Free()
 
 
+def test_a_run_shorter_than_h_is_said_and_the_cli_refuses_it(caplog):
+    """finish() after fewer inner steps than H: the model is its initial θ (DiLoCo's math), said
+    once (a fragment that took no outer step); after H steps nothing is said. The CLI refuses
+    such a run before training (check_run_length; tests/mpi/reliability/test_bad_input.py)."""
+    model = _model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), model, COMM, sync_every=4,
+                 fragments=2)
+
+    def train(steps):
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = _batch(step, RANK)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    train(3)                              # fragment 0 synced at step 2, fragment 1 not
+    with caplog.at_level("WARNING", logger="hpcasync"):
+        opt.finish()
+        opt.finish()
+    said = [r.getMessage() for r in caplog.records if "took no outer step" in r.getMessage()]
+    assert said == ["diloco: finish() after 3 inner steps with sync_every 4: 1 of 2 fragments "
+                    "took no outer step, so the model ends on their initial parameters"]
+    assert torch.equal(list(model.parameters())[-1], initial[-1])     # fragment 1: θ0
+    with pytest.raises(ConfigError, match="more than the run's 3 inner steps per rank: not "
+                                          "every fragment would take an outer step"):
+        opt.check_run_length(3)
+    opt.check_run_length(4)
+    caplog.clear()
+    other = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), model, COMM, sync_every=2)
+    opt = other
+    train(2)
+    with caplog.at_level("WARNING", logger="hpcasync"):
+        opt.finish()
+    assert not [r for r in caplog.records if "took no outer step" in r.getMessage()]
+
+
 class _DeviceLike(torch.Tensor):
     """A CPU tensor whose ``.cpu()`` is a copy, as a CUDA tensor's is: the device branch of a
     host-staged exchange runs on a machine without a GPU."""

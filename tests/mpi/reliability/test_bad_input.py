@@ -206,6 +206,11 @@ CASES = [
     Case("checkpoint-dir-unwritable", "option", "--checkpoint-dir where nothing can be written",
          "cli", lambda ws: ["--checkpoint-dir", "/proc/hpcasync-ckpt"],
          "--checkpoint-dir /proc/hpcasync-ckpt: cannot write there", ckpt_dir=False),
+    Case("diloco-sync-beyond-run", "option",
+         "--algorithm diloco with its default H = 500 on a run of 4 inner steps (4 ranks)",
+         "mpi4", lambda ws: ["--algorithm", "diloco"],
+         "diloco: sync_every (--diloco-sync-every) 500 is more than the run's 4 inner steps",
+         twin="ckpt-truncated"),
     # config files
     Case("config-unknown-key", "config", "TOML with an unknown key", "cli",
          _config("run.toml", "epochs = 2\nlearning_rate = 0.1\n"),
