@@ -161,6 +161,7 @@ class Family:
 
 def run(ctx: RunContext, family: type[Family]) -> RunResult:
     """Train ``family`` on ``ctx`` (module doc); returns the model and the summary."""
+    _check_batches(ctx)
     fam = family(ctx)
     cur = fam.cur = EpochCursor(ctx)
     world = fam.world = SyncWorld(
@@ -212,6 +213,18 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
             ft.reset(fam.position())
             fam.settled()
     return RunResult(model=fam.model, summary={**summary, **fam.summary(), **ft.summary()})
+
+
+def _check_batches(ctx: RunContext) -> None:
+    """Every rank gets a batch per epoch (every rank raises the same line): a run of no step
+    would end with exit 0 on the initial model."""
+    from ..errors import ConfigError
+
+    cfg, size = ctx.cfg, ctx.topo.size
+    if len(ctx.train) // size < cfg.batch_size:
+        raise ConfigError(f"each of the {size} ranks gets {len(ctx.train) // size} training "
+                          f"examples, fewer than one batch of {cfg.batch_size}: no step would be "
+                          "trained; lower --batch-size or raise --train-limit")
 
 
 #: the optimizer's hyperparameters the command line sets (``--lr``, ``--momentum``,

@@ -211,6 +211,10 @@ CASES = [
          "mpi4", lambda ws: ["--algorithm", "diloco"],
          "diloco: sync_every (--diloco-sync-every) 500 is more than the run's 4 inner steps",
          twin="ckpt-truncated"),
+    Case("sync-no-batch", "option", "--train-limit 64 --batch-size 32 on 4 ranks (ssgd)", "mpi4",
+         lambda ws: ["--train-limit", "64", "--batch-size", "32"],
+         "each of the 4 ranks gets 16 training examples, fewer than one batch of 32",
+         twin="ckpt-truncated"),
     # config files
     Case("config-unknown-key", "config", "TOML with an unknown key", "cli",
          _config("run.toml", "epochs = 2\nlearning_rate = 0.1\n"),
