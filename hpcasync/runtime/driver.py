@@ -163,6 +163,9 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
     """Train ``family`` on ``ctx`` (module doc); returns the model and the summary."""
     _check_batches(ctx)
     fam = family(ctx)
+    check = getattr(fam.opt, "check_run_length", None)     # the run's steps per rank: a
+    if check is not None and not join.joined():             # schedule it never completes
+        check(ctx.cfg.epochs * (len(ctx.train) // ctx.topo.size // ctx.cfg.batch_size))
     cur = fam.cur = EpochCursor(ctx)
     world = fam.world = SyncWorld(
         ctx, state=fam.state, load=fam.load, adopt=fam.adopt, check=fam.digest,

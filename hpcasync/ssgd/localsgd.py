@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 
 from ..comm import allreduce
 from ..errors import ConfigError
 from ..runtime.ft import ulfm_enabled
+
+log = logging.getLogger("hpcasync")
 from .optimizer import DistributedOptimizer
 
 __all__ = ["LocalSGD"]
@@ -246,6 +249,23 @@ class LocalSGD(DistributedOptimizer):
     def replicas_equal(self) -> bool:
         """True while the replicas are equal: during the warm-up and right after an average."""
         return self.steps <= self.warmup_steps or self._equal_since == self.steps
+
+    def check_run_length(self, steps: int) -> None:
+        """Said once on rank 0 when a run of ``steps`` steps per rank (the CLI's, before
+        training) never leaves the SSGD warm-up or takes no periodic average (as DASO and
+        OD-SGD say their degenerate runs)."""
+        if self.comm.Get_rank() != 0:
+            return
+        if self.warmup_steps >= steps:
+            log.warning("%s: the run's %d steps per rank are all inside the %d SSGD warm-up "
+                        "steps (warmup_steps%s): it is SSGD throughout", self.algorithm, steps,
+                        self.warmup_steps, ", --localsgd-warmup-steps"
+                        if self.algorithm == "localsgd" else "")
+        elif steps - self.warmup_steps < self.period:
+            log.warning("%s: period %d (--%s-period) is more than the run's %d local steps per "
+                        "rank: no periodic sync is taken; the CLI averages the replicas at each "
+                        "epoch's end", self.algorithm, self.period, self.algorithm,
+                        steps - self.warmup_steps)
 
     def _extra_state(self) -> dict:
         return {**super()._extra_state(), "averages": self.averages,

@@ -359,6 +359,15 @@ class DistributedOptimizer(AlgorithmOptimizer):
         if "powersgd_error" in local and self.powersgd is not None:
             self.powersgd.load_local(local["powersgd_error"])
 
+    def check_run_length(self, steps: int) -> None:
+        """Said once on rank 0 when PowerSGD's plain start covers a run of ``steps`` steps per
+        rank (the CLI's, before training): no step is compressed."""
+        ps = self.powersgd
+        if ps is not None and ps.start_iter >= steps and self.comm.Get_rank() == 0:
+            log.warning("PowerSGD: the run's %d steps per rank are all inside its %d plain "
+                        "steps first (start_iter, --powersgd-start-iter): no step is "
+                        "compressed", steps, ps.start_iter)
+
     def _extra_state(self) -> dict:
         extra = {"steps": self.steps}
         if self.powersgd is not None:

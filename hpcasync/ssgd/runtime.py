@@ -139,9 +139,6 @@ class SSGD(driver.Family):
         # memory): a resume loads its own and replays the uninterrupted run
         self.local = getattr(self.opt, "local_state_dict", None)
         self.own, self.slept = None, self.delay.slept
-        check = getattr(self.opt, "check_run_length", None)     # (DiLoCo: an outer step)
-        if check is not None:
-            check(cfg.epochs * (len(ctx.train) // topo.size // cfg.batch_size))
 
     def state(self, at: tuple | None = None) -> dict:
         """Everything a resumed run needs to continue bitwise from ``at`` (epoch, batch, loss

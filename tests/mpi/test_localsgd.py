@@ -190,3 +190,33 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("algorithm, keywords, steps, said", [
+    ("localsgd", {"period": 4, "warmup_steps": 100}, 23,
+     "localsgd: the run's 23 steps per rank are all inside the 100 SSGD warm-up steps"),
+    ("localsgd", {"period": 30, "warmup_steps": 5}, 23,
+     "localsgd: period 30 (--localsgd-period) is more than the run's 18 local steps per rank"),
+    ("slowmo", {"period": 48}, 23,
+     "slowmo: period 48 (--slowmo-period) is more than the run's 23 local steps per rank"),
+    ("ssgd", {"compress": hpcasync.PowerSGD(rank=1)}, 23,
+     "PowerSGD: the run's 23 steps per rank are all inside its 1000 plain steps first"),
+    ("localsgd", {"period": 4, "warmup_steps": 5}, 23, None),
+    ("ssgd", {"compress": hpcasync.PowerSGD(rank=1, start_iter=2)}, 23, None),
+])
+def test_a_run_its_schedule_never_completes_is_said_once_on_rank_0(caplog, algorithm, keywords,
+                                                                   steps, said):
+    """The CLI's check before training (``runtime.driver.run`` calls ``check_run_length`` with
+    epochs x batches per rank), as DASO and OD-SGD say theirs: a warm-up or a plain start that
+    covers the run, a period longer than the local phase. Rank 0 only; nothing when the
+    schedule completes."""
+    model = _model()
+    opt = hpcasync.optimizer(algorithm, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             comm=COMM, **keywords)
+    with caplog.at_level("WARNING", logger="hpcasync"):
+        opt.check_run_length(steps)
+    got = [r.getMessage() for r in caplog.records if r.name == "hpcasync"]
+    if said is None or RANK != 0:
+        assert got == []
+    else:
+        assert len(got) == 1 and got[0].startswith(said), got
