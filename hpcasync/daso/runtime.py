@@ -97,7 +97,7 @@ class Daso(driver.Family):
 
     def keywords(self) -> tuple:
         cfg, topo, ctx = self.cfg, self.ctx.topo, self.ctx
-        nbatches = len(ctx.train) // topo.size // cfg.batch_size      # (>= 1: driver.run)
+        nbatches = driver.batches_per_rank(ctx)
         return ctx.optimizer_for(self.model), dict(
             topo=topo, epochs=cfg.epochs, steps_per_epoch=nbatches,
             local_backend="horovod" if cfg.backend == "horovod" else "mpi", **daso_kwargs(cfg))

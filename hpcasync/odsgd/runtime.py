@@ -88,7 +88,7 @@ class OdSgd(driver.Family):
         self.hp = hyper_from_config(cfg)
         return None, dict(comm=topo.world, progress=cfg.options.get("odsgd_progress", "thread"),
                           epochs=cfg.epochs,
-                          steps_per_epoch=len(self.ctx.train) // topo.size // cfg.batch_size,
+                          steps_per_epoch=driver.batches_per_rank(self.ctx),
                           **dataclasses.asdict(self.hp))
 
     def build(self):

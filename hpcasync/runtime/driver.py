@@ -161,11 +161,11 @@ class Family:
 
 def run(ctx: RunContext, family: type[Family]) -> RunResult:
     """Train ``family`` on ``ctx`` (module doc); returns the model and the summary."""
-    _check_batches(ctx)
+    nbatches = batches_per_rank(ctx)
     fam = family(ctx)
     check = getattr(fam.opt, "check_run_length", None)     # the run's steps per rank: a
     if check is not None and not join.joined():             # schedule it never completes
-        check(ctx.cfg.epochs * (len(ctx.train) // ctx.topo.size // ctx.cfg.batch_size))
+        check(ctx.cfg.epochs * nbatches)
     cur = fam.cur = EpochCursor(ctx)
     world = fam.world = SyncWorld(
         ctx, state=fam.state, load=fam.load, adopt=fam.adopt, check=fam.digest,
@@ -218,9 +218,9 @@ def run(ctx: RunContext, family: type[Family]) -> RunResult:
     return RunResult(model=fam.model, summary={**summary, **fam.summary(), **ft.summary()})
 
 
-def _check_batches(ctx: RunContext) -> None:
-    """Every rank gets a batch per epoch (every rank raises the same line): a run of no step
-    would end with exit 0 on the initial model."""
+def batches_per_rank(ctx: RunContext) -> int:
+    """Batches per rank and epoch over the run's world; fewer than one is a one-line error
+    (every rank raises it): a run of no step would end with exit 0 on the initial model."""
     from ..errors import ConfigError
 
     cfg, size = ctx.cfg, ctx.topo.size
@@ -228,6 +228,7 @@ def _check_batches(ctx: RunContext) -> None:
         raise ConfigError(f"each of the {size} ranks gets {len(ctx.train) // size} training "
                           f"examples, fewer than one batch of {cfg.batch_size}: no step would be "
                           "trained; lower --batch-size or raise --train-limit")
+    return len(ctx.train) // size // cfg.batch_size
 
 
 #: the optimizer's hyperparameters the command line sets (``--lr``, ``--momentum``,
