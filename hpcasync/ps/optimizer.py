@@ -826,8 +826,11 @@ class ParameterServer(AlgorithmOptimizer):
         warm = (5.0 if self.warmup_epochs is None else self.warmup_epochs) if factor else 0
         shards = (f"; {self.layout.K} shard servers (ranks {self.layout.servers})"
                   if self.layout.K > 1 else "")
+        short = (f", longer than the run's {self.epochs} epoch(s): the lr ends at "
+                 f"{factor(float(self.epochs)):.0%} of its full value"
+                 if warm and self.epochs is not None and warm > self.epochs else "")
         return (f"{self.algorithm} on {W} workers ({hyper}); lr warm-up from lr/{W} over "
-                f"{warm:g} epochs (warmup_epochs)" if warm else
+                f"{warm:g} epochs (warmup_epochs{short})" if warm else
                 f"{self.algorithm} on {W} workers ({hyper}); no lr warm-up (warmup_epochs)") + \
             ("; the server's model takes the workers' mean BatchNorm buffers (average_buffers)"
              if self.sync_buffers else "") + f"; transport {self.transport.name}" + shards
