@@ -151,6 +151,10 @@ class ParameterServer(AlgorithmOptimizer):
             raise TopologyError(f"ps rank {ps_rank} does not exist in a world of "
                                 f"{comm.Get_size()} ranks")
         ps_ranks = check_shards(1 if ps_ranks is None else ps_ranks, comm.Get_size(), flat.numel)
+        if steps_per_epoch is not None and epochs is not None:    # the run's length is known
+            W = comm.Get_size() - ps_ranks
+            make_rule(algorithm, torch.zeros(1), W, **self.hyper).check_run_length(
+                W * steps_per_epoch * epochs)
         self._own_groups(flat, param_groups, probe, optimizer)
         self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
         self.warmup_epochs = warmup_epochs

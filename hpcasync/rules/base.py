@@ -362,6 +362,11 @@ class Rule:
             self._leave(worker)
             log.info("%s: worker %d retired (%d active)", self.name, worker, self.num_active)
 
+    def check_run_length(self, pushes: int) -> None:
+        """A run of ``pushes`` pushes in all (every worker's budget) that these settings would
+        leave untrained ends in one line (:class:`ConfigError`) before it starts; the
+        server calls it where the run's length is known. Default: every length trains."""
+
     def validate(self, worker: Any, grad: Any, meta: Any) -> str | None:
         """Why this push must be rejected, or None: unknown/retired worker, a gradient that is not a
         flat tensor of the right length and dtype, NaN/Inf, a version from the future or negative,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..errors import ConfigError
 from .asgd import ASGD, asgd_update
 from .base import PushMeta, StopsStale, check_int, noise_over_target, load_tensor, need
 
@@ -74,6 +75,15 @@ class Rennala(StopsStale, ASGD):
         self.collected = 0          # b: fresh gradients in the sum
         self.discarded = 0
         self.set_stop_stale(stop_stale)
+
+    def check_run_length(self, pushes: int) -> None:
+        """B more than every push of the run: θ would never step (the model at the end would be
+        the initial one)."""
+        if pushes < self.batch:
+            raise ConfigError(f"rennala: batch (--rennala-batch) {self.batch} is more than the "
+                              f"run's {pushes} pushes in all: θ would never step and the model at "
+                              f"the end would be the initial one; lower it to at most {pushes} "
+                              "or train longer")
 
     def is_stale(self, version: int) -> bool:
         """A gradient computed at ``version`` would be dropped if it arrived now (θ has moved)."""

@@ -201,6 +201,7 @@ def _run_async(ctx, model, delay, W: int) -> dict:
                    lr_factor=lr_factor_of(cfg, W), oracle=oracle, on_push=on_push,
                    service_time=cfg.options.get("sim_ps_service_time", 0.0),
                    shards=cfg.options.get("ps_ranks", 1))
+    rule.check_run_length(sim.pushes_per_epoch * cfg.epochs)    # (the MPI server's check)
     ctx.progress.start(sim.pushes_per_epoch, f"epoch 1/{cfg.epochs}")
     stats = sim.run()
     ctx.progress.close()

@@ -304,6 +304,21 @@ def test_a_warm_up_longer_than_the_run_is_said_where_the_rule_is_described(epoch
         opt.finish()
 
 
+def test_a_rennala_batch_beyond_the_run_is_refused_on_every_rank_before_any_collective():
+    """Rennala steps once per B fresh pushes; with fewer pushes in the whole run (W workers ×
+    steps_per_epoch × epochs) θ would never move: a one-line ConfigError on every rank from the
+    constructor (no collective made: the job goes on to the next test)."""
+    pushes = W * 3 * 2
+    with pytest.raises(ConfigError, match=f"more than the run's {pushes} pushes in all"):
+        hpcasync.optimizer("rennala", Net(), lr=0.1, batch=pushes + 1, steps_per_epoch=3,
+                           epochs=2)
+    opt = hpcasync.optimizer("rennala", Net(), lr=0.1, batch=pushes, steps_per_epoch=3, epochs=2)
+    if opt.is_server:
+        opt.serve()
+    else:
+        opt.finish()
+
+
 def test_maximize_is_refused_by_the_ps():
     model = Net()
     with pytest.raises(ConfigError, match="maximize"):

@@ -71,6 +71,17 @@ def test_rennala_steps_with_the_mean_of_exactly_b_fresh_gradients_and_drops_stal
     assert rule.discarded == 2
 
 
+def test_rennala_refuses_a_batch_larger_than_every_push_of_the_run():
+    """B pushes are the first step's (none is stale before θ steps): a run of fewer pushes in all
+    would end on the initial θ. The simulator makes the check too."""
+    rule = make_rule("rennala", THETA0, 2, lr=0.5, batch=5)
+    rule.check_run_length(5)                            # exactly one step: trains
+    with pytest.raises(ConfigError, match=r"batch \(--rennala-batch\) 5 is more than the run's 4 "
+                       r"pushes in all: θ would never step"):
+        rule.check_run_length(4)
+    make_rule("ringmaster", THETA0, 2, lr=0.5).check_run_length(1)      # (the default: nothing)
+
+
 def test_rennala_state_mid_batch_continues_bitwise():
     a = make_rule("rennala", THETA0, 2, lr=0.5, batch=3, momentum=0.5, weight_decay=0.25)
     push(a, 0, g(1, 2, 3, 4), 0)
