@@ -121,6 +121,9 @@ def test_cli_sim_bad_options():
     assert r.returncode == 2 and "--workers must be a positive integer" in r.stderr
     r = run_cli(["sim", "--workers", "4", "--straggler", "0:3", "--algorithm", "asgd", *SMALL])
     assert r.returncode == 2 and "rank 0 is not a worker" in r.stderr
+    r = run_cli(["sim", "--workers", "4", "--algorithm", "rennala", "--rennala-batch", "1000",
+                 *SMALL])                  # (no step in the whole run: the server's check)
+    assert r.returncode == 2 and "1000 is more than the run's" in r.stderr, r.stderr
 
 
 @pytest.mark.rank0
