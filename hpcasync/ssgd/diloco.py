@@ -118,6 +118,7 @@ class DiLoCo(LocalSGD):
         self.local_step = 0        # inner steps since the last sync (torchft's _local_step)
         self.syncs = 0             # syncs done (torchft's manager step)
         self._pending: list[torch.Tensor] | None = None    # Δ̄ of the fragment taken early
+        self._told_unsynced = False    # finish() said a fragment took no outer step
 
     @classmethod
     def cli_keywords(cls, given: dict, topo=None) -> dict:
@@ -284,7 +285,7 @@ class DiLoCo(LocalSGD):
         """The end of training: every rank holds the global parameters θ (the last outer
         steps' results; inner steps since each fragment's last sync are dropped). Said once if
         a fragment never took an outer step (its parameters are the initial ones)."""
-        if self.syncs < len(self.fragments) and not getattr(self, "_told_unsynced", False):
+        if self.syncs < len(self.fragments) and not self._told_unsynced:
             self._told_unsynced = True
             log.warning("diloco: finish() after %d inner steps with sync_every %d: %s took no "
                         "outer step, so the model ends on %s initial parameters", self.steps,
