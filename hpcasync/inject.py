@@ -66,6 +66,8 @@ PHASES = {
     "step": "after a completed training step, on every training rank",
     "gradient": "a PS worker's gradient, before it is pushed",
     "push": "a PS worker's push, its gradient written, before its header",
+    "shard_push": "a PS worker's push to shard server s > 0 (its push to the shards before it "
+                  "sent), as in push",
     "served": "the PS, after an accepted push",
     "epoch_agree": "an epoch end, before its preemption agreement",
     "checkpoint": "when a checkpoint is written",

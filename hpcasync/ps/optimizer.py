@@ -223,7 +223,7 @@ class ParameterServer(AlgorithmOptimizer):
             for s, c in enumerate(L.comms) if c is not None]
         self.transport = self.transports[0]
         for t in self.transports[1:]:       # a push is one "push" phase: shard 0's
-            t.push_phase = False
+            t.push_phase = "shard_push"
         self.num_workers, self.worker = self.transport.num_workers, self.transport.worker
         self.is_server = self.transport.is_ps
         W = self.num_workers

@@ -126,6 +126,12 @@ class OrderFollower(_Ordered):
                 self._onext = None
                 t.wait_time += time.perf_counter() - t0
                 return t.complete_push(w, self._oheld.pop(w))
+            if self._onext is not None and t.lost(self._onext):
+                # announced by shard 0, then found dead here before its header came: it never
+                # comes (shard 0 took the push, this shard drops it, as a dead worker's in-flight
+                # push); the next announcement is due
+                self._onext = None
+                continue
             got = t.poll_header()
             if got is not None:
                 w, h = got

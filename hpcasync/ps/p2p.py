@@ -186,7 +186,7 @@ class P2PTransport(_Base):
         reqs = [self._push_header(kind, grad.numel(), **head)]
         if kind == KIND_PUSH:
             if self.push_phase:                 # here: after the header, before the data
-                inject.point("push")
+                inject.point(self.push_phase)
             n = min(grad.numel(), self.numel)
             reqs.append(self.comm.Isend([_np(grad[:n]), MPI.FLOAT], dest=self.ps_rank,
                                         tag=_TAG_GRAD))

@@ -123,7 +123,7 @@ class RMATransport(_Base):
                                 target=(base + self.numel, self.extra, MPI.FLOAT))
             self.win_in.Unlock(self.ps_rank)
             if self.push_phase:
-                inject.point("push")
+                inject.point(self.push_phase)
         req = self._push_header(kind, grad.numel(), **head)
         self.wait_time += wait(req)
 

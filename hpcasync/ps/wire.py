@@ -145,7 +145,7 @@ class _Base:
         self._head_dead = [False] * W      # no receive is posted for a dead worker
         self._head_next = 0                # the worker polled first (round robin)
         self.idle_hook = None      # PS: called while waiting for a header
-        self.push_phase = True     # worker: its pushes pass hpcasync.inject's "push" phase
+        self.push_phase = "push"   # worker: the hpcasync.inject phase its pushes pass
         self.requests = 0          # worker: checkpoint requests sent so far (in every header)
         self.peak_bytes = 0        # the most state_bytes() has been (updated by subclasses)
 
@@ -209,6 +209,10 @@ class _Base:
             req = self._head_reqs[w] = self.comm.Irecv(
                 [self._heads_in[w], self.MPI.DOUBLE], source=self.workers[w], tag=_TAG_PUSH)
         return req
+
+    def lost(self, w: int) -> bool:
+        """PS: worker ``w`` was found dead (no header of it is received again)."""
+        return self._head_dead[w]
 
     def poll_header(self) -> tuple[int, np.ndarray] | None:
         """PS: ``(worker, header)`` if a push header has arrived, else None (never waits). The
