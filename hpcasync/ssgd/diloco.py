@@ -273,13 +273,13 @@ class DiLoCo(LocalSGD):
         steps, and :meth:`finish` ends on θ, so a shorter run would end on its initial
         parameters: a one-line ``ConfigError``."""
         if steps < self.sync_every:
+            none = steps < self._per_fragment       # not even the first fragment's outer step
             raise ConfigError(
                 f"diloco: sync_every (--diloco-sync-every) {self.sync_every} is more than the "
-                f"run's {steps} inner steps per rank: "
-                f"{'no' if steps < self._per_fragment else 'not every'} fragment would take an "
-                "outer step and the model at the end (the global parameters) would be "
-                f"{'the initial one' if steps < self._per_fragment else 'partly the initial one'}"
-                f"; lower --diloco-sync-every to at most {steps} or train more epochs")
+                f"run's {steps} inner steps per rank: {'no' if none else 'not every'} fragment "
+                "would take an outer step and the model at the end (the global parameters) "
+                f"would be {'the initial one' if none else 'partly the initial one'}; lower "
+                f"--diloco-sync-every to at most {steps} or train more epochs")
 
     def finish(self) -> None:
         """The end of training: every rank holds the global parameters θ (the last outer

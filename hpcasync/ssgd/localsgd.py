@@ -45,11 +45,11 @@ import torch
 from ..comm import allreduce
 from ..errors import ConfigError
 from ..runtime.ft import ulfm_enabled
-
-log = logging.getLogger("hpcasync")
 from .optimizer import DistributedOptimizer
 
 __all__ = ["LocalSGD"]
+
+log = logging.getLogger("hpcasync")
 
 #: the defaults: torch's documented example (``PeriodicModelAverager(period=4, warmup_steps=100)``)
 DEFAULT_PERIOD, DEFAULT_WARMUP_STEPS = 4, 100
